@@ -1,0 +1,47 @@
+# One command each: `make test` sets everything up on a fresh clone and runs every check.
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Re-install only when the pins change.
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-12)
+PROTOS := $(shell find protos -name '*.proto')
+PROTO_OUT := core/strata/rpc/.generated
+
+.PHONY: setup test lint typecheck imports pytest protos binaries clean
+
+setup: $(STAMP) $(PROTO_OUT) binaries
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+protos: $(PROTO_OUT)
+$(PROTO_OUT): $(PROTOS) $(STAMP)
+	rm -rf core/strata/rpc
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=core --pyi_out=core --grpc_python_out=core $(PROTOS)
+	touch $@
+
+binaries:
+	testbed/build-binaries.sh >/dev/null
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: setup
+	$(BIN)/mypy core operator stage_worker gateway testbed tests
+
+imports: setup
+	$(BIN)/lint-imports
+
+pytest: setup
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+test: lint typecheck imports pytest
+
+clean:
+	rm -rf $(VENV) core/strata/rpc .pytest_cache .mypy_cache .ruff_cache

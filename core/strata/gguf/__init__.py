@@ -1,0 +1,1 @@
+"""Reading GGUF model files: the header, the typed model description, and test-model generation."""

@@ -1,0 +1,151 @@
+"""What Strata knows about a model once its GGUF header is read: shapes, byte counts and KV-cache arithmetic.
+
+Everything here is pure data and arithmetic, shared by the planner (which sizes stages and context), the stage
+worker (which sizes its KV pool) and the gateway. The formulas follow llama.cpp's conventions (DESIGN.md, "Model
+metadata"), so a plan matches what a llama.cpp-style runtime would allocate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class CacheType(StrEnum):
+    """KV-cache element types a plan may choose (llama.cpp's `--cache-type-k/-v` names)."""
+
+    F32 = "f32"
+    F16 = "f16"
+    BF16 = "bf16"
+    Q8_0 = "q8_0"
+    Q4_0 = "q4_0"
+    Q4_1 = "q4_1"
+    Q5_0 = "q5_0"
+    Q5_1 = "q5_1"
+    IQ4_NL = "iq4_nl"
+
+
+# (bytes per block, elements per block) for each cache type.
+CACHE_BLOCKS: dict[CacheType, tuple[int, int]] = {
+    CacheType.F32: (4, 1),
+    CacheType.F16: (2, 1),
+    CacheType.BF16: (2, 1),
+    CacheType.Q8_0: (34, 32),
+    CacheType.Q4_0: (18, 32),
+    CacheType.Q4_1: (20, 32),
+    CacheType.Q5_0: (22, 32),
+    CacheType.Q5_1: (24, 32),
+    CacheType.IQ4_NL: (18, 32),
+}
+
+
+def row_bytes(cache_type: CacheType, elements: int) -> int:
+    """nb(t, n) = ceil(n / block_t) * bytes_t: bytes to store `elements` values of `cache_type`."""
+    block_bytes, block_elements = CACHE_BLOCKS[cache_type]
+    return math.ceil(elements / block_elements) * block_bytes
+
+
+@dataclass(frozen=True)
+class RopeSettings:
+    freq_base: float
+    dimension_count: int
+    scaling_type: str | None = None
+    scaling_factor: float | None = None
+    original_context_length: int | None = None
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """Sliding-window attention: `window` tokens, on the layers flagged True in `layers`."""
+
+    window: int
+    layers: tuple[bool, ...]
+
+    def cells(self, *, n_ctx: int, n_seq: int, n_ubatch: int) -> int:
+        """KV cells a sliding-window layer holds: min(n_ctx, window * n_seq + n_ubatch)."""
+        return min(n_ctx, self.window * n_seq + n_ubatch)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The typed description of a GGUF model; built by the header reader, or directly in tests."""
+
+    architecture: str
+    block_count: int
+    embedding_length: int
+    head_count: int
+    head_count_kv: tuple[int, ...]  # one entry per layer (a scalar in the file is repeated)
+    key_length: int
+    value_length: int
+    context_length: int
+    vocab_size: int
+    layer_bytes: tuple[int, ...]  # one entry per layer: the sum of that layer's blk.N.* tensors
+    non_layer_bytes: dict[str, int]  # by tensor role: token_embd, output_norm, output
+    output_tied: bool  # no `output` tensor: the head reuses token_embd
+    rope: RopeSettings | None = None
+    sliding_window: SlidingWindow | None = None
+    expert_count: int = 0
+    expert_used_count: int = 0
+    name: str | None = None
+    tokenizer_model: str | None = None
+    tokenizer_pre: str | None = None
+    has_chat_template: bool = False
+    executable: bool = False
+    header_bytes: int = 0
+    extra: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.head_count_kv) != self.block_count or len(self.layer_bytes) != self.block_count:
+            raise ValueError(
+                f"per-layer fields must have block_count={self.block_count} entries: "
+                f"head_count_kv has {len(self.head_count_kv)}, layer_bytes has {len(self.layer_bytes)}"
+            )
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.layer_bytes) + sum(self.non_layer_bytes.values())
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes the last stage carries for the output head (token_embd again when tied)."""
+        output = self.non_layer_bytes.get("token_embd" if self.output_tied else "output", 0)
+        return output + self.non_layer_bytes.get("output_norm", 0)
+
+    @property
+    def embedding_bytes(self) -> int:
+        return self.non_layer_bytes.get("token_embd", 0)
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.sliding_window is not None and self.sliding_window.layers[layer]
+
+    def kv_bytes_per_cell(self, layer: int, *, type_k: CacheType, type_v: CacheType) -> int:
+        """Bytes one KV cell (one token) takes in `layer`: nb(type_k, nkv*hk) + nb(type_v, nkv*hv)."""
+        n_kv = self.head_count_kv[layer]
+        return row_bytes(type_k, n_kv * self.key_length) + row_bytes(type_v, n_kv * self.value_length)
+
+    def kv_bytes_per_token(self, *, type_k: CacheType, type_v: CacheType, layers: Iterable[int] | None = None) -> int:
+        """KV bytes per token summed over `layers` (all by default), as if every layer held the full context."""
+        span = range(self.block_count) if layers is None else layers
+        return sum(self.kv_bytes_per_cell(il, type_k=type_k, type_v=type_v) for il in span)
+
+    def kv_bytes(
+        self,
+        *,
+        n_ctx: int,
+        type_k: CacheType,
+        type_v: CacheType,
+        layers: Iterable[int] | None = None,
+        n_seq: int = 1,
+        n_ubatch: int = 512,
+    ) -> int:
+        """Total KV bytes for `layers` at context `n_ctx`: sliding-window layers hold fewer cells."""
+        span = range(self.block_count) if layers is None else layers
+        total = 0
+        for il in span:
+            cells = n_ctx
+            if self.sliding_window is not None and self.sliding_window.layers[il]:
+                cells = self.sliding_window.cells(n_ctx=n_ctx, n_seq=n_seq, n_ubatch=n_ubatch)
+            total += cells * self.kv_bytes_per_cell(il, type_k=type_k, type_v=type_v)
+        return total

@@ -1,0 +1,1 @@
+"""A pipeline stage: a torch slice of a model's layers served over gRPC."""

@@ -1,0 +1,27 @@
+"""Shared fixtures. The control plane starts once per test session, only when a test asks for it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from kubernetes import client, config
+from strata_testbed.controlplane import ControlPlane
+from strata_testbed.gpu_pool import create_gpu_pool
+
+
+@pytest.fixture(scope="session")
+def control_plane() -> Iterator[ControlPlane]:
+    """etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kwok on loopback, with the GPU pool."""
+    with ControlPlane() as plane:
+        api_client = config.new_client_from_config(config_file=str(plane.kubeconfig))
+        create_gpu_pool(client.CoreV1Api(api_client))
+        api_client.close()
+        yield plane
+
+
+@pytest.fixture
+def api_client(control_plane: ControlPlane) -> Iterator[client.ApiClient]:
+    api = config.new_client_from_config(config_file=str(control_plane.kubeconfig))
+    yield api
+    api.close()

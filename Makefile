@@ -32,10 +32,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-typecheck: setup
+typecheck: $(STAMP) $(PROTO_OUT)
 	$(BIN)/mypy core operator stage_worker gateway testbed tests
 
-imports: setup
+imports: $(STAMP) $(PROTO_OUT)
 	$(BIN)/lint-imports
 
 pytest: setup

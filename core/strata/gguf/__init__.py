@@ -1,7 +1,7 @@
 """Reading GGUF model files: the header, the typed model description, and test-model generation."""
 
 from strata.gguf.describe import EXECUTABLE_ARCHITECTURES, describe
-from strata.gguf.errors import GGUFError, GGUFFormatError, RangeNotSupportedError, SourceError
+from strata.gguf.errors import GGUFError, GGUFFormatError, MetadataError, RangeNotSupportedError, SourceError
 from strata.gguf.header import GGUFHeader, TensorInfo, read_header
 from strata.gguf.limits import Limits
 from strata.gguf.model import CacheType, ModelInfo, RopeSettings, SlidingWindow, row_bytes
@@ -14,6 +14,7 @@ __all__ = [
     "GGUFFormatError",
     "GGUFHeader",
     "Limits",
+    "MetadataError",
     "ModelInfo",
     "RangeNotSupportedError",
     "RopeSettings",

@@ -16,6 +16,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileTy
 from strata.gguf.testmodels.shapes import LARGE_SHAPES, SMALL_SHAPES, ModelShape, PlannedTensor, tensor_plan
 from strata.gguf.testmodels.vocabulary import CHAT_TEMPLATE, Vocabulary, vocabulary
 
+ALIGNMENT = 32  # GGUFWriter's default: the data section and every tensor start on a multiple of it
 FLOAT_TYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
 
 
@@ -67,8 +68,12 @@ def write_test_model(path: Path, *, architecture: str, seed: int = 0) -> Written
     )
 
 
-def write_header_only_model(path: Path, *, shape: str | ModelShape) -> WrittenModel:
-    """The header of a large model (llama3-8b, llama3-70b, qwen3-30b-a3b, or any ModelShape), with no tensor data."""
+def write_header_only_model(path: Path, *, shape: str | ModelShape, full_size: bool = False) -> WrittenModel:
+    """The header of a large model (llama3-8b, llama3-70b, qwen3-30b-a3b, or any ModelShape), with no tensor data.
+
+    With `full_size` the file is extended, sparsely (no disk used), to the size the real model would have, so HTTP
+    tests and benchmarks read the header of a file as large as the real one.
+    """
     model = LARGE_SHAPES[shape] if isinstance(shape, str) else shape
     vocab = vocabulary(size=model.vocab_size)
     writer = _writer(path, shape=model, vocab=vocab)
@@ -83,6 +88,10 @@ def write_header_only_model(path: Path, *, shape: str | ModelShape) -> WrittenMo
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     writer.close()
+    if full_size:
+        data_start = -(-path.stat().st_size // ALIGNMENT) * ALIGNMENT
+        with path.open("r+b") as file:
+            file.truncate(data_start + sum(-(-t.nbytes // ALIGNMENT) * ALIGNMENT for t in written))
     return WrittenModel(path=path, shape=model, vocab_size=len(vocab.tokens), tensors=tuple(written), header_only=True)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ class LeaseElector:
             if e.status != 404:
                 return self._still_leading(now)
             return self._create(now)
+        except (HTTPError, OSError):
+            return self._still_leading(now)
         spec = lease.spec
         if spec.holder_identity == self.identity:
             spec.renew_time = now
@@ -92,6 +95,8 @@ class LeaseElector:
                 self._last_renewed = None
                 return None
             return self._still_leading(now)
+        except (HTTPError, OSError):
+            return self._still_leading(now)
         return self._held(now, updated)
 
     def release(self) -> None:
@@ -103,7 +108,7 @@ class LeaseElector:
             lease.spec.holder_identity = None
             lease.spec.renew_time = None
             self._api.replace_namespaced_lease(name=self._name, namespace=self._namespace, body=lease)
-        except ApiException:
+        except (ApiException, HTTPError, OSError):
             return
         finally:
             self._last_renewed = None
@@ -121,7 +126,7 @@ class LeaseElector:
         }
         try:
             created = self._api.create_namespaced_lease(namespace=self._namespace, body=body)
-        except ApiException:
+        except (ApiException, HTTPError, OSError):
             return None
         return self._held(now, created)
 

@@ -1,0 +1,315 @@
+"""The children of a ModelDeployment, rendered as plain manifests from its spec and plan (no I/O).
+
+One StatefulSet per stage pins that stage to its planned node and asks for the vendor's GPU resource; stage
+StatefulSets carry the plan generation in their name so a new generation can come up beside the old one. The
+reconciler applies what this module returns with server-side apply; owner references make the API server's
+garbage collector remove everything when the ModelDeployment goes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from strata.operator.names import (
+    GATEWAY_PORT,
+    STAGE_PORT,
+    Names,
+    labels,
+    stage_labels,
+)
+from strata.operator.spec import GROUP, KIND, VERSION, ModelDeploymentSpec, Resources
+from strata.plan import Backend, Plan
+from strata.plan import Stage as StagePlan
+
+Manifest = dict[str, Any]
+
+# Containers run as this user; the image creates it.
+RUN_AS_USER = 10001
+# The root filesystem is read-only: scratch space is an emptyDir mounted here, inside the pod.
+POD_TMP = "/tmp"  # noqa: S108
+# torch addresses ROCm GPUs through its CUDA device type.
+TORCH_DEVICE = {Backend.CUDA: "cuda", Backend.ROCM: "cuda", Backend.XPU: "xpu"}
+
+
+@dataclass(frozen=True)
+class Owner:
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> Manifest:
+        return {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+def _metadata(owner: Owner, *, name: str, labels: dict[str, str]) -> Manifest:
+    return {"name": name, "namespace": owner.namespace, "labels": labels, "ownerReferences": [owner.reference()]}
+
+
+def _resources(resources: Resources, *, gpu: tuple[str, int] | None = None) -> Manifest:
+    limits = dict(resources.limits)
+    requests = dict(resources.requests)
+    if gpu is not None:
+        limits[gpu[0]] = str(gpu[1])
+    return {key: value for key, value in (("requests", requests), ("limits", limits)) if value}
+
+
+def _container_security() -> Manifest:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _env(values: dict[str, str | int | float]) -> list[Manifest]:
+    return [{"name": key, "value": str(value)} for key, value in values.items()]
+
+
+def plan_configmap(owner: Owner, plan: Plan, *, generation: int) -> Manifest:
+    names = Names(owner.name, owner.namespace)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(owner, name=names.plan_configmap, labels=labels(owner.name, component="plan")),
+        "data": {"plan.json": plan.model_dump_json(), "generation": str(generation)},
+    }
+
+
+def stages_service(owner: Owner) -> Manifest:
+    names = Names(owner.name, owner.namespace)
+    selector = labels(owner.name, component="stage")
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(owner, name=names.stages_service, labels=selector),
+        "spec": {
+            "clusterIP": "None",
+            # Stages find each other before they are ready: the next stage's address must resolve while it loads.
+            "publishNotReadyAddresses": True,
+            "selector": selector,
+            "ports": [{"name": "grpc", "port": STAGE_PORT, "targetPort": STAGE_PORT}],
+        },
+    }
+
+
+def stage_statefulset(
+    owner: Owner, spec: ModelDeploymentSpec, plan: Plan, stage: StagePlan, *, generation: int, image: str
+) -> Manifest:
+    names = Names(owner.name, owner.namespace)
+    pod_labels = stage_labels(owner.name, generation=generation, index=stage.index)
+    last = stage.index == len(plan.stages) - 1
+    next_stage = "" if last else names.stage_address(generation=generation, index=stage.index + 1)
+    env = _env(
+        {
+            "STRATA_MODEL_URL": spec.model.url,
+            "STRATA_STAGE_INDEX": stage.index,
+            "STRATA_STAGE_COUNT": len(plan.stages),
+            "STRATA_LAYER_START": stage.layer_start,
+            "STRATA_LAYER_END": stage.layer_end,
+            "STRATA_CONTEXT": plan.context_length,
+            "STRATA_PARALLEL": plan.parallel,
+            "STRATA_CACHE_TYPE_K": plan.cache_type_k,
+            "STRATA_CACHE_TYPE_V": plan.cache_type_v,
+            "STRATA_NEXT_STAGE": next_stage,
+            "STRATA_LISTEN": f"0.0.0.0:{STAGE_PORT}",
+            "STRATA_DEVICE": TORCH_DEVICE[stage.backend],
+            "STRATA_PLAN_GENERATION": generation,
+        }
+    )
+    if spec.model.token_secret_ref is not None:
+        ref = spec.model.token_secret_ref
+        env.append({"name": "STRATA_MODEL_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    probe = {"grpc": {"port": STAGE_PORT}, "periodSeconds": 5, "failureThreshold": 3}
+    container = {
+        "name": "stage",
+        "image": spec.stage.image or image,
+        "command": ["strata", "stage-worker"],
+        "env": env,
+        "ports": [{"name": "grpc", "containerPort": STAGE_PORT}],
+        # Loading a slice of a large model takes minutes: liveness waits for the start-up probe.
+        "startupProbe": probe | {"failureThreshold": 360},
+        "readinessProbe": probe,
+        "livenessProbe": probe | {"failureThreshold": 6},
+        "resources": _resources(spec.stage.resources, gpu=(stage.resource, len(stage.gpus))),
+        "securityContext": _container_security(),
+        "volumeMounts": [{"name": "tmp", "mountPath": POD_TMP}],
+    }
+    affinity = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [stage.node]}]}
+                ]
+            }
+        }
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _metadata(owner, name=names.stage(generation=generation, index=stage.index), labels=pod_labels),
+        "spec": {
+            "serviceName": names.stages_service,
+            "replicas": 1,
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": pod_labels},
+            "template": {
+                "metadata": {"labels": pod_labels},
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "affinity": affinity,
+                    "nodeSelector": dict(spec.placement.node_selector),
+                    "tolerations": [t.model_dump(by_alias=True, exclude_none=True) for t in spec.placement.tolerations],
+                    "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+                    "containers": [container],
+                    "volumes": [{"name": "tmp", "emptyDir": {}}],
+                },
+            },
+        },
+    }
+
+
+def stages_disruption_budget(owner: Owner) -> Manifest:
+    names = Names(owner.name, owner.namespace)
+    selector = labels(owner.name, component="stage")
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(owner, name=names.stages_pdb, labels=selector),
+        # Every stage is a single point of failure of its pipeline: a drain waits until the operator has moved
+        # the stages off the cordoned node (a re-plan), instead of evicting a stage that still serves.
+        "spec": {"maxUnavailable": 0, "selector": {"matchLabels": selector}},
+    }
+
+
+def gateway_deployment(
+    owner: Owner, spec: ModelDeploymentSpec, plan: Plan, *, generation: int, image: str, model_name: str
+) -> Manifest:
+    names = Names(owner.name, owner.namespace)
+    pod_labels = labels(owner.name, component="gateway")
+    env = _env(
+        {
+            "STRATA_MODEL_URL": spec.model.url,
+            "STRATA_MODEL_NAME": model_name,
+            "STRATA_FIRST_STAGE": names.stage_address(generation=generation, index=0),
+            "STRATA_PLAN_CONFIGMAP": names.plan_configmap,
+            "STRATA_PARALLEL": plan.parallel,
+            "STRATA_CONTEXT": plan.context_length,
+            "STRATA_QUEUE_PER_LANE": spec.admission.queue_per_lane,
+            "STRATA_MAX_WAIT_SECONDS": spec.admission.max_wait_seconds,
+            "STRATA_RETRY_AFTER_SECONDS": spec.admission.retry_after_seconds,
+            "STRATA_LISTEN": f"0.0.0.0:{GATEWAY_PORT}",
+            "STRATA_PLAN_GENERATION": generation,
+        }
+    )
+    http_probe = {"httpGet": {"path": "/readyz", "port": GATEWAY_PORT}, "periodSeconds": 5}
+    container = {
+        "name": "gateway",
+        "image": image,
+        "command": ["strata", "gateway"],
+        "env": env,
+        "ports": [{"name": "http", "containerPort": GATEWAY_PORT}],
+        "readinessProbe": http_probe,
+        "livenessProbe": http_probe | {"httpGet": {"path": "/healthz", "port": GATEWAY_PORT}, "failureThreshold": 6},
+        "resources": _resources(spec.gateway.resources),
+        "securityContext": _container_security(),
+        "volumeMounts": [{"name": "tmp", "mountPath": POD_TMP}],
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(owner, name=names.gateway, labels=pod_labels),
+        "spec": {
+            "replicas": spec.gateway.replicas,
+            "selector": {"matchLabels": pod_labels},
+            "template": {
+                "metadata": {"labels": pod_labels},
+                "spec": {
+                    "enableServiceLinks": False,
+                    "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+                    "containers": [container],
+                    "volumes": [{"name": "tmp", "emptyDir": {}}],
+                },
+            },
+        },
+    }
+
+
+def gateway_service(owner: Owner) -> Manifest:
+    names = Names(owner.name, owner.namespace)
+    selector = labels(owner.name, component="gateway")
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(owner, name=names.gateway, labels=selector),
+        "spec": {"selector": selector, "ports": [{"name": "http", "port": GATEWAY_PORT, "targetPort": GATEWAY_PORT}]},
+    }
+
+
+def gateway_ingress(owner: Owner, spec: ModelDeploymentSpec) -> Manifest | None:
+    ingress = spec.gateway.ingress
+    if ingress is None:
+        return None
+    names = Names(owner.name, owner.namespace)
+    body: Manifest = {
+        "rules": [
+            {
+                "host": ingress.host,
+                "http": {
+                    "paths": [
+                        {
+                            "path": "/v1",
+                            "pathType": "Prefix",
+                            "backend": {"service": {"name": names.gateway, "port": {"number": GATEWAY_PORT}}},
+                        }
+                    ]
+                },
+            }
+        ]
+    }
+    if ingress.class_name:
+        body["ingressClassName"] = ingress.class_name
+    if ingress.tls_secret_name:
+        body["tls"] = [{"hosts": [ingress.host], "secretName": ingress.tls_secret_name}]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "Ingress",
+        "metadata": _metadata(owner, name=names.gateway, labels=labels(owner.name, component="gateway")),
+        "spec": body,
+    }
+
+
+def render_children(
+    owner: Owner, spec: ModelDeploymentSpec, plan: Plan, *, generation: int, image: str, model_name: str
+) -> list[Manifest]:
+    """Every child for one plan generation, in the order they should be applied."""
+    children = [plan_configmap(owner, plan, generation=generation), stages_service(owner)]
+    children += [
+        stage_statefulset(owner, spec, plan, stage, generation=generation, image=image) for stage in plan.stages
+    ]
+    children += [
+        stages_disruption_budget(owner),
+        gateway_deployment(owner, spec, plan, generation=generation, image=image, model_name=model_name),
+        gateway_service(owner),
+    ]
+    ingress = gateway_ingress(owner, spec)
+    if ingress is not None:
+        children.append(ingress)
+    return children
+
+
+def plan_digest(plan: Plan) -> str:
+    """What identifies a plan for re-planning decisions: placement and sizes, not the order of fields."""
+    return json.dumps(plan.model_dump(mode="json"), sort_keys=True)

@@ -1,0 +1,117 @@
+"""`strata operator`: run the reconciler under kopf, only while this replica holds the operator Lease.
+
+Availability comes from several replicas of which exactly one acts. We use our own Lease election (strata.lease)
+rather than kopf's peering: peering pauses every operator when two share a priority, and a Lease gives the same
+acquire/renew/expire semantics the gateway's coordinator uses. A replica that cannot renew within the deadline
+stops kopf and exits, before the Lease expires for the standby.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import threading
+from typing import Any
+
+DEFAULT_IMAGE = "strata:0.1.0"
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("operator", help="run the ModelDeployment operator")
+    parser.add_argument(
+        "--namespace",
+        action="append",
+        dest="namespaces",
+        default=[],
+        help="watch this namespace (repeatable); all namespaces when omitted",
+    )
+    parser.add_argument("--json-logs", action="store_true", help="log one JSON object per line")
+    parser.add_argument(
+        "--image",
+        default=os.environ.get("STRATA_IMAGE", DEFAULT_IMAGE),
+        help="image for stage and gateway pods (env STRATA_IMAGE)",
+    )
+    parser.add_argument(
+        "--lease-namespace",
+        default=os.environ.get("STRATA_OPERATOR_NAMESPACE", "default"),
+        help="namespace of the operator's leader-election Lease (env STRATA_OPERATOR_NAMESPACE)",
+    )
+    parser.add_argument("--lease-name", default="strata-operator")
+    parser.add_argument("--identity", default=os.environ.get("POD_NAME", socket.gethostname()))
+    parser.add_argument(
+        "--kubeconfig",
+        default=os.environ.get("KUBECONFIG"),
+        help="kubeconfig path; in-cluster configuration when omitted",
+    )
+    parser.set_defaults(run=run)
+
+
+def _api_client(kubeconfig: str | None) -> Any:
+    from kubernetes import config
+
+    if kubeconfig:
+        return config.new_client_from_config(config_file=kubeconfig)
+    config.load_incluster_config()
+    from kubernetes import client
+
+    return client.ApiClient()
+
+
+def run(args: argparse.Namespace) -> int:
+    import kopf
+    from kubernetes import client
+    from strata.lease import LeaseElector, LeaseTiming
+    from strata.operator import handlers
+    from strata.operator.kube import Cluster
+    from strata.operator.models import ModelCache
+    from strata.operator.reconcile import Reconciler
+
+    kopf.configure(log_format=kopf.LogFormat.JSON if args.json_logs else kopf.LogFormat.PLAIN)
+    log = logging.getLogger("strata.operator")
+    api_client = _api_client(args.kubeconfig)
+    handlers.install(Reconciler(cluster=Cluster(api_client), models=ModelCache(), image=args.image))
+
+    timing = LeaseTiming()
+    elector = LeaseElector(
+        api=client.CoordinationV1Api(api_client),
+        namespace=args.lease_namespace,
+        name=args.lease_name,
+        identity=args.identity,
+        timing=timing,
+    )
+    stop = threading.Event()
+    leading = threading.Event()
+    lost = threading.Event()
+
+    def elect() -> None:
+        while not stop.is_set():
+            token = elector.try_acquire_or_renew()
+            if token is not None and not leading.is_set():
+                log.info("leading as %s with term %d", args.identity, token.term)
+                leading.set()
+            elif token is None and leading.is_set():
+                log.error("lost the operator Lease: stopping so the new leader acts alone")
+                lost.set()
+                stop.set()
+                return
+            stop.wait(timing.retry_period_seconds)
+
+    threading.Thread(target=elect, name="lease", daemon=True).start()
+    log.info("waiting for the operator Lease %s/%s", args.lease_namespace, args.lease_name)
+    while not leading.wait(timeout=1.0):
+        if stop.is_set():
+            return 1
+    try:
+        kopf.run(
+            standalone=True,
+            clusterwide=not args.namespaces,
+            namespaces=args.namespaces,
+            stop_flag=stop,
+        )
+    finally:
+        stop.set()
+        if not lost.is_set():
+            elector.release()
+    return 1 if lost.is_set() else 0

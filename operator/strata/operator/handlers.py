@@ -1,0 +1,106 @@
+"""kopf wiring: which events reach the reconciler, and how its typed errors map to kopf's retries.
+
+Handlers are idempotent and never sleep: a temporary failure (model server down, API conflict) is a
+kopf.TemporaryError with a back-off, an invalid spec is a kopf.PermanentError, and the periodic monitor is a kopf
+timer rather than a loop inside a handler.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+from strata.operator.models import ModelUnreadable
+from strata.operator.planning import placement_problem
+from strata.operator.reconcile import InvalidSpec, Outcome, Reconciler
+from strata.operator.spec import GROUP, PLURAL, VERSION, ModelDeploymentSpec
+from strata.operator.status import EventReason, ModelDeploymentStatus
+
+MONITOR_INTERVAL_SECONDS = 5.0
+RETRY_BACKOFF_SECONDS = 10.0
+
+_state: dict[str, Reconciler] = {}
+
+
+def install(reconciler: Reconciler) -> None:
+    """Handlers reach the reconciler through here: kopf handlers are module-level functions."""
+    _state["reconciler"] = reconciler
+
+
+def _reconciler() -> Reconciler:
+    return _state["reconciler"]
+
+
+@kopf.on.login()
+def login(**_: Any) -> kopf.ConnectionInfo:
+    """kopf connects with the same credentials as the reconciler's client, in-cluster or from --kubeconfig."""
+    configuration = _reconciler().cluster.configuration
+    token = (configuration.api_key or {}).get("authorization", "").removeprefix("Bearer ").strip() or None
+    return kopf.ConnectionInfo(
+        server=configuration.host,
+        ca_path=configuration.ssl_ca_cert,
+        insecure=not configuration.verify_ssl,
+        certificate_path=configuration.cert_file,
+        private_key_path=configuration.key_file,
+        token=token,
+        scheme="Bearer" if token else None,
+    )
+
+
+def _publish(outcome: Outcome, *, body: Any, patch: kopf.Patch) -> None:
+    for event in outcome.events:
+        if event.type == "Warning":
+            kopf.warn(body, reason=event.reason.value, message=event.message)
+        else:
+            kopf.info(body, reason=event.reason.value, message=event.message)
+    patch.status.update(outcome.status.model_dump(by_alias=True, mode="json", exclude_none=False))
+
+
+def _reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger | logging.LoggerAdapter[Any]) -> None:
+    try:
+        outcome = _reconciler().reconcile(dict(body))
+    except InvalidSpec as e:
+        kopf.warn(body, reason=EventReason.INVALID_SPEC.value, message=str(e))
+        raise kopf.PermanentError(f"invalid spec: {e}") from e
+    except ModelUnreadable as e:
+        kopf.warn(body, reason=EventReason.MODEL_UNREADABLE.value, message=str(e))
+        raise kopf.TemporaryError(str(e), delay=RETRY_BACKOFF_SECONDS) from e
+    _publish(outcome, body=body, patch=patch)
+    logger.info("reconciled: phase %s", outcome.status.phase)
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
+def reconcile_deployment(
+    body: kopf.Body, patch: kopf.Patch, logger: logging.Logger | logging.LoggerAdapter[Any], **_: Any
+) -> None:
+    _reconcile(body, patch, logger)
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=MONITOR_INTERVAL_SECONDS, initial_delay=MONITOR_INTERVAL_SECONDS)
+def monitor_deployment(
+    body: kopf.Body, patch: kopf.Patch, logger: logging.Logger | logging.LoggerAdapter[Any], **_: Any
+) -> None:
+    """Readiness into status; a re-plan when the pool no longer holds the current placement (or now fits one)."""
+    reconciler = _reconciler()
+    status = ModelDeploymentStatus.model_validate(dict(body.get("status") or {}))
+    try:
+        spec = ModelDeploymentSpec.from_manifest(dict(body["spec"]))
+    except ValueError:
+        return
+    if status.plan is None and status.shortfall is None:
+        return
+    nodes, pods = reconciler.cluster.pool()
+    problem = placement_problem(status=status, nodes=nodes, pods=pods, spec=spec, deployment=body["metadata"])
+    if problem is not None:
+        if status.plan is not None:
+            kopf.warn(body, reason=EventReason.STAGE_LOST.value, message=problem)
+        _reconcile(body, patch, logger)
+        return
+    meta = body["metadata"]
+    reconciler.observe(
+        namespace=meta["namespace"], name=meta["name"], status=status, generation=int(meta.get("generation", 1))
+    )
+    patch.status.update(status.model_dump(by_alias=True, mode="json", exclude_none=False))

@@ -1,0 +1,112 @@
+"""The operator's view of the planner: a spec becomes PlanOptions, and a running plan is checked against the pool.
+
+The planner itself is pure (strata.operator.planner); this module only translates the CRD's vocabulary into it
+and decides when a placement has been lost (a node cordoned, NotReady, tainted, or out of GPUs), which is what
+triggers a re-plan. A better placement appearing elsewhere does not: moving a serving model costs a reload.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from strata.gguf.model import ModelInfo
+from strata.operator.names import LABEL_INSTANCE, fit
+from strata.operator.planner import PlanOptions, build_inventory, plan_placement
+from strata.operator.planner.errors import PlanningError
+from strata.operator.planner.scheduling import Toleration
+from strata.operator.spec import ModelDeploymentSpec
+from strata.operator.status import ModelDeploymentStatus
+from strata.plan import Plan
+
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$")
+_SCALE = {
+    None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+}  # fmt: skip
+
+
+class PlanRefused(Exception):
+    """The spec asks for something no plan can honour (an override that cannot fit); the message says why."""
+
+
+def quantity_bytes(value: str) -> int:
+    match = _QUANTITY.match(value)
+    if match is None:
+        raise PlanRefused(f"placement.gpuMemory {value!r} is not a Kubernetes quantity such as 80Gi")
+    return int(float(match.group(1)) * _SCALE[match.group(2)])
+
+
+def options_for(spec: ModelDeploymentSpec) -> PlanOptions:
+    placement = spec.placement
+    return PlanOptions(
+        context_length=spec.context,
+        parallel=spec.parallel,
+        cache_type_k=spec.cache_type_k,
+        cache_type_v=spec.cache_type_v,
+        max_stages=placement.max_stages,
+        headroom_fraction=placement.headroom_percent / 100,
+        node_selector=dict(placement.node_selector),
+        tolerations=tuple(
+            Toleration.from_dict(t.model_dump(by_alias=True, exclude_none=True)) for t in placement.tolerations
+        ),
+        gpu_memory_bytes=quantity_bytes(placement.gpu_memory) if placement.gpu_memory else None,
+    )
+
+
+def foreign_pods(pods: Sequence[Mapping[str, Any]], *, name: str, namespace: str) -> list[Mapping[str, Any]]:
+    """Pods that hold GPUs against this deployment: everything but its own stage pods."""
+    own = fit(name)
+    return [
+        p
+        for p in pods
+        if (p["metadata"].get("labels") or {}).get(LABEL_INSTANCE) != own or p["metadata"].get("namespace") != namespace
+    ]
+
+
+def plan_deployment(
+    *,
+    model: ModelInfo,
+    nodes: Sequence[Mapping[str, Any]],
+    pods: Sequence[Mapping[str, Any]],
+    spec: ModelDeploymentSpec,
+) -> Plan:
+    try:
+        return plan_placement(model=model, nodes=nodes, pods=pods, options=options_for(spec))
+    except PlanningError as e:
+        raise PlanRefused(str(e)) from e
+
+
+def placement_problem(
+    *,
+    status: ModelDeploymentStatus,
+    nodes: Sequence[Mapping[str, Any]],
+    pods: Sequence[Mapping[str, Any]],
+    spec: ModelDeploymentSpec,
+    deployment: Mapping[str, Any],
+) -> str | None:
+    """Why the current placement no longer holds, or None while it does. Without a plan, always look again."""
+    if status.plan is None:
+        return "no placement yet: planning again"
+    options = options_for(spec)
+    try:
+        inventory = build_inventory(
+            nodes=nodes,
+            pods=foreign_pods(pods, name=deployment["name"], namespace=deployment["namespace"]),
+            node_selector=options.node_selector,
+            tolerations=options.tolerations,
+            gpu_memory_bytes=options.gpu_memory_bytes,
+        )
+    except PlanningError as e:
+        return f"the pool cannot be read: {e}"
+    excluded = {x.node: x.reason for x in inventory.excluded}
+    free = Counter({(g.node, g.backend.value): g.free for g in inventory.gpus})
+    needed = Counter((s.node, s.backend) for s in status.plan.stages)
+    for stage in status.plan.stages:
+        if stage.node in excluded:
+            return f"stage {stage.index} on {stage.node} lost its node: {excluded[stage.node]}"
+        if free[(stage.node, stage.backend)] < needed[(stage.node, stage.backend)]:
+            return f"stage {stage.index} on {stage.node} lost its GPU: the node has no free {stage.backend} GPU left"
+    return None

@@ -1,0 +1,268 @@
+"""What the operator does for one ModelDeployment: inspect, inventory, plan, apply, report.
+
+The kopf handlers (handlers.py) only call into this module and map its typed errors to kopf's retry semantics.
+A plan that differs from the one in status starts a new plan generation; a shortfall leaves the children that
+serve now in place and says why nothing new fits.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+from strata.operator.children import Owner, render_children
+from strata.operator.kube import Cluster
+from strata.operator.models import ModelCache, ModelUnreadable
+from strata.operator.names import Names
+from strata.operator.planning import PlanRefused, foreign_pods, plan_deployment
+from strata.operator.spec import ModelDeploymentSpec
+from strata.operator.status import (
+    Condition,
+    ConditionType,
+    EventReason,
+    Excluded,
+    ModelDeploymentStatus,
+    Phase,
+    PlanSummary,
+    StageSummary,
+)
+from strata.plan import Plan
+
+Manifest = dict[str, Any]
+
+
+class InvalidSpec(Exception):
+    """The spec passed the API server but not the handlers' model: retrying will not help."""
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # Normal or Warning
+    reason: EventReason
+    message: str
+
+
+@dataclass
+class Outcome:
+    status: ModelDeploymentStatus
+    events: list[Event] = field(default_factory=list)
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def set_condition(
+    status: ModelDeploymentStatus, kind: ConditionType, *, ok: bool, reason: str, message: str, generation: int
+) -> None:
+    """Upsert a condition; lastTransitionTime moves only when the status flips."""
+    value = "True" if ok else "False"
+    for i, existing in enumerate(status.conditions):
+        if existing.type == kind:
+            moved = existing.last_transition_time if existing.status == value else _now()
+            status.conditions[i] = Condition(
+                type=kind,
+                status=value,
+                reason=reason,
+                message=message,
+                observedGeneration=generation,
+                lastTransitionTime=moved,
+            )
+            return
+    status.conditions.append(
+        Condition(
+            type=kind,
+            status=value,
+            reason=reason,
+            message=message,
+            observedGeneration=generation,
+            lastTransitionTime=_now(),
+        )
+    )
+
+
+def summarize(plan: Plan, *, generation: int) -> PlanSummary:
+    return PlanSummary(
+        generation=generation,
+        stages=[
+            StageSummary(
+                index=s.index,
+                node=s.node,
+                gpus=len(s.gpus),
+                backend=str(s.backend),
+                layerStart=s.layer_start,
+                layerEnd=s.layer_end,
+            )
+            for s in plan.stages
+        ],
+        contextLength=plan.context_length,
+        parallel=plan.parallel,
+        cacheTypeK=str(plan.cache_type_k),
+        cacheTypeV=str(plan.cache_type_v),
+    )
+
+
+def same_placement(current: PlanSummary | None, new: PlanSummary) -> bool:
+    if current is None:
+        return False
+    return current.model_dump(exclude={"generation"}) == new.model_dump(exclude={"generation"})
+
+
+def model_name(spec: ModelDeploymentSpec) -> str:
+    if spec.served_model_name:
+        return spec.served_model_name
+    return spec.model.url.rsplit("/", 1)[-1].removesuffix(".gguf").split("@")[0]
+
+
+class Reconciler:
+    def __init__(self, *, cluster: Cluster, models: ModelCache, image: str) -> None:
+        self.cluster = cluster
+        self.models = models
+        self.image = image
+
+    def reconcile(self, body: Manifest) -> Outcome:
+        meta = body["metadata"]
+        name, namespace, generation = meta["name"], meta["namespace"], int(meta.get("generation", 1))
+        status = ModelDeploymentStatus.model_validate(body.get("status") or {})
+        status.observed_generation = generation
+        try:
+            spec = ModelDeploymentSpec.from_manifest(body["spec"])
+        except ValidationError as e:
+            raise InvalidSpec(str(e)) from e
+        status.model_name = model_name(spec)
+        token = self._token(spec, namespace)
+        model = self.models.inspect(spec.model.url, token=token)
+
+        nodes, pods = self.cluster.pool()
+        others = foreign_pods(pods, name=name, namespace=namespace)
+        outcome = Outcome(status=status)
+        try:
+            plan = plan_deployment(model=model, nodes=nodes, pods=others, spec=spec)
+        except PlanRefused as e:
+            set_condition(
+                status,
+                ConditionType.PLANNED,
+                ok=False,
+                reason="OverrideCannotFit",
+                message=str(e),
+                generation=generation,
+            )
+            status.phase = Phase.FAILED
+            outcome.events.append(Event("Warning", EventReason.CAPACITY_SHORTFALL, str(e)))
+            return outcome
+
+        status.excluded = [Excluded(node=x.node, reason=x.reason) for x in plan.excluded]
+        if plan.shortfall is not None:
+            message = plan.shortfall.message
+            repeated = status.shortfall == message
+            status.shortfall = message
+            set_condition(
+                status,
+                ConditionType.CAPACITY_AVAILABLE,
+                ok=False,
+                reason="Shortfall",
+                message=message,
+                generation=generation,
+            )
+            if status.plan is None:
+                status.phase = Phase.SHORTFALL
+                set_condition(
+                    status, ConditionType.PLANNED, ok=False, reason="NoPlanFits", message=message, generation=generation
+                )
+            if not repeated:
+                outcome.events.append(Event("Warning", EventReason.CAPACITY_SHORTFALL, message))
+            return outcome
+
+        status.shortfall = None
+        previous = status.plan
+        plan_generation = previous.generation if previous else 0
+        summary = summarize(plan, generation=plan_generation or 1)
+        if not same_placement(previous, summary):
+            plan_generation += 1
+            summary = summarize(plan, generation=plan_generation)
+            if previous is None:
+                outcome.events.append(Event("Normal", EventReason.PLANNED, _describe(summary)))
+            else:
+                outcome.events.append(Event("Normal", EventReason.REPLANNED, _describe(summary)))
+        owner = Owner(name=name, namespace=namespace, uid=meta["uid"])
+        for child in render_children(
+            owner, spec, plan, generation=plan_generation, image=self.image, model_name=status.model_name
+        ):
+            self.cluster.apply(child)
+        # Until the coordinated cutover lands, a new generation replaces the old one at once.
+        self.cluster.delete_other_generations(namespace=namespace, deployment=name, keep=plan_generation)
+
+        status.plan = summary
+        status.stage_count = len(summary.stages)
+        status.context_length = summary.context_length
+        set_condition(
+            status, ConditionType.PLANNED, ok=True, reason="Planned", message=_describe(summary), generation=generation
+        )
+        set_condition(
+            status,
+            ConditionType.CAPACITY_AVAILABLE,
+            ok=True,
+            reason="Fits",
+            message=f"{len(summary.stages)} stage(s) placed",
+            generation=generation,
+        )
+        status.endpoint = Names(name, namespace).gateway_url()
+        self.observe(namespace=namespace, name=name, status=status, generation=generation)
+        return outcome
+
+    def observe(self, *, namespace: str, name: str, status: ModelDeploymentStatus, generation: int) -> None:
+        """Fold the children's readiness into the status."""
+        if status.plan is None:
+            return
+        stages = self.cluster.stage_readiness(namespace=namespace, deployment=name, generation=status.plan.generation)
+        ready = sum(s.ready for s in stages)
+        total = len(status.plan.stages)
+        status.ready = f"{ready}/{total}"
+        stages_ok = ready == total
+        set_condition(
+            status,
+            ConditionType.STAGES_READY,
+            ok=stages_ok,
+            reason="Ready" if stages_ok else "Loading",
+            message=f"{ready} of {total} stages ready",
+            generation=generation,
+        )
+        gateway_ok = self.cluster.gateway_available(namespace=namespace, name=Names(name, namespace).gateway)
+        set_condition(
+            status,
+            ConditionType.GATEWAY_READY,
+            ok=gateway_ok,
+            reason="Available" if gateway_ok else "Unavailable",
+            message="gateway has an available replica" if gateway_ok else "no gateway replica available",
+            generation=generation,
+        )
+        all_ok = stages_ok and gateway_ok
+        set_condition(
+            status,
+            ConditionType.READY,
+            ok=all_ok,
+            reason="Ready" if all_ok else "NotReady",
+            message="serving" if all_ok else "waiting for stages and gateway",
+            generation=generation,
+        )
+        status.phase = Phase.READY if all_ok else Phase.LOADING
+
+    def _token(self, spec: ModelDeploymentSpec, namespace: str) -> str | None:
+        ref = spec.model.token_secret_ref
+        if ref is None:
+            return None
+        try:
+            return self.cluster.read_secret_value(namespace=namespace, name=ref.name, key=ref.key)
+        except Exception as e:
+            raise ModelUnreadable(f"cannot read token Secret {ref.name}/{ref.key}: {e}") from e
+
+
+def _describe(summary: PlanSummary) -> str:
+    stages = ", ".join(f"{s.node} layers [{s.layer_start},{s.layer_end})" for s in summary.stages)
+    kv = f"{summary.cache_type_k}/{summary.cache_type_v}"
+    return (
+        f"generation {summary.generation}: {len(summary.stages)} stage(s) ({stages}), "
+        f"context {summary.context_length}, {summary.parallel} slots, KV {kv}"
+    )

@@ -1,0 +1,313 @@
+"""The operator on the real control plane with the kwok GPU pool: plan, place, report, re-plan, clean up.
+
+The operator runs as its own process (`strata operator`), exactly as in a cluster, against header-only GGUF files
+with real large shapes; kwok runs the stage pods, so scheduling and GPU accounting are the real scheduler's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+from strata.gguf.testmodels.shapes import LARGE_SHAPES
+from strata.gguf.testmodels.writer import write_header_only_model
+from strata.operator.crd import render_crd
+from strata.operator.names import LABEL_GENERATION, LABEL_INSTANCE
+from strata.operator.spec import GROUP, PLURAL, VERSION
+from strata_testbed.controlplane import ControlPlane
+
+pytestmark = pytest.mark.cluster
+
+T = TypeVar("T")
+
+
+def eventually(probe: Callable[[], T | None], *, timeout: float = 90.0, what: str) -> T:
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; last: {last!r}")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("models")
+    big = dataclasses.replace(LARGE_SHAPES["llama3-70b"], name="Larger-than-the-pool", block_count=8000)
+    return {
+        "70b": write_header_only_model(folder / "llama3-70b.gguf", shape="llama3-70b").path,
+        "too-big": write_header_only_model(folder / "too-big.gguf", shape=big).path,
+    }
+
+
+class OperatorProcess:
+    def __init__(self, kubeconfig: Path, namespace: str, log: Path) -> None:
+        self._argv = [
+            sys.executable,
+            "-m",
+            "strata.cli",
+            "operator",
+            "--kubeconfig",
+            str(kubeconfig),
+            "--namespace",
+            namespace,
+            "--lease-namespace",
+            namespace,
+            "--image",
+            "strata:test",
+        ]
+        self._log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        handle = self._log.open("ab")
+        self.proc = subprocess.Popen(self._argv, stdout=handle, stderr=subprocess.STDOUT, env=os.environ.copy())
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture(scope="module")
+def cluster(control_plane: ControlPlane) -> Iterator[client.ApiClient]:
+    api = config.new_client_from_config(config_file=str(control_plane.kubeconfig))
+    ext = client.ApiextensionsV1Api(api)
+    try:
+        ext.create_custom_resource_definition(body=render_crd())
+    except ApiException as e:
+        if e.status != 409:
+            raise
+    eventually(
+        lambda: any(
+            c.type == "Established" and c.status == "True"
+            for c in ext.read_custom_resource_definition(name=f"{PLURAL}.{GROUP}").status.conditions or []
+        ),
+        what="the CRD to be established",
+    )
+    yield api
+    api.close()
+
+
+@pytest.fixture
+def namespace(cluster: client.ApiClient) -> Iterator[str]:
+    core = client.CoreV1Api(cluster)
+    name = f"op-{uuid.uuid4().hex[:6]}"
+    core.create_namespace(body={"metadata": {"name": name}})
+    yield name
+    core.delete_namespace(name=name)
+
+
+@pytest.fixture
+def operator(control_plane: ControlPlane, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
+    process = OperatorProcess(control_plane.kubeconfig, namespace, tmp_path / "operator.log")
+    process.start()
+    yield process
+    process.stop()
+    print((tmp_path / "operator.log").read_text(errors="replace")[-6000:])  # shown when the test fails
+
+
+def deployment(name: str, model: Path, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "ModelDeployment",
+        "metadata": {"name": name},
+        "spec": {"model": {"url": model.as_uri()}, **spec},
+    }
+
+
+def read(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
+    return dict(
+        client.CustomObjectsApi(api).get_namespaced_custom_object(
+            group=GROUP, version=VERSION, namespace=namespace, plural=PLURAL, name=name
+        )
+    )
+
+
+def condition(body: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    for c in (body.get("status") or {}).get("conditions", []):
+        if c["type"] == kind:
+            return dict(c)
+    return None
+
+
+def stage_pods(api: client.ApiClient, namespace: str, name: str) -> list[client.V1Pod]:
+    pods = (
+        client.CoreV1Api(api)
+        .list_namespaced_pod(
+            namespace=namespace, label_selector=f"{LABEL_INSTANCE}={name},app.kubernetes.io/component=stage"
+        )
+        .items
+    )
+    return sorted(pods, key=lambda p: p.metadata.name)
+
+
+def create(api: client.ApiClient, namespace: str, body: dict[str, Any]) -> None:
+    client.CustomObjectsApi(api).create_namespaced_custom_object(
+        group=GROUP, version=VERSION, namespace=namespace, plural=PLURAL, body=body
+    )
+
+
+def planned_and_running(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any] | None:
+    body = read(api, namespace, name)
+    plan = (body.get("status") or {}).get("plan")
+    if not plan:
+        return None
+    pods = stage_pods(api, namespace, name)
+    current = [p for p in pods if p.metadata.labels.get(LABEL_GENERATION) == str(plan["generation"])]
+    if len(current) != len(plan["stages"]) or any(p.status.phase != "Running" for p in current):
+        return None
+    return body
+
+
+@pytest.mark.usefixtures("operator")
+def test_an_example_runs_its_stage_pods_on_the_planned_nodes_with_their_gpus(
+    cluster: client.ApiClient, namespace: str, models: dict[str, Path]
+) -> None:
+    create(cluster, namespace, deployment("llama", models["70b"], context=8192))
+    body = eventually(lambda: planned_and_running(cluster, namespace, "llama"), what="stage pods Running")
+
+    status = body["status"]
+    assert (condition(body, "Planned") or {}).get("status") == "True"
+    assert (condition(body, "CapacityAvailable") or {}).get("status") == "True"
+    assert status["contextLength"] == 8192
+    assert status["stageCount"] == len(status["plan"]["stages"]) >= 1
+    assert status["observedGeneration"] == body["metadata"]["generation"]
+    pods = {p.metadata.labels["strata.dev/stage"]: p for p in stage_pods(cluster, namespace, "llama")}
+    for stage in status["plan"]["stages"]:
+        pod = pods[str(stage["index"])]
+        assert pod.spec.node_name == stage["node"]
+        limits = pod.spec.containers[0].resources.limits
+        vendor = "amd.com/gpu" if stage["backend"] == "rocm" else "nvidia.com/gpu"
+        assert limits[vendor] == str(stage["gpus"])
+        env = {e.name: e.value for e in pod.spec.containers[0].env}
+        assert (int(env["STRATA_LAYER_START"]), int(env["STRATA_LAYER_END"])) == (
+            stage["layerStart"],
+            stage["layerEnd"],
+        )
+        assert env["STRATA_CONTEXT"] == "8192"
+    events = client.CoreV1Api(cluster).list_namespaced_event(namespace=namespace).items
+    assert "Planned" in {e.reason for e in events if e.involved_object.name == "llama"}
+
+
+@pytest.mark.usefixtures("operator")
+def test_a_model_too_big_for_the_pool_reports_the_shortfall(
+    cluster: client.ApiClient, namespace: str, models: dict[str, Path]
+) -> None:
+    create(cluster, namespace, deployment("huge", models["too-big"]))
+
+    def short() -> dict[str, Any] | None:
+        c = condition(read(cluster, namespace, "huge"), "CapacityAvailable")
+        return c if c and c["status"] == "False" else None
+
+    capacity = eventually(short, what="CapacityAvailable=False")
+    assert "short by" in capacity["message"]
+    assert read(cluster, namespace, "huge")["status"]["phase"] == "Shortfall"
+    events = client.CoreV1Api(cluster).list_namespaced_event(namespace=namespace).items
+    assert any(e.reason == "CapacityShortfall" and "short by" in e.message for e in events)
+    assert stage_pods(cluster, namespace, "huge") == []
+
+
+@pytest.mark.usefixtures("operator")
+def test_cordoning_a_node_that_hosts_a_stage_moves_it_in_a_new_plan_generation(
+    cluster: client.ApiClient, namespace: str, models: dict[str, Path]
+) -> None:
+    core = client.CoreV1Api(cluster)
+    create(cluster, namespace, deployment("moving", models["70b"], context=8192))
+    body = eventually(lambda: planned_and_running(cluster, namespace, "moving"), what="the first plan")
+    first = body["status"]["plan"]
+    node = first["stages"][0]["node"]
+    core.patch_node(name=node, body={"spec": {"unschedulable": True}})
+    try:
+
+        def replanned() -> dict[str, Any] | None:
+            current = planned_and_running(cluster, namespace, "moving")
+            if current and current["status"]["plan"]["generation"] > first["generation"]:
+                return current
+            return None
+
+        moved = eventually(replanned, what="a new plan generation off the cordoned node")
+        assert node not in {s["node"] for s in moved["status"]["plan"]["stages"]}
+        reasons = {e.reason for e in core.list_namespaced_event(namespace=namespace).items}
+        assert {"StageLost", "Replanned"} <= reasons
+        eventually(
+            lambda: all(
+                p.metadata.labels[LABEL_GENERATION] == str(moved["status"]["plan"]["generation"])
+                for p in stage_pods(cluster, namespace, "moving")
+            ),
+            what="the old generation's pods to go",
+        )
+    finally:
+        core.patch_node(name=node, body={"spec": {"unschedulable": False}})
+
+
+def test_restarting_the_operator_mid_reconcile_leaves_no_duplicates(
+    control_plane: ControlPlane, cluster: client.ApiClient, namespace: str, models: dict[str, Path], tmp_path: Path
+) -> None:
+    process = OperatorProcess(control_plane.kubeconfig, namespace, tmp_path / "operator.log")
+    process.start()
+    try:
+        create(cluster, namespace, deployment("restart", models["70b"], context=8192))
+        apps = client.AppsV1Api(cluster)
+        eventually(lambda: apps.list_namespaced_stateful_set(namespace=namespace).items, what="a first child")
+        process.kill()
+        process.start()
+        body = eventually(lambda: planned_and_running(cluster, namespace, "restart"), what="convergence")
+        sets = apps.list_namespaced_stateful_set(namespace=namespace).items
+        assert len(sets) == len(body["status"]["plan"]["stages"])
+        assert len({s.metadata.name for s in sets}) == len(sets)
+        assert (
+            len(
+                client.CoreV1Api(cluster)
+                .list_namespaced_config_map(namespace=namespace, label_selector=f"{LABEL_INSTANCE}=restart")
+                .items
+            )
+            == 1
+        )
+    finally:
+        process.stop()
+
+
+@pytest.mark.usefixtures("operator")
+def test_deleting_the_deployment_removes_its_children(
+    cluster: client.ApiClient, namespace: str, models: dict[str, Path]
+) -> None:
+    create(cluster, namespace, deployment("gone", models["70b"], context=8192))
+    eventually(lambda: planned_and_running(cluster, namespace, "gone"), what="stage pods Running")
+    client.CustomObjectsApi(cluster).delete_namespaced_custom_object(
+        group=GROUP, version=VERSION, namespace=namespace, plural=PLURAL, name="gone"
+    )
+    apps, core = client.AppsV1Api(cluster), client.CoreV1Api(cluster)
+    selector = f"{LABEL_INSTANCE}=gone"
+
+    def all_gone() -> bool:
+        return not (
+            apps.list_namespaced_stateful_set(namespace=namespace, label_selector=selector).items
+            or apps.list_namespaced_deployment(namespace=namespace, label_selector=selector).items
+            or core.list_namespaced_service(namespace=namespace, label_selector=selector).items
+            or core.list_namespaced_config_map(namespace=namespace, label_selector=selector).items
+            or core.list_namespaced_pod(namespace=namespace, label_selector=selector).items
+        )
+
+    eventually(all_gone, what="the garbage collector to remove every child")

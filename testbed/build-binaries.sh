@@ -52,6 +52,15 @@ log "building kwok $kwok_version"
   -ldflags "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=${kwok_version#v}" \
   -o "$staging/kwok" sigs.k8s.io/kwok/cmd/kwok)
 
+# kwok simulates nothing without Stage objects; take the lifecycle stages the pinned kwok module itself ships
+# (nodes initialise and renew their Lease; pods become ready, complete and delete).
+kwok_stages=$(cd "$here/go/kwok" && go mod download -json sigs.k8s.io/kwok | sed -n 's/.*"Dir": "\(.*\)".*/\1/p')/kustomize/stage
+for stage in node/fast/node-initialize node/heartbeat-with-lease/node-heartbeat-with-lease \
+             pod/fast/pod-ready pod/fast/pod-complete pod/fast/pod-delete; do
+  cat "$kwok_stages/$stage.yaml"
+  echo "---"
+done > "$staging/kwok-stages.yaml"
+
 helm_version=$(module_version "$here/go/helm" helm.sh/helm/v3)
 log "building helm $helm_version"
 (cd "$here/go/helm" && go build -trimpath \

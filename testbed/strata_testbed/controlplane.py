@@ -28,7 +28,6 @@ from strata_testbed.processes import ManagedProcess
 TESTBED_DIR = Path(__file__).resolve().parent.parent
 SERVICE_CIDR = "10.0.0.0/24"
 KWOK_MANAGED_ANNOTATION = "kwok.x-k8s.io/node"
-KWOK_CUSTOM_STATUS_ANNOTATION = "kwok.x-k8s.io/status"
 
 
 class ControlPlaneError(RuntimeError):
@@ -201,8 +200,6 @@ class ControlPlane:
                 f"--cluster-signing-cert-file={pki.ca.cert}",
                 f"--cluster-signing-key-file={pki.ca.key}",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
-                # Node health is judged quickly so a node that stops heartbeating turns NotReady within a test.
-                "--node-monitor-grace-period=20s",
                 "--v=1",
             ],
             logs,
@@ -235,9 +232,10 @@ class ControlPlane:
             [
                 str(b / "kwok"),
                 f"--kubeconfig={self.kubeconfig}",
+                f"--config={b / 'kwok-stages.yaml'}",
                 "--manage-all-nodes=false",
                 f"--manage-nodes-with-annotation-selector={KWOK_MANAGED_ANNOTATION}=fake",
-                f"--disregard-status-with-annotation-selector={KWOK_CUSTOM_STATUS_ANNOTATION}=custom",
+                "--node-lease-duration-seconds=40",
                 "--cidr=10.244.0.0/16",
                 "--node-ip=10.1.0.1",
                 f"--server-address=127.0.0.1:{kwok_port}",

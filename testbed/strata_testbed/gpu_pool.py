@@ -9,6 +9,8 @@ from typing import Any
 import yaml
 from kubernetes import client
 
+from strata_testbed.controlplane import KWOK_MANAGED_ANNOTATION
+
 POOL_FILE = Path(__file__).resolve().parent.parent / "gpu-pool.yaml"
 
 
@@ -31,7 +33,7 @@ def create_gpu_pool(api: client.CoreV1Api, *, timeout: float = 60.0, path: Path 
         # A node's status is a subresource: write it separately so conditions such as Ready=False stick.
         api.patch_node_status(name=name, body={"status": node["status"]})
         names.append(created.metadata.name)
-        if node["metadata"].get("annotations", {}).get("kwok.x-k8s.io/status") != "custom":
+        if node["metadata"].get("annotations", {}).get(KWOK_MANAGED_ANNOTATION) == "fake":
             expect_ready.append(name)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

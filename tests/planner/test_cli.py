@@ -79,7 +79,7 @@ def test_a_pool_too_small_exits_2_with_the_shortfall(
     plan = json.loads(capsys.readouterr().out)
     assert plan["feasible"] is False
     assert plan["stages"] == []
-    assert "across 1 GPUs, short by" in plan["shortfall"]["message"]
+    assert "across 1 GPU, short by" in plan["shortfall"]["message"]
     assert (
         plan["shortfall"]["short_by_bytes"]
         == plan["shortfall"]["required_bytes"] - plan["shortfall"]["available_bytes"]

@@ -108,7 +108,9 @@ def _check_context(
         return
     count = fewest_gpus(profile, allowed, automatic)
     spans = fill(profile, usable=allowed[:count], context=automatic, margin=0) or []
-    limit = f" with at most {options.max_stages} stages" if options.max_stages else ""
+    limit = ""
+    if options.max_stages:
+        limit = f" with at most {options.max_stages} stage{'s' if options.max_stages > 1 else ''}"
     for index, span in enumerate(spans):
         usable = allowed[span.slot]
         last = span.end == profile.layers

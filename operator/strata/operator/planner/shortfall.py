@@ -47,7 +47,8 @@ def explain_shortfall(
     buffers = profile.last_buffer_bytes + (stages - 1) * profile.middle_buffer_bytes
     required = weights + buffers + _reserved_kv(profile.kv_bytes(0, layers, context))
     short_by = required - available
-    message = f"requires {gigabytes(required)}, pool has {gigabytes(available)} across {gpu_count} GPUs"
+    gpus = f"{gpu_count} GPU" if gpu_count == 1 else f"{gpu_count} GPUs"
+    message = f"requires {gigabytes(required)}, pool has {gigabytes(available)} across {gpus}"
     spans, unplaced = place(profile, usable=[slot.usable_bytes for slot in slots], context=context)
     if short_by > 0:
         message += f", short by {gigabytes(short_by)}"

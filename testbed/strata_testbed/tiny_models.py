@@ -36,7 +36,7 @@ class TinyShape:
 
 ARCHITECTURES = {
     "llama": TinyShape(architecture="llama", name="tiny-llama"),
-    "mistral": TinyShape(architecture="llama", name="tiny-mistral", n_head_kv=1, rope_theta=1e6),
+    "mistral": TinyShape(architecture="llama", name="tiny-mistral", dim=128, n_head_kv=1, rope_theta=1e6),
     "qwen2": TinyShape(architecture="qwen2", name="tiny-qwen2", tied=True, rope_theta=1e6),
     "qwen3": TinyShape(
         architecture="qwen3", name="tiny-qwen3", rope_theta=1e6, head_dim=128

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from importlib.metadata import version
 
 # (subcommand, module that implements it); the module's register() adds the parser and sets `run`.
-SUBCOMMANDS: tuple[tuple[str, str], ...] = ()
+SUBCOMMANDS: tuple[tuple[str, str], ...] = (("inspect", "strata.gguf.command"),)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -93,7 +93,9 @@ class ModelInfo:
     tokenizer_pre: str | None = None
     has_chat_template: bool = False
     executable: bool = False
-    header_bytes: int = 0
+    header_bytes: int = 0  # the header's size: where the tensor data starts
+    header_bytes_read: int = 0  # bytes fetched to read the header (HTTP: the sum of the Range responses)
+    file_bytes: int | None = None  # the whole file's size, when the source states it
     extra: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -1,0 +1,106 @@
+"""`strata inspect MODEL [--json]`: what a GGUF model needs, read from its header alone.
+
+A person checks a model before deploying it (layers, bytes per layer, KV bytes per token in each cache type, how
+much was fetched to find out); `--json` gives the same to scripts. Bad input exits 1 with the typed error's message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from strata.gguf.errors import GGUFError
+from strata.gguf.model import CacheType, ModelInfo
+from strata.gguf.reader import inspect_model
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "inspect", help="read a GGUF model's header (path, file://, http(s)://, hf://ORG/REPO/FILE.gguf[@REV])"
+    )
+    parser.add_argument("model", metavar="MODEL", help="path or URL of a .gguf file")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        info = inspect_model(args.model)
+    except GGUFError as error:
+        print(f"strata inspect: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
+    print(json.dumps(to_json(info), indent=2) if args.json else to_table(info))
+    return 0
+
+
+def to_json(info: ModelInfo) -> dict[str, Any]:
+    window = info.sliding_window
+    return {
+        "name": info.name,
+        "architecture": info.architecture,
+        "executable": info.executable,
+        "block_count": info.block_count,
+        "embedding_length": info.embedding_length,
+        "head_count": info.head_count,
+        "head_count_kv": list(info.head_count_kv),
+        "key_length": info.key_length,
+        "value_length": info.value_length,
+        "context_length": info.context_length,
+        "vocab_size": info.vocab_size,
+        "expert_count": info.expert_count,
+        "expert_used_count": info.expert_used_count,
+        "rope": None if info.rope is None else vars(info.rope),
+        "sliding_window": None if window is None else {"window": window.window, "layers": list(window.layers)},
+        "layer_bytes": list(info.layer_bytes),
+        "non_layer_bytes": info.non_layer_bytes,
+        "output_tied": info.output_tied,
+        "total_bytes": info.total_bytes,
+        "kv_bytes_per_token": {t.value: info.kv_bytes_per_token(type_k=t, type_v=t) for t in CacheType},
+        "tokenizer_model": info.tokenizer_model,
+        "tokenizer_pre": info.tokenizer_pre,
+        "has_chat_template": info.has_chat_template,
+        "header_bytes": info.header_bytes,
+        "header_bytes_read": info.header_bytes_read,
+        "file_bytes": info.file_bytes,
+    }
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "unknown"
+    return f"{n:,} B ({n / 2**30:.2f} GiB)" if n >= 2**30 else f"{n:,} B ({n / 2**20:.2f} MiB)"
+
+
+def to_table(info: ModelInfo) -> str:
+    kv_heads = sorted(set(info.head_count_kv))
+    rows = [
+        ("name", info.name or "-"),
+        ("architecture", f"{info.architecture} ({'executable' if info.executable else 'not executable by Strata'})"),
+        ("layers", str(info.block_count)),
+        ("embedding", str(info.embedding_length)),
+        ("heads / kv heads", f"{info.head_count} / {','.join(map(str, kv_heads))}"),
+        ("key / value length", f"{info.key_length} / {info.value_length}"),
+        ("context", f"{info.context_length:,}"),
+        ("vocabulary", f"{info.vocab_size:,} ({info.tokenizer_model or '-'}, pre {info.tokenizer_pre or '-'})"),
+        ("chat template", "yes" if info.has_chat_template else "no"),
+    ]
+    if info.expert_count:
+        rows.append(("experts", f"{info.expert_used_count} of {info.expert_count}"))
+    if info.sliding_window is not None:
+        sliding = sum(info.sliding_window.layers)
+        rows.append(("sliding window", f"{info.sliding_window.window} tokens on {sliding} of {info.block_count}"))
+    rows += [
+        ("layer weights", f"{_size(sum(info.layer_bytes))}, max {_size(max(info.layer_bytes))} per layer"),
+        *((f"  {role}", _size(n)) for role, n in info.non_layer_bytes.items()),
+        ("output head", "tied to token_embd" if info.output_tied else "own tensor"),
+        ("total weights", _size(info.total_bytes)),
+        *(
+            (f"KV/token {t.value}", f"{info.kv_bytes_per_token(type_k=t, type_v=t):,} B")
+            for t in (CacheType.F16, CacheType.Q8_0, CacheType.Q4_0)
+        ),
+        ("header", f"{_size(info.header_bytes)}; fetched {_size(info.header_bytes_read)} of {_size(info.file_bytes)}"),
+    ]
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)

@@ -1,0 +1,136 @@
+"""The shapes test models are generated in: small executable ones, and header-only copies of real large models.
+
+A ModelShape says what a GGUF file describes (llama.cpp's keys) and `tensor_plan` lists the tensors that go with it,
+named and laid out as llama.cpp writes them (ggml dimension order: the row length first). The small shapes keep every
+quantised row a multiple of 32 and mix F32 norms, F16, Q8_0 and Q4_0 weights; the large ones use the K-quants real
+downloads use, and are written without tensor data, for planning tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gguf import GGMLQuantizationType as Q
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    architecture: str
+    name: str
+    block_count: int
+    embedding_length: int
+    feed_forward_length: int
+    head_count: int
+    head_count_kv: int
+    head_dim: int
+    context_length: int
+    rope_freq_base: float
+    tokenizer_pre: str
+    vocab_size: int | None = None  # None: exactly the trained vocabulary
+    rms_epsilon: float = 1e-5
+    attention_bias: bool = False  # qwen2: biases on the q, k and v projections
+    qk_norm: bool = False  # qwen3: RMS norms on each head's queries and keys
+    tied_output: bool = False  # no output.weight: the head reuses token_embd
+    write_key_length: bool = False  # state attention.key_length/value_length instead of relying on n_embd / n_head
+    expert_count: int = 0
+    expert_used_count: int = 0
+    expert_feed_forward_length: int = 0
+    sliding_window: int = 0
+    quantised: bool = False  # the large shapes: K-quant weights, header only
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannedTensor:
+    name: str
+    dims: tuple[int, ...]  # ggml order: dims[0] is the row length
+    ggml_type: Q
+
+
+SMALL_SHAPES: dict[str, ModelShape] = {
+    "llama": ModelShape(
+        architecture="llama", name="strata-test-llama", block_count=2, embedding_length=128, feed_forward_length=256,
+        head_count=4, head_count_kv=2, head_dim=32, context_length=2048, rope_freq_base=500000.0,
+        tokenizer_pre="llama-bpe",
+    ),
+    # llama.cpp writes Mistral models as architecture "llama" (there is no "mistral" in llama.cpp or gguf-py), and
+    # transformers 5.23 fails on a file that says "mistral": it looks the name up in gguf-py's architecture table.
+    "mistral": ModelShape(
+        architecture="llama", name="Strata-Test-Mistral", block_count=2, embedding_length=128,
+        feed_forward_length=224, head_count=4, head_count_kv=1, head_dim=32, context_length=4096,
+        rope_freq_base=1000000.0, tokenizer_pre="llama-bpe",
+    ),
+    "qwen2": ModelShape(
+        architecture="qwen2", name="strata-test-qwen2", block_count=3, embedding_length=128, feed_forward_length=192,
+        head_count=4, head_count_kv=2, head_dim=32, context_length=4096, rope_freq_base=1000000.0,
+        tokenizer_pre="qwen2", attention_bias=True, rms_epsilon=1e-6,
+    ),
+    # transformers reads no head_dim for qwen3 GGUF files and assumes Qwen3's 128, so the test model uses 128.
+    "qwen3": ModelShape(
+        architecture="qwen3", name="strata-test-qwen3", block_count=2, embedding_length=128, feed_forward_length=256,
+        head_count=4, head_count_kv=2, head_dim=128, context_length=8192, rope_freq_base=1000000.0,
+        tokenizer_pre="qwen2", qk_norm=True, tied_output=True, write_key_length=True, rms_epsilon=1e-6,
+    ),
+}  # fmt: skip
+
+LARGE_SHAPES: dict[str, ModelShape] = {
+    "llama3-8b": ModelShape(
+        architecture="llama", name="Llama-3-8B-like", block_count=32, embedding_length=4096,
+        feed_forward_length=14336, head_count=32, head_count_kv=8, head_dim=128, context_length=8192,
+        rope_freq_base=500000.0, tokenizer_pre="llama-bpe", vocab_size=128256, quantised=True,
+    ),
+    "llama3-70b": ModelShape(
+        architecture="llama", name="Llama-3-70B-like", block_count=80, embedding_length=8192,
+        feed_forward_length=28672, head_count=64, head_count_kv=8, head_dim=128, context_length=131072,
+        rope_freq_base=500000.0, tokenizer_pre="llama-bpe", vocab_size=128256, quantised=True,
+    ),
+    "qwen3-30b-a3b": ModelShape(
+        architecture="qwen3moe", name="Qwen3-30B-A3B-like", block_count=48, embedding_length=2048,
+        feed_forward_length=6144, head_count=32, head_count_kv=4, head_dim=128, context_length=40960,
+        rope_freq_base=1000000.0, tokenizer_pre="qwen2", vocab_size=151936, qk_norm=True, write_key_length=True,
+        expert_count=128, expert_used_count=8, expert_feed_forward_length=768, quantised=True, rms_epsilon=1e-6,
+    ),
+}  # fmt: skip
+
+
+def tensor_plan(shape: ModelShape, *, vocab_size: int) -> list[PlannedTensor]:
+    """Every tensor of `shape`, in the order llama.cpp writes them."""
+
+    def small_or(small: Q, large: Q) -> Q:
+        return large if shape.quantised else small
+
+    n_embd, n_q, n_kv = shape.embedding_length, shape.head_count * shape.head_dim, shape.head_count_kv * shape.head_dim
+    plan = [PlannedTensor(name="token_embd.weight", dims=(n_embd, vocab_size), ggml_type=small_or(Q.F16, Q.Q4_K))]
+    for il in range(shape.block_count):
+        blk = f"blk.{il}"
+        layer = [
+            (f"{blk}.attn_norm.weight", (n_embd,), Q.F32),
+            (f"{blk}.attn_q.weight", (n_embd, n_q), small_or(Q.Q8_0, Q.Q4_K)),
+            (f"{blk}.attn_k.weight", (n_embd, n_kv), small_or(Q.Q8_0, Q.Q4_K)),
+            (f"{blk}.attn_v.weight", (n_embd, n_kv), small_or(Q.Q4_0, Q.Q6_K)),
+            (f"{blk}.attn_output.weight", (n_q, n_embd), small_or(Q.Q4_0, Q.Q4_K)),
+            (f"{blk}.ffn_norm.weight", (n_embd,), Q.F32),
+        ]
+        if shape.attention_bias:
+            layer += [(f"{blk}.attn_{p}.bias", (n,), Q.F32) for p, n in (("q", n_q), ("k", n_kv), ("v", n_kv))]
+        if shape.qk_norm:
+            layer += [(f"{blk}.attn_{p}_norm.weight", (shape.head_dim,), Q.F32) for p in ("q", "k")]
+        if shape.expert_count:
+            n_exp, n_ff = shape.expert_count, shape.expert_feed_forward_length
+            layer += [
+                (f"{blk}.ffn_gate_inp.weight", (n_embd, n_exp), Q.F32),
+                (f"{blk}.ffn_gate_exps.weight", (n_embd, n_ff, n_exp), Q.Q4_K),
+                (f"{blk}.ffn_up_exps.weight", (n_embd, n_ff, n_exp), Q.Q4_K),
+                (f"{blk}.ffn_down_exps.weight", (n_ff, n_embd, n_exp), Q.Q6_K),
+            ]
+        else:
+            n_ff = shape.feed_forward_length
+            layer += [
+                (f"{blk}.ffn_gate.weight", (n_embd, n_ff), small_or(Q.Q4_0, Q.Q4_K)),
+                (f"{blk}.ffn_up.weight", (n_embd, n_ff), small_or(Q.Q8_0, Q.Q4_K)),
+                (f"{blk}.ffn_down.weight", (n_ff, n_embd), small_or(Q.F16, Q.Q6_K)),
+            ]
+        plan += [PlannedTensor(name=name, dims=dims, ggml_type=t) for name, dims, t in layer]
+    plan.append(PlannedTensor(name="output_norm.weight", dims=(n_embd,), ggml_type=Q.F32))
+    if not shape.tied_output:
+        plan.append(PlannedTensor(name="output.weight", dims=(n_embd, vocab_size), ggml_type=small_or(Q.Q8_0, Q.Q6_K)))
+    return plan

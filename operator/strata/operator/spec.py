@@ -1,0 +1,155 @@
+"""The ModelDeployment spec: one typed pydantic model that validates in the handlers and generates the CRD.
+
+Field names are the camelCase the API server stores; constraints that the API server can check (ranges, enums,
+patterns, CEL rules for cross-field checks) live here so that `crds/` is generated from them and a bad manifest is
+refused at `kubectl apply` time with a field-level message.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.config import JsonDict
+from strata.gguf.model import CacheType
+
+GROUP = "strata.dev"
+VERSION = "v1alpha1"
+KIND = "ModelDeployment"
+PLURAL = "modeldeployments"
+
+# Kubernetes resource quantities ("500m", "16Gi", "2").
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$"
+MODEL_URL_PATTERN = r"^(https://[^/\s]+/|hf://[^/\s]+/[^/\s]+/|file:///)\S*\.gguf(@[^/\s@]+)?$"
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+
+Quantity = Annotated[str, Field(pattern=QUANTITY_PATTERN, max_length=64)]
+
+
+def cel(rule: str, message: str, field_path: str | None = None) -> JsonDict:
+    """An x-kubernetes-validations entry: a CEL rule the API server evaluates on apply."""
+    entry: JsonDict = {"rule": rule, "message": message}
+    if field_path:
+        entry["fieldPath"] = field_path
+    return entry
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, use_enum_values=False)
+
+
+class SecretKeyRef(_Spec):
+    name: str = Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253, description="Secret in the same namespace.")
+    key: str = Field(default="token", min_length=1, max_length=253, description="Key within the Secret.")
+
+
+class ModelSource(_Spec):
+    url: str = Field(
+        pattern=MODEL_URL_PATTERN,
+        max_length=2048,
+        description="GGUF file: https://HOST/PATH.gguf, hf://ORG/REPO/PATH.gguf[@REVISION], or file:///PATH.gguf.",
+    )
+    token_secret_ref: SecretKeyRef | None = Field(
+        default=None, alias="tokenSecretRef", description="Bearer token for https:// or hf:// sources."
+    )
+
+
+class TolerationOperator(StrEnum):
+    EXISTS = "Exists"
+    EQUAL = "Equal"
+
+
+class TaintEffect(StrEnum):
+    NO_SCHEDULE = "NoSchedule"
+    PREFER_NO_SCHEDULE = "PreferNoSchedule"
+    NO_EXECUTE = "NoExecute"
+
+
+class Toleration(_Spec):
+    key: str | None = Field(default=None, max_length=316)
+    operator: TolerationOperator = TolerationOperator.EQUAL
+    value: str | None = Field(default=None, max_length=63)
+    effect: TaintEffect | None = None
+    toleration_seconds: int | None = Field(default=None, alias="tolerationSeconds", ge=0)
+
+
+class Placement(_Spec):
+    node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
+    max_stages: int | None = Field(default=None, alias="maxStages", ge=1, le=64)
+    gpu_memory: Quantity | None = Field(
+        default=None, alias="gpuMemory", description="Memory per GPU, overriding the nodes' GPU labels."
+    )
+    headroom_percent: int = Field(default=10, alias="headroomPercent", ge=0, le=90)
+
+
+class Admission(_Spec):
+    queue_per_lane: int = Field(default=1, alias="queuePerLane", ge=0, le=64)
+    max_wait_seconds: float = Field(default=10.0, alias="maxWaitSeconds", gt=0, le=600)
+    retry_after_seconds: int = Field(default=1, alias="retryAfterSeconds", ge=1, le=3600)
+
+
+class Resources(_Spec):
+    requests: dict[str, Quantity] = Field(default_factory=dict)
+    limits: dict[str, Quantity] = Field(default_factory=dict)
+
+
+class Ingress(_Spec):
+    host: str = Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)
+    class_name: str | None = Field(default=None, alias="className", max_length=253)
+    tls_secret_name: str | None = Field(default=None, alias="tlsSecretName", pattern=DNS_SUBDOMAIN_PATTERN)
+
+
+class Gateway(_Spec):
+    replicas: int = Field(default=1, ge=1, le=16)
+    resources: Resources = Field(default_factory=Resources)
+    ingress: Ingress | None = None
+
+
+class Stage(_Spec):
+    image: str | None = Field(default=None, max_length=512, description="Defaults to the operator's image.")
+    resources: Resources = Field(default_factory=Resources)
+
+
+class ModelDeploymentSpec(_Spec):
+    model_config = ConfigDict(
+        extra="forbid",
+        populate_by_name=True,
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "!has(self.model.tokenSecretRef) || !self.model.url.startsWith('file://')",
+                    "model.tokenSecretRef applies to https:// and hf:// sources, not file://",
+                    ".model.tokenSecretRef",
+                ),
+                cel(
+                    "!has(self.context) || self.context % 256 == 0",
+                    "context must be a multiple of 256: the planner sizes KV pools in steps of 256 cells",
+                    ".context",
+                ),
+                cel(
+                    "!has(self.context) || self.context >= self.parallel * 256",
+                    "context must leave every parallel slot at least 256 cells (context >= parallel * 256)",
+                    ".context",
+                ),
+            ]
+        },
+    )
+
+    model: ModelSource
+    served_model_name: str | None = Field(
+        default=None, alias="servedModelName", min_length=1, max_length=256, description="Model id clients send."
+    )
+    context: int | None = Field(default=None, ge=512, le=16_777_216, description="Context length override.")
+    parallel: int = Field(default=4, ge=1, le=256, description="Parallel slots sharing one KV pool.")
+    cache_type_k: CacheType = Field(default=CacheType.Q8_0, alias="cacheTypeK")
+    cache_type_v: CacheType = Field(default=CacheType.Q8_0, alias="cacheTypeV")
+    placement: Placement = Field(default_factory=Placement)
+    admission: Admission = Field(default_factory=Admission)
+    gateway: Gateway = Field(default_factory=Gateway)
+    stage: Stage = Field(default_factory=Stage)
+
+    @classmethod
+    def from_manifest(cls, spec: dict[str, Any]) -> ModelDeploymentSpec:
+        return cls.model_validate(spec)

@@ -1,0 +1,99 @@
+"""The ModelDeployment status: conditions with observedGeneration, the plan summary, load progress, endpoint.
+
+Condition types and Event reasons are constants, so a script (or a person reading `kubectl describe`) can rely on
+them; the reconciler writes the whole status object each time it acts.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ConditionType(StrEnum):
+    PLANNED = "Planned"
+    CAPACITY_AVAILABLE = "CapacityAvailable"
+    STAGES_READY = "StagesReady"
+    GATEWAY_READY = "GatewayReady"
+    READY = "Ready"
+
+
+class EventReason(StrEnum):
+    PLANNED = "Planned"
+    CAPACITY_SHORTFALL = "CapacityShortfall"
+    REPLANNED = "Replanned"
+    STAGE_LOST = "StageLost"
+    INVALID_SPEC = "InvalidSpec"
+    MODEL_UNREADABLE = "ModelUnreadable"
+
+
+class Phase(StrEnum):
+    PENDING = "Pending"
+    LOADING = "Loading"
+    READY = "Ready"
+    SHORTFALL = "Shortfall"
+    FAILED = "Failed"
+
+
+class _Status(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class Condition(_Status):
+    type: ConditionType
+    status: str = Field(pattern="^(True|False|Unknown)$")
+    reason: str = Field(pattern="^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", max_length=1024)
+    message: str = Field(default="", max_length=32768)
+    observed_generation: int = Field(default=0, alias="observedGeneration", ge=0)
+    last_transition_time: str = Field(alias="lastTransitionTime")
+
+
+class StageSummary(_Status):
+    index: int = Field(ge=0)
+    node: str
+    gpus: int = Field(ge=1)
+    backend: str
+    layer_start: int = Field(alias="layerStart", ge=0)
+    layer_end: int = Field(alias="layerEnd", ge=0)
+
+
+class PlanSummary(_Status):
+    generation: int = Field(ge=1, description="Grows by one with every new plan.")
+    stages: list[StageSummary]
+    context_length: int = Field(alias="contextLength", ge=0)
+    parallel: int = Field(ge=1)
+    cache_type_k: str = Field(alias="cacheTypeK")
+    cache_type_v: str = Field(alias="cacheTypeV")
+
+
+class LoadProgress(_Status):
+    stage: int = Field(ge=0)
+    bytes_loaded: int = Field(alias="bytesLoaded", ge=0)
+    bytes_total: int = Field(alias="bytesTotal", ge=0)
+
+
+class Excluded(_Status):
+    node: str
+    reason: str
+
+
+class Coordinator(_Status):
+    holder: str
+    term: int = Field(ge=0)
+
+
+class ModelDeploymentStatus(_Status):
+    observed_generation: int = Field(default=0, alias="observedGeneration", ge=0)
+    phase: Phase = Phase.PENDING
+    conditions: list[Condition] = Field(default_factory=list)
+    model_name: str | None = Field(default=None, alias="modelName")
+    plan: PlanSummary | None = None
+    stage_count: int = Field(default=0, alias="stageCount", ge=0)
+    context_length: int = Field(default=0, alias="contextLength", ge=0)
+    ready: str = Field(default="0/0", description="Ready stages over planned stages.")
+    shortfall: str | None = None
+    excluded: list[Excluded] = Field(default_factory=list)
+    load_progress: list[LoadProgress] = Field(default_factory=list, alias="loadProgress")
+    coordinator: Coordinator | None = None
+    endpoint: str | None = None

@@ -1,0 +1,186 @@
+"""ModelInfo from generated files matches what the generator wrote; figures are derived from the generator's record."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from strata.cli import main
+from strata.gguf import CacheType, MetadataError, inspect_model
+from strata.gguf.testmodels import LARGE_SHAPES, WrittenModel, write_header_only_model, write_test_model
+
+
+def expected_non_layer_bytes(written: WrittenModel) -> dict[str, int]:
+    roles = {"token_embd": "token_embd.weight", "output_norm": "output_norm.weight", "output": "output.weight"}
+    return {
+        role: written.tensor_bytes(name) for role, name in roles.items() if any(t.name == name for t in written.tensors)
+    }
+
+
+def write(kind: str, tmp_path: Path) -> WrittenModel:
+    if kind in LARGE_SHAPES:
+        return write_header_only_model(tmp_path / f"{kind}.gguf", shape=kind)
+    return write_test_model(tmp_path / f"{kind}.gguf", architecture=kind, seed=11)
+
+
+MODELS = [
+    pytest.param("llama", id="a small llama model"),
+    pytest.param("mistral", id="a small mistral model written as llama"),
+    pytest.param("qwen2", id="a small qwen2 model with attention biases"),
+    pytest.param("qwen3", id="a small qwen3 model whose head width is stated, not derived"),
+    pytest.param("llama3-70b", id="a header-only Llama-3-70B-like model"),
+    pytest.param("qwen3-30b-a3b", id="a header-only Qwen3-30B-A3B-like mixture of experts"),
+]
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_model_info_matches_what_was_written(tmp_path: Path, kind: str) -> None:
+    written = write(kind, tmp_path)
+    shape = written.shape
+    info = inspect_model(str(written.path))
+    assert info.architecture == shape.architecture
+    assert info.name == shape.name
+    assert info.block_count == shape.block_count
+    assert info.embedding_length == shape.embedding_length
+    assert info.head_count == shape.head_count
+    assert info.head_count_kv == (shape.head_count_kv,) * shape.block_count
+    assert info.key_length == info.value_length == shape.head_dim
+    assert info.context_length == shape.context_length
+    assert info.vocab_size == written.vocab_size
+    assert list(info.layer_bytes) == written.layer_bytes()
+    assert info.non_layer_bytes == expected_non_layer_bytes(written)
+    assert info.total_bytes == sum(t.nbytes for t in written.tensors)
+    assert info.output_tied == shape.tied_output
+    assert (info.expert_count, info.expert_used_count) == (shape.expert_count, shape.expert_used_count)
+    assert info.rope is not None
+    assert (info.rope.freq_base, info.rope.dimension_count) == (shape.rope_freq_base, shape.head_dim)
+    assert (info.tokenizer_model, info.tokenizer_pre, info.has_chat_template) == ("gpt2", shape.tokenizer_pre, True)
+    assert info.executable == (shape.architecture in {"llama", "qwen2", "qwen3"})
+    assert info.sliding_window is None
+    assert info.file_bytes == written.path.stat().st_size
+    assert info.header_bytes_read <= info.file_bytes
+
+
+@pytest.mark.parametrize(
+    ("cache_type", "bytes_per_token"),
+    [
+        pytest.param(CacheType.F16, 131_072, id="Llama-3-8B holds 131,072 bytes of f16 KV per token"),
+        pytest.param(CacheType.Q8_0, 69_632, id="Llama-3-8B holds 69,632 bytes of q8_0 KV per token"),
+    ],
+)
+def test_kv_bytes_per_token_for_the_llama_3_8b_shape(
+    tmp_path: Path, cache_type: CacheType, bytes_per_token: int
+) -> None:
+    info = inspect_model(str(write_header_only_model(tmp_path / "8b.gguf", shape="llama3-8b").path))
+    assert info.kv_bytes_per_token(type_k=cache_type, type_v=cache_type) == bytes_per_token
+
+
+@pytest.mark.parametrize(
+    ("architecture", "is_sliding"),
+    [
+        pytest.param("gemma2", lambda il: il % 2 == 0, id="gemma2 slides on even layers"),
+        pytest.param("gemma3", lambda il: il % 6 < 5, id="gemma3 slides on five layers of every six"),
+        pytest.param("llama", lambda il: False, id="llama ignores a stated window"),
+    ],
+)
+def test_sliding_window_layers_follow_the_architecture(tmp_path: Path, architecture: str, is_sliding: object) -> None:
+    shape = dataclasses.replace(
+        LARGE_SHAPES["llama3-8b"], architecture=architecture, block_count=12, sliding_window=512
+    )
+    info = inspect_model(str(write_header_only_model(tmp_path / "swa.gguf", shape=shape).path))
+    assert callable(is_sliding)
+    if architecture == "llama":
+        assert info.sliding_window is None
+    else:
+        assert info.sliding_window is not None
+        assert info.sliding_window.window == 512
+        assert info.sliding_window.layers == tuple(is_sliding(il) for il in range(12))
+
+
+def write_minimal(path: Path, *, keys: dict[str, object]) -> Path:
+    writer = gguf.GGUFWriter(path, "llama")
+    for key, value in keys.items():
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        else:
+            writer.add_string(key, str(value))
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(32, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+BASE = {
+    "llama.block_count": 3,
+    "llama.embedding_length": 96,
+    "llama.attention.head_count": 4,
+    "llama.context_length": 64,
+}
+
+
+def test_per_layer_kv_heads_and_the_key_length_fallback(tmp_path: Path) -> None:
+    path = write_minimal(tmp_path / "m.gguf", keys={**BASE, "llama.attention.head_count_kv": [4, 0, 2]})
+    info = inspect_model(str(path))
+    assert info.head_count_kv == (4, 0, 2)
+    assert info.key_length == info.value_length == 96 // 4
+    assert info.kv_bytes_per_token(type_k=CacheType.F16, type_v=CacheType.F16) == (4 + 0 + 2) * 24 * 2 * 2
+    assert info.output_tied
+    assert info.vocab_size == 0
+
+
+@pytest.mark.parametrize(
+    ("keys", "field"),
+    [
+        pytest.param(
+            {k: v for k, v in BASE.items() if k != "llama.block_count"}, "llama.block_count", id="no block count"
+        ),
+        pytest.param({**BASE, "llama.context_length": "long"}, "llama.context_length", id="a context length string"),
+        pytest.param({**BASE, "llama.attention.head_count_kv": [1, 2]}, "llama.attention.head_count_kv", id="2 of 3"),
+        pytest.param({**BASE, "llama.block_count": 0}, "llama.block_count", id="a model with zero layers"),
+    ],
+)
+def test_missing_or_mistyped_keys_name_the_key(tmp_path: Path, keys: dict[str, object], field: str) -> None:
+    with pytest.raises(MetadataError) as raised:
+        inspect_model(str(write_minimal(tmp_path / "m.gguf", keys=keys)))
+    assert raised.value.field == field
+
+
+def test_the_command_prints_json_with_the_documented_fields(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    written = write_test_model(tmp_path / "q.gguf", architecture="qwen2", seed=1)
+    assert main(["inspect", str(written.path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["layer_bytes"] == written.layer_bytes()
+    assert report["non_layer_bytes"] == expected_non_layer_bytes(written)
+    assert report["total_bytes"] == sum(t.nbytes for t in written.tensors)
+    n_kv = written.shape.head_count_kv * written.shape.head_dim * written.shape.block_count
+    assert report["kv_bytes_per_token"]["f16"] == 2 * n_kv * 2
+    assert report["kv_bytes_per_token"]["q8_0"] == 2 * n_kv // 32 * 34
+    assert report["header_bytes_read"] > 0
+    assert report["sliding_window"] is None
+    assert report["executable"] is True
+    assert main(["inspect", str(written.path)]) == 0
+    assert "KV/token q8_0" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        pytest.param(b"not a model", "BadMagicError", id="a text file is refused as not GGUF"),
+        pytest.param(b"GGUF\x03\x00\x00\x00", "TruncatedError", id="a file cut inside the header is truncated"),
+    ],
+)
+def test_the_command_exits_1_on_bad_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes, message: str
+) -> None:
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(content)
+    assert main(["inspect", str(path)]) == 1
+    assert message in capsys.readouterr().err

@@ -1,0 +1,131 @@
+"""The CRD is generated from the typed spec, and the real API server refuses bad manifests field by field."""
+
+from __future__ import annotations
+
+import copy
+import time
+import uuid
+from typing import Any
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from strata.operator.crd import CRD_PATH, render_crd, render_yaml
+from strata.operator.spec import GROUP, PLURAL, VERSION, ModelDeploymentSpec
+
+VALID: dict[str, Any] = {
+    "apiVersion": f"{GROUP}/{VERSION}",
+    "kind": "ModelDeployment",
+    "metadata": {"name": "tiny"},
+    "spec": {
+        "model": {"url": "hf://acme/tiny-llama-GGUF/tiny-llama.Q8_0.gguf@main"},
+        "context": 4096,
+        "parallel": 4,
+        "cacheTypeK": "q8_0",
+        "placement": {"maxStages": 2, "tolerations": [{"key": "dedicated", "operator": "Exists"}]},
+        "gateway": {"ingress": {"host": "tiny.example.com", "className": "nginx"}},
+    },
+}
+
+
+def test_the_committed_crd_is_what_the_spec_generates() -> None:
+    assert CRD_PATH.read_text() == render_yaml(), "crds/ is stale: run `python -m strata.operator.crd`"
+
+
+def test_the_valid_example_parses_with_the_handlers_model() -> None:
+    spec = ModelDeploymentSpec.from_manifest(VALID["spec"])
+    assert spec.parallel == 4
+    assert spec.placement.headroom_percent == 10
+
+
+@pytest.fixture(scope="module")
+def crd_installed(control_plane: Any) -> None:
+    from kubernetes import config
+
+    api = config.new_client_from_config(config_file=str(control_plane.kubeconfig))
+    ext = client.ApiextensionsV1Api(api)
+    try:
+        ext.create_custom_resource_definition(body=render_crd())
+    except ApiException as e:
+        if e.status != 409:
+            raise
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        crd = ext.read_custom_resource_definition(name=f"{PLURAL}.{GROUP}")
+        if any(c.type == "Established" and c.status == "True" for c in crd.status.conditions or []):
+            break
+        time.sleep(0.2)
+    api.close()
+
+
+def _with(path: str, value: Any) -> dict[str, Any]:
+    manifest = copy.deepcopy(VALID)
+    target = manifest
+    keys = path.split(".")
+    for key in keys[:-1]:
+        target = target.setdefault(key, {})
+    target[keys[-1]] = value
+    return manifest
+
+
+INVALID = [
+    pytest.param(_with("spec.model.url", "ftp://host/model.gguf"), "spec.model.url", id="an ftp URL is refused"),
+    pytest.param(_with("spec.model.url", "http://host/model.gguf"), "spec.model.url", id="plain http is refused"),
+    pytest.param(_with("spec.model.url", "https://host/model.bin"), "spec.model.url", id="a non-GGUF file is refused"),
+    pytest.param(_with("spec.context", -1), "spec.context", id="a negative context is refused"),
+    pytest.param(_with("spec.context", 5000), "spec.context", id="a context off the 256-cell grid is refused"),
+    pytest.param(_with("spec.cacheTypeK", "q3_k"), "spec.cacheTypeK", id="an unknown cache type is refused"),
+    pytest.param(_with("spec.parallel", 0), "spec.parallel", id="zero parallel slots are refused"),
+    pytest.param(
+        _with("spec.model", {"url": "file:///models/tiny.gguf", "tokenSecretRef": {"name": "hf-token"}}),
+        "spec.model.tokenSecretRef",
+        id="a token Secret with a local file is contradictory",
+    ),
+    pytest.param(_with("spec.parallel", 32), "spec.context", id="more slots than the context can give 256 cells each"),
+    pytest.param(_with("spec.placement.maxStages", 0), "spec.placement.maxStages", id="zero stages are refused"),
+    pytest.param(
+        _with("spec.placement.headroomPercent", 95),
+        "spec.placement.headroomPercent",
+        id="headroom above 90% is refused",
+    ),
+    pytest.param(_with("spec.placement.gpuMemory", "lots"), "spec.placement.gpuMemory", id="a non-quantity is refused"),
+    pytest.param(_with("spec.admission.maxWaitSeconds", 0), "spec.admission.maxWaitSeconds", id="zero wait refused"),
+    pytest.param(_with("spec.gateway.replicas", 0), "spec.gateway.replicas", id="zero gateway replicas are refused"),
+    pytest.param(
+        _with("spec.placement.tolerations", [{"operator": "Sometimes"}]),
+        "spec.placement.tolerations[0].operator",
+        id="an unknown toleration operator is refused",
+    ),
+    pytest.param(_with("spec.replicas", 3), "replicas", id="an unknown field is refused"),
+    pytest.param({**VALID, "spec": {"parallel": 2}}, "spec.model", id="a manifest without a model is refused"),
+]
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("crd_installed")
+@pytest.mark.parametrize(("manifest", "field"), INVALID)
+def test_the_api_server_refuses_an_invalid_manifest_naming_the_field(
+    api_client: client.ApiClient, manifest: dict[str, Any], field: str
+) -> None:
+    objects = client.CustomObjectsApi(api_client)
+    body = copy.deepcopy(manifest)
+    body["metadata"] = {"name": f"bad-{uuid.uuid4().hex[:6]}"}
+    with pytest.raises(ApiException) as refused:
+        objects.create_namespaced_custom_object(
+            group=GROUP, version=VERSION, namespace="default", plural=PLURAL, body=body, field_validation="Strict"
+        )
+    assert refused.value.status in (400, 422)
+    assert field in str(refused.value.body)
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("crd_installed")
+def test_the_api_server_accepts_the_valid_example_and_applies_defaults(api_client: client.ApiClient) -> None:
+    objects = client.CustomObjectsApi(api_client)
+    body = copy.deepcopy(VALID)
+    body["metadata"] = {"name": f"ok-{uuid.uuid4().hex[:6]}"}
+    created = objects.create_namespaced_custom_object(
+        group=GROUP, version=VERSION, namespace="default", plural=PLURAL, body=body, field_validation="Strict"
+    )
+    assert created["spec"]["cacheTypeV"] == "q8_0"
+    assert created["spec"]["model"]["url"] == VALID["spec"]["model"]["url"]

@@ -13,7 +13,10 @@ from collections.abc import Sequence
 from importlib.metadata import version
 
 # (subcommand, module that implements it); the module's register() adds the parser and sets `run`.
-SUBCOMMANDS: tuple[tuple[str, str], ...] = (("inspect", "strata.gguf.command"),)
+SUBCOMMANDS: tuple[tuple[str, str], ...] = (
+    ("inspect", "strata.gguf.command"),
+    ("stage-worker", "strata.stage_worker.command"),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

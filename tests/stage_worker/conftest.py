@@ -1,4 +1,4 @@
-"""Fixtures for the stage worker: tiny GGUF models of each architecture, written once per session."""
+"""Fixtures for the stage worker: the shared generated test models, three layers each so they split three ways."""
 
 from __future__ import annotations
 
@@ -6,12 +6,15 @@ import os
 from pathlib import Path
 
 import pytest
-from strata_testbed.tiny_models import ARCHITECTURES, write_tiny_model
+from strata.gguf.testmodels import SMALL_SHAPES, write_test_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+LAYERS = 3
 
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("models")
-    return {key: write_tiny_model(folder / f"{key}.gguf", shape) for key, shape in ARCHITECTURES.items()}
+    return {
+        key: write_test_model(folder / f"{key}.gguf", architecture=key, block_count=LAYERS).path for key in SMALL_SHAPES
+    }

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from strata.gguf import read_header
 from strata.gguf.model import CacheType
+from strata.gguf.sources import open_source
 from strata.stage_worker.engine import Chunk, Engine
-from strata.stage_worker.header import read_header
 from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.loader import LoadProgress, load_stage
-from strata.stage_worker.sources import open_source
 from strata_testbed.hf_reference import hf_reference
 
 CPU = torch.device("cpu")

@@ -16,10 +16,10 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf.quants import dequantize
+from strata.gguf import GGUFHeader, TensorInfo
+from strata.gguf.cursor import ByteSource
 from strata.stage_worker.errors import ModelFileError
-from strata.stage_worker.header import Header, TensorEntry
 from strata.stage_worker.model import ModelConfig, RopeStyle, StageModel
-from strata.stage_worker.sources import ByteSource
 from torch import nn
 
 # How llama.cpp rotates each architecture's q/k (llama_model_rope_type); the file's weights are in that order.
@@ -50,7 +50,7 @@ BLOCK_TENSORS: dict[str, str] = {
 READ_PIECE = 8 << 20
 
 
-def config_from_header(header: Header) -> ModelConfig:
+def config_from_header(header: GGUFHeader) -> ModelConfig:
     meta = header.metadata
     arch = str(meta.get("general.architecture", ""))
     if arch not in ROPE_STYLES:
@@ -58,7 +58,7 @@ def config_from_header(header: Header) -> ModelConfig:
 
     def number(key: str, default: float | None = None) -> float:
         value = meta.get(f"{arch}.{key}", default)
-        if isinstance(value, list):  # a per-layer array; the llama family uses one value for every layer
+        if isinstance(value, tuple):  # a per-layer array; the llama family uses one value for every layer
             if len(set(value)) != 1:
                 raise ModelFileError(f"{arch}.{key} differs between layers, which the llama family never does")
             value = value[0]
@@ -70,8 +70,8 @@ def config_from_header(header: Header) -> ModelConfig:
     n_head = int(number("attention.head_count"))
     head_dim = int(number("attention.key_length", dim // n_head))
     tokens = meta.get("tokenizer.ggml.tokens")
-    embd = header.tensors.get("token_embd.weight")
-    vocab_default = len(tokens) if isinstance(tokens, list) else (embd.shape[0] if embd else None)
+    embd = header.tensor_by_name.get("token_embd.weight")
+    vocab_default = len(tokens) if isinstance(tokens, tuple) else (embd.shape[0] if embd else None)
     return ModelConfig(
         architecture=arch,
         n_layer=int(number("block_count")),
@@ -85,9 +85,9 @@ def config_from_header(header: Header) -> ModelConfig:
         rope_theta=float(number("rope.freq_base", 10000.0)),
         rope_dim=int(number("rope.dimension_count", head_dim)),
         rope_style=ROPE_STYLES[arch],
-        attention_bias="blk.0.attn_q.bias" in header.tensors,
-        qk_norm="blk.0.attn_q_norm.weight" in header.tensors,
-        tied_output="output.weight" not in header.tensors,
+        attention_bias="blk.0.attn_q.bias" in header.tensor_by_name,
+        qk_norm="blk.0.attn_q_norm.weight" in header.tensor_by_name,
+        tied_output="output.weight" not in header.tensor_by_name,
     )
 
 
@@ -109,18 +109,18 @@ class LoadProgress:
     error: str = ""
 
 
-def needed_tensors(model: StageModel, header: Header) -> dict[str, list[str]]:
+def needed_tensors(model: StageModel, header: GGUFHeader) -> dict[str, list[str]]:
     """GGUF tensor name -> the StageModel parameters it fills (token_embd may fill both ends of one stage)."""
     needed: dict[str, list[str]] = {}
     for parameter, _ in model.named_parameters():
         name = gguf_name(model.config, layer_start=model.layer_start, parameter=parameter)
-        if name not in header.tensors:
+        if name not in header.tensor_by_name:
             raise ModelFileError(f"the GGUF file has no tensor {name!r}, which layers {model.layer_start}.. need")
         needed.setdefault(name, []).append(parameter)
     return needed
 
 
-def read_tensor(source: ByteSource, entry: TensorEntry, *, on_bytes: Callable[[int], None]) -> np.ndarray:
+def read_tensor(source: ByteSource, entry: TensorInfo, *, on_bytes: Callable[[int], None]) -> np.ndarray:
     """Read one tensor by range and dequantise it to f32 in torch order."""
     pieces = []
     for start in range(0, entry.nbytes, READ_PIECE):
@@ -137,7 +137,7 @@ def read_tensor(source: ByteSource, entry: TensorEntry, *, on_bytes: Callable[[i
 def load_stage(
     *,
     source: ByteSource,
-    header: Header,
+    header: GGUFHeader,
     layer_start: int,
     layer_end: int,
     dtype: torch.dtype,
@@ -149,7 +149,7 @@ def load_stage(
     with torch.device("meta"):
         model = StageModel(config, layer_start=layer_start, layer_end=layer_end)
     needed = needed_tensors(model, header)
-    progress.bytes_total = sum(header.tensors[name].nbytes for name in needed)
+    progress.bytes_total = sum(header.tensor_by_name[name].nbytes for name in needed)
 
     def count(n: int) -> None:
         progress.bytes_loaded += n
@@ -157,7 +157,7 @@ def load_stage(
     for name, parameters in needed.items():
         if cancelled is not None and cancelled.is_set():
             raise ModelFileError("loading was cancelled")
-        values = torch.from_numpy(read_tensor(source, header.tensors[name], on_bytes=count))
+        values = torch.from_numpy(read_tensor(source, header.tensor_by_name[name], on_bytes=count))
         for parameter in parameters:
             expected = model.get_parameter(parameter).shape
             if tuple(values.shape) != tuple(expected):

@@ -16,6 +16,8 @@ from typing import NoReturn, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from strata.gguf import GGUFError, read_header
+from strata.gguf.sources import open_source
 from strata.rpc.v1 import stage_pb2, stage_pb2_grpc
 from strata.stage_worker.engine import Engine
 from strata.stage_worker.errors import (
@@ -28,12 +30,10 @@ from strata.stage_worker.errors import (
     WrongGenerationError,
 )
 from strata.stage_worker.fencing import Holder, TermFence
-from strata.stage_worker.header import read_header
 from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.loader import LoadProgress, load_stage
 from strata.stage_worker.next_stage import CHANNEL_OPTIONS, NextStage, RemoteStageError
 from strata.stage_worker.settings import StageSettings
-from strata.stage_worker.sources import open_source
 from strata.stage_worker.wire import chunk_from_proto, reply_from_result, tensor_from_proto, tensor_to_proto
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # gener
                     f"layers [{s.layer_start}, {s.layer_end}) of {c.n_layer} "
                     + ("end the model, yet a next stage is set" if model.is_last else "need a next stage")
                 )
-        except (StageError, OSError, ValueError) as exc:
+        except (StageError, GGUFError, OSError, ValueError) as exc:
             self.progress.error = str(exc)
             log.error("stage %d failed to load: %s", s.stage_index, exc)
             return

@@ -8,13 +8,34 @@ tests and benchmarks use this module directly.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import grpc
 import torch
-from strata.rpc.v1 import stage_pb2
+from strata.rpc.v1 import stage_pb2, stage_pb2_grpc
 from strata.stage_worker.next_stage import NextStage
 from strata.stage_worker.wire import tensor_from_proto
+
+
+def wait_loaded(target: str, *, timeout_s: float, poll_s: float = 0.2) -> stage_pb2.LoadStatus:
+    """Poll a stage's load status until it has loaded; raise TimeoutError with its last status otherwise."""
+    with grpc.insecure_channel(target) as channel:
+        stub = stage_pb2_grpc.StageStub(channel)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                status: stage_pb2.LoadStatus = stub.GetLoadStatus(stage_pb2.LoadStatusRequest(), timeout=poll_s * 10)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+            else:
+                if status.loaded:
+                    return status
+                if status.error or time.monotonic() > deadline:
+                    raise TimeoutError(f"stage at {target} did not load: {status}")
+            time.sleep(poll_s)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256s
 PROTOS := $(shell find protos -name '*.proto')
 PROTO_OUT := core/strata/rpc/.generated
 
-.PHONY: setup test lint typecheck imports pytest protos binaries clean
+.PHONY: setup test lint typecheck imports pytest protos binaries crds clean
 
 setup: $(STAMP) $(PROTO_OUT) binaries
 
@@ -24,6 +24,9 @@ $(PROTO_OUT): $(PROTOS) $(STAMP)
 	rm -rf core/strata/rpc
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=core --pyi_out=core --grpc_python_out=core $(PROTOS)
 	touch $@
+
+crds: $(STAMP)
+	$(BIN)/python -m strata.operator.crd
 
 binaries:
 	testbed/build-binaries.sh >/dev/null

@@ -9,7 +9,6 @@ import pytest
 from kubernetes import client
 from strata.lease import LeaseElector, LeaseTiming
 
-
 FAST = LeaseTiming(duration_seconds=3, renew_deadline_seconds=2.0, retry_period_seconds=0.5)
 
 

@@ -1,0 +1,38 @@
+"""Context lengths the planner may choose: snapped down to a tidy value, never below a useful floor.
+
+A context is only worth serving if it holds a real conversation (the floor, 512 tokens), and runtimes allocate
+KV in blocks, so the planner snaps down: to a multiple of 256 by default, or to a power of two. The native context
+(what the model was trained for) caps everything; a model whose native context is below the floor is offered
+exactly its native context.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+CONTEXT_FLOOR = 512
+CONTEXT_STEP = 256
+
+
+class ContextSnap(StrEnum):
+    STEP = "step"  # multiples of CONTEXT_STEP
+    POWER_OF_TWO = "power-of-two"
+
+
+def snap_down(tokens: int, *, snap: ContextSnap = ContextSnap.STEP) -> int:
+    """The largest tidy context at most `tokens`; 0 when even the floor does not fit."""
+    if tokens < CONTEXT_FLOOR:
+        return 0
+    if snap is ContextSnap.POWER_OF_TWO:
+        return 1 << (tokens.bit_length() - 1)
+    return tokens // CONTEXT_STEP * CONTEXT_STEP
+
+
+def candidate_contexts(*, native: int, snap: ContextSnap = ContextSnap.STEP) -> list[int]:
+    """Every context the search may pick, ascending, the largest being snap_down(native)."""
+    if native < CONTEXT_FLOOR:
+        return [native] if native > 0 else []
+    top = snap_down(native, snap=snap)
+    if snap is ContextSnap.POWER_OF_TWO:
+        return [1 << bit for bit in range(CONTEXT_FLOOR.bit_length() - 1, top.bit_length())]
+    return list(range(CONTEXT_FLOOR, top + 1, CONTEXT_STEP))

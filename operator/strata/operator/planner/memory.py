@@ -1,0 +1,47 @@
+"""How much of a GPU a stage may use, and what besides weights and KV it must hold.
+
+Usable memory is the GPU's memory minus headroom: a share of it (10% by default) but never less than what the
+backend's runtime itself takes (context, library workspaces), which no setting can give back. Each stage also
+needs fixed compute buffers: activations for one micro-batch, and on the last stage the logits. What is left
+after weights and buffers is shared out to the KV cache at 85%, so allocator slack never meets a full cache.
+"""
+
+from __future__ import annotations
+
+from strata.gguf.model import ModelInfo
+from strata.plan import Backend
+
+GIB = 1 << 30
+DEFAULT_HEADROOM_FRACTION = 0.10
+# What the runtime keeps for itself before any tensor is loaded: CUDA context and cuBLAS workspaces; HIP runtime
+# and rocBLAS/hipBLASLt workspaces (larger); Level Zero and oneDNN on Intel.
+RUNTIME_OVERHEAD_BYTES: dict[Backend, int] = {
+    Backend.CUDA: 1 * GIB,
+    Backend.ROCM: 3 * GIB // 2,
+    Backend.XPU: 1 * GIB,
+}
+KV_BUDGET_PERCENT = 85  # kv_budget = (usable - weights - buffers) * 0.85
+UBATCH_TOKENS = 512  # tokens per micro-batch: sizes the activation and logits buffers
+ACTIVATION_BUFFERS = 16  # hidden-state-sized f32 tensors alive at once in one layer's graph (flash attention)
+F32_BYTES = 4
+
+
+def headroom_bytes(*, memory_bytes: int, backend: Backend, fraction: float) -> int:
+    """The share of the GPU kept free: `fraction` of its memory, at least the backend's runtime overhead."""
+    return max(int(memory_bytes * fraction), RUNTIME_OVERHEAD_BYTES[backend])
+
+
+def usable_bytes(*, memory_bytes: int, backend: Backend, fraction: float) -> int:
+    return max(0, memory_bytes - headroom_bytes(memory_bytes=memory_bytes, backend=backend, fraction=fraction))
+
+
+def buffer_bytes(*, model: ModelInfo, output_head: bool) -> int:
+    """Fixed compute buffers of a stage: activations for one micro-batch, plus the logits on the last stage."""
+    activations = UBATCH_TOKENS * model.embedding_length * F32_BYTES * ACTIVATION_BUFFERS
+    logits = UBATCH_TOKENS * model.vocab_size * F32_BYTES if output_head else 0
+    return activations + logits
+
+
+def kv_budget_bytes(*, usable: int, weights: int, buffers: int) -> int:
+    """KV bytes a stage may hold: 85% of what weights and buffers leave; zero when they do not fit."""
+    return max(0, usable - weights - buffers) * KV_BUDGET_PERCENT // 100

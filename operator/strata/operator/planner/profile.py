@@ -1,0 +1,69 @@
+"""A model's byte counts as prefix sums, so any span of layers is priced in constant time.
+
+The search asks "do layers [a, b) fit on this GPU at context c?" thousands of times. ModelInfo answers by walking
+the layers; here the same numbers come from prefix sums: weights, and KV bytes per cell split into full-attention
+layers (which hold `context` cells) and sliding-window layers (which hold min(context, window * slots + ubatch)).
+`kv_bytes` equals ModelInfo.kv_bytes for every span; the tests hold it to that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+from strata.gguf.model import CacheType, ModelInfo
+from strata.operator.planner.memory import UBATCH_TOKENS, buffer_bytes
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    layers: int
+    native_context: int
+    embedding_bytes: int
+    head_bytes: int
+    head_bytes_beside_embeddings: int  # what the head adds on a stage that already holds token_embd
+    middle_buffer_bytes: int
+    last_buffer_bytes: int
+    weight_prefix: tuple[int, ...]
+    full_kv_prefix: tuple[int, ...]  # bytes per cell, full-attention layers
+    window_kv_prefix: tuple[int, ...]  # bytes per cell, sliding-window layers
+    window_cells: int  # cells a sliding-window layer holds at most
+
+    @classmethod
+    def of(cls, model: ModelInfo, *, type_k: CacheType, type_v: CacheType, parallel: int) -> ModelProfile:
+        cells = [model.kv_bytes_per_cell(il, type_k=type_k, type_v=type_v) for il in range(model.block_count)]
+        sliding = [model.is_sliding(il) for il in range(model.block_count)]
+        window = model.sliding_window
+        window_cells = window.window * parallel + UBATCH_TOKENS if window is not None else 0
+        head_beside_embeddings = model.head_bytes - model.embedding_bytes if model.output_tied else model.head_bytes
+        return cls(
+            layers=model.block_count,
+            native_context=model.context_length,
+            embedding_bytes=model.embedding_bytes,
+            head_bytes=model.head_bytes,
+            head_bytes_beside_embeddings=head_beside_embeddings,
+            middle_buffer_bytes=buffer_bytes(model=model, output_head=False),
+            last_buffer_bytes=buffer_bytes(model=model, output_head=True),
+            weight_prefix=(0, *accumulate(model.layer_bytes)),
+            full_kv_prefix=(0, *accumulate(c * (not s) for c, s in zip(cells, sliding, strict=True))),
+            window_kv_prefix=(0, *accumulate(c * s for c, s in zip(cells, sliding, strict=True))),
+            window_cells=window_cells,
+        )
+
+    def weight_bytes(self, start: int, end: int, *, first: bool, last: bool) -> int:
+        """Layers [start, end), plus token_embd on the first stage and the head on the last (shared when tied)."""
+        total = self.weight_prefix[end] - self.weight_prefix[start]
+        if first:
+            total += self.embedding_bytes
+        if last:
+            total += self.head_bytes_beside_embeddings if first else self.head_bytes
+        return total
+
+    def buffer_bytes(self, *, last: bool) -> int:
+        return self.last_buffer_bytes if last else self.middle_buffer_bytes
+
+    def kv_bytes(self, start: int, end: int, context: int) -> int:
+        """KV bytes of layers [start, end) for one unified pool of `context` cells (lanes share it)."""
+        full = self.full_kv_prefix[end] - self.full_kv_prefix[start]
+        window = self.window_kv_prefix[end] - self.window_kv_prefix[start]
+        return context * full + min(context, self.window_cells) * window

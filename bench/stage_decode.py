@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import os
 import platform
 import re
@@ -69,7 +70,7 @@ def stage_process(*, model: Path, index: int, span: tuple[int, int], next_port: 
 
 def splits(layers: int, stages: int) -> list[tuple[int, int]]:
     bounds = [round(i * layers / stages) for i in range(stages + 1)]
-    return list(zip(bounds[:-1], bounds[1:], strict=True))
+    return list(itertools.pairwise(bounds))
 
 
 def decode_steps(port: int, *, tokens: int) -> tuple[float, list[float]]:
@@ -100,9 +101,10 @@ def hf_decode(model: Path, *, tokens: int) -> float:
     reference = hf_reference(model)
     ids = torch.tensor([PROMPT])
     with torch.inference_mode():
-        reference.generate(ids, max_new_tokens=4, do_sample=False)  # warm up
+        generate = getattr(reference, "generate")  # noqa: B009 (typed as a Tensor in transformers' stubs)
+        generate(ids, max_new_tokens=4, do_sample=False)  # warm up
         started = time.perf_counter()
-        reference.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+        generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
     return tokens / (time.perf_counter() - started)
 
 

@@ -15,11 +15,9 @@ from importlib.metadata import version
 # (subcommand, module that implements it); the module's register() adds the parser and sets `run`.
 SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("inspect", "strata.gguf.command"),
-SUBCOMMANDS: tuple[tuple[str, str], ...] = (
-    ("inspect", "strata.gguf.command"),
     ("plan", "strata.operator.plan_command"),
     ("operator", "strata.operator.command"),
-)
+    ("stage-worker", "strata.stage_worker.command"),
 )
 
 

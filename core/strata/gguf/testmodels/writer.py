@@ -8,6 +8,7 @@ tests can derive expected figures without going through the reader they are test
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,9 +49,17 @@ class WrittenModel:
         return next(t.nbytes for t in self.tensors if t.name == name)
 
 
-def write_test_model(path: Path, *, architecture: str, seed: int = 0) -> WrittenModel:
-    """A small model of `architecture` (llama, mistral, qwen2, qwen3) with seeded weights, at `path`."""
-    shape = SMALL_SHAPES[architecture]
+def write_test_model(
+    path: Path, *, architecture: str, seed: int = 0, block_count: int | None = None, shape: ModelShape | None = None
+) -> WrittenModel:
+    """A small model of `architecture` (llama, mistral, qwen2, qwen3) with seeded weights, at `path`.
+
+    `block_count` overrides the shape's layer count (the stage worker splits models into up to three stages);
+    `shape` replaces the small shape outright (benchmarks want realistic widths).
+    """
+    shape = shape or SMALL_SHAPES[architecture]
+    if block_count is not None:
+        shape = dataclasses.replace(shape, block_count=block_count)
     vocab = vocabulary(size=shape.vocab_size)
     rng = np.random.default_rng(seed)
     writer = _writer(path, shape=shape, vocab=vocab)

@@ -1,0 +1,102 @@
+"""`strata stage-worker`: run one pipeline stage until SIGTERM.
+
+The operator configures a stage pod through these environment variables; each also has a flag, and a flag given on
+the command line wins over the environment.
+
+    STRATA_STAGE_INDEX       position of this stage in the pipeline (0 is first)
+    STRATA_LAYER_START       first layer this stage holds
+    STRATA_LAYER_END         one past the last layer this stage holds
+    STRATA_MODEL_URL         GGUF file: a local path, file://, or http(s):// (read with Range requests)
+    STRATA_CONTEXT           KV cells in the unified pool shared by the slots
+    STRATA_PARALLEL          slots (lanes) sharing the pool
+    STRATA_CACHE_TYPE_K      K cache type: f32, f16, bf16 or q8_0 (default q8_0)
+    STRATA_CACHE_TYPE_V      V cache type: f32, f16, bf16 or q8_0 (default q8_0)
+    STRATA_NEXT_STAGE        host:port of the next stage; empty on the last stage
+    STRATA_LISTEN            address to serve gRPC on (default 0.0.0.0:50051)
+    STRATA_DEVICE            torch device: cpu, cuda, cuda:N (default cpu)
+    STRATA_DTYPE             compute dtype: float32, float16, bfloat16 (default float32 on CPU, bfloat16 on GPUs)
+    STRATA_PLAN_GENERATION   the plan generation this stage belongs to (default 0)
+
+torch is imported only when the command runs, so `strata --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+# (flag, environment variable, type, default; None means required)
+OPTIONS: tuple[tuple[str, str, Callable[[str], Any], object], ...] = (
+    ("--stage-index", "STRATA_STAGE_INDEX", int, 0),
+    ("--layer-start", "STRATA_LAYER_START", int, None),
+    ("--layer-end", "STRATA_LAYER_END", int, None),
+    ("--model-url", "STRATA_MODEL_URL", str, None),
+    ("--context", "STRATA_CONTEXT", int, None),
+    ("--parallel", "STRATA_PARALLEL", int, 4),
+    ("--cache-type-k", "STRATA_CACHE_TYPE_K", str, "q8_0"),
+    ("--cache-type-v", "STRATA_CACHE_TYPE_V", str, "q8_0"),
+    ("--next-stage", "STRATA_NEXT_STAGE", str, ""),
+    ("--listen", "STRATA_LISTEN", str, "0.0.0.0:50051"),
+    ("--device", "STRATA_DEVICE", str, "cpu"),
+    ("--dtype", "STRATA_DTYPE", str, ""),
+    ("--plan-generation", "STRATA_PLAN_GENERATION", int, 0),
+)
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "stage-worker",
+        help="serve one pipeline stage (a span of layers) over gRPC",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    for flag, env, kind, default in OPTIONS:
+        parser.add_argument(flag, type=kind, default=None, help=f"(env {env}; default {default!r})")
+    parser.set_defaults(run=run)
+
+
+def resolve(args: argparse.Namespace, environ: dict[str, str]) -> dict[str, object]:
+    """Flag, else environment, else default; a missing required setting is an error naming both spellings."""
+    values: dict[str, object] = {}
+    for flag, env, kind, default in OPTIONS:
+        name = flag.removeprefix("--").replace("-", "_")
+        value = getattr(args, name)
+        if value is None and env in environ:
+            try:
+                value = kind(environ[env])
+            except ValueError as exc:
+                raise SystemExit(f"strata stage-worker: {env}={environ[env]!r} is not a valid {kind.__name__}") from exc
+        if value is None:
+            if default is None:
+                raise SystemExit(f"strata stage-worker: set {flag} or {env}")
+            value = default
+        values[name] = value
+    return values
+
+
+def run(args: argparse.Namespace) -> int:
+    from strata.gguf.model import CacheType
+    from strata.stage_worker.server import RunningStage
+    from strata.stage_worker.settings import StageSettings
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    values = resolve(args, dict(os.environ))
+    try:
+        values["cache_type_k"] = CacheType(str(values["cache_type_k"]))
+        values["cache_type_v"] = CacheType(str(values["cache_type_v"]))
+        settings = StageSettings(**values)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise SystemExit(f"strata stage-worker: {exc}") from exc
+    stage = RunningStage(settings)
+    print(f"stage {settings.stage_index} listening on port {stage.port}", flush=True)
+    stopping = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopping.set())
+    stopping.wait()
+    stage.stop(grace_s=5.0)
+    return 0

@@ -1,0 +1,111 @@
+"""One pipeline step on this stage: every active slot's chunk in one batch through the layer slice.
+
+Continuous batching happens here: the coordinator puts a chunk per active slot into each step (a decode step is one
+position, a prefill chunk many), the projections and feed-forwards run once over all rows, and attention runs per
+slot over that slot's cells of the KV pool. The first stage embeds token ids; the last applies the head and samples.
+A step is validated whole before it touches the pool, so a bad chunk changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from strata.stage_worker.errors import InvalidRequestError
+from strata.stage_worker.kv_pool import KVPool
+from strata.stage_worker.model import ChunkView, Rope, StageModel, StepLayout
+from strata.stage_worker.sampling import Sampled, Sampling, sample
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Chunk:
+    slot: int
+    start_position: int
+    length: int
+    token_ids: tuple[int, ...] = ()
+    sample: bool = False
+    sampling: Sampling = field(default_factory=Sampling)
+    return_logits: bool = False
+
+
+@dataclass(frozen=True)
+class StepResult:
+    hidden: Tensor | None  # [N, D] for the next stage; None on the last stage
+    tokens: dict[int, Sampled]  # slot -> sampled token (last stage)
+    logits: dict[int, Tensor]  # slot -> [length, vocab] (last stage, when asked)
+
+
+class Engine:
+    def __init__(self, *, model: StageModel, pool: KVPool, device: torch.device, dtype: torch.dtype) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = device
+        self.dtype = dtype
+        self.rope = Rope(model.config, device=device)
+
+    def validate(self, chunks: list[Chunk], hidden: Tensor | None) -> None:
+        if not chunks:
+            raise InvalidRequestError("a step needs at least one chunk")
+        slots = [chunk.slot for chunk in chunks]
+        if len(set(slots)) != len(slots):
+            raise InvalidRequestError(f"a step names a slot more than once: {slots}")
+        total = 0
+        for chunk in chunks:
+            if chunk.length < 1:
+                raise InvalidRequestError(f"the chunk for slot {chunk.slot} has no positions")
+            self.pool.check(slot=chunk.slot, start_position=chunk.start_position, length=chunk.length)
+            total += chunk.length
+            if self.model.is_first:
+                if len(chunk.token_ids) != chunk.length:
+                    raise InvalidRequestError(
+                        f"slot {chunk.slot}: the first stage needs {chunk.length} token ids, got {len(chunk.token_ids)}"
+                    )
+                bad = [t for t in chunk.token_ids if not 0 <= t < self.model.config.vocab_size]
+                if bad:
+                    raise InvalidRequestError(f"slot {chunk.slot}: token ids {bad[:5]} are outside the vocabulary")
+        if self.model.is_first:
+            return
+        dim = self.model.config.dim
+        if hidden is None or hidden.dim() != 2 or hidden.shape[1] != dim or hidden.shape[0] != total:
+            shape = None if hidden is None else tuple(hidden.shape)
+            raise InvalidRequestError(f"hidden states must be [{total}, {dim}] for this step, got {shape}")
+
+    @torch.inference_mode()
+    def step(self, chunks: list[Chunk], hidden: Tensor | None) -> StepResult:
+        self.validate(chunks, hidden)
+        positions: list[Tensor] = []
+        writes: list[Tensor] = []
+        views: list[ChunkView] = []
+        row = 0
+        for chunk in chunks:
+            new_cells, all_cells = self.pool.extend(
+                slot=chunk.slot, start_position=chunk.start_position, length=chunk.length
+            )
+            positions.append(torch.arange(chunk.start_position, chunk.start_position + chunk.length))
+            writes.append(new_cells)
+            views.append(
+                ChunkView(rows=slice(row, row + chunk.length), start_position=chunk.start_position, cells=all_cells)
+            )
+            row += chunk.length
+        layout = StepLayout(
+            positions=torch.cat(positions).to(self.device), write_cells=torch.cat(writes), chunks=tuple(views)
+        )
+        if hidden is None:
+            tokens = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
+            x = self.model.embed(tokens)  # [N, D]
+        else:
+            x = hidden.to(device=self.device, dtype=self.dtype)  # [N, D]
+        x = self.model(x, rope=self.rope, caches=self.pool.layers, layout=layout)  # [N, D]
+        if not self.model.is_last:
+            return StepResult(hidden=x, tokens={}, logits={})
+        sampled: dict[int, Sampled] = {}
+        logits: dict[int, Tensor] = {}
+        for chunk, view in zip(chunks, views, strict=True):
+            if chunk.return_logits:
+                logits[chunk.slot] = self.model.head(x[view.rows]).float()  # [length, vocab]
+            if chunk.sample:
+                last = logits[chunk.slot][-1] if chunk.return_logits else self.model.head(x[view.rows][-1:])[0]
+                end = chunk.start_position + chunk.length
+                sampled[chunk.slot] = sample(last, params=chunk.sampling, position=end)
+        return StepResult(hidden=None, tokens=sampled, logits=logits)

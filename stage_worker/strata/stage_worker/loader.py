@@ -1,0 +1,169 @@
+"""Turning a GGUF file into a StageModel: the config from the header, then only the tensors the span needs.
+
+The model is built on the meta device; its parameter names say which GGUF tensors to read (the embedding for the
+first stage, `blk.N.*` for the span, `output_norm` and `output` — or `token_embd` when tied — for the last). Each
+tensor is read by range, dequantised with gguf-py into f32, cast to the compute dtype on the target device and
+assigned. LoadProgress counts bytes read against bytes needed so the operator can show load progress.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf.quants import dequantize
+from strata.gguf import GGUFHeader, TensorInfo
+from strata.gguf.cursor import ByteSource
+from strata.stage_worker.errors import ModelFileError
+from strata.stage_worker.model import ModelConfig, RopeStyle, StageModel
+from torch import nn
+
+# How llama.cpp rotates each architecture's q/k (llama_model_rope_type); the file's weights are in that order.
+ROPE_STYLES: dict[str, RopeStyle] = {
+    "llama": RopeStyle.NORM,
+    "mistral": RopeStyle.NEOX,  # llama.cpp's Mistral files say "llama"; a "mistral" file keeps HF's order
+    "qwen2": RopeStyle.NEOX,
+    "qwen3": RopeStyle.NEOX,
+}
+
+# StageModel parameter path inside a block -> GGUF tensor name inside blk.N.
+BLOCK_TENSORS: dict[str, str] = {
+    "attn_norm.weight": "attn_norm.weight",
+    "attn.wq.weight": "attn_q.weight",
+    "attn.wk.weight": "attn_k.weight",
+    "attn.wv.weight": "attn_v.weight",
+    "attn.wq.bias": "attn_q.bias",
+    "attn.wk.bias": "attn_k.bias",
+    "attn.wv.bias": "attn_v.bias",
+    "attn.wo.weight": "attn_output.weight",
+    "attn.q_norm.weight": "attn_q_norm.weight",
+    "attn.k_norm.weight": "attn_k_norm.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+    "ffn.w1.weight": "ffn_gate.weight",
+    "ffn.w3.weight": "ffn_up.weight",
+    "ffn.w2.weight": "ffn_down.weight",
+}
+READ_PIECE = 8 << 20
+
+
+def config_from_header(header: GGUFHeader) -> ModelConfig:
+    meta = header.metadata
+    arch = str(meta.get("general.architecture", ""))
+    if arch not in ROPE_STYLES:
+        raise ModelFileError(f"architecture {arch!r} is not one the stage worker runs ({', '.join(ROPE_STYLES)})")
+
+    def number(key: str, default: float | None = None) -> float:
+        value = meta.get(f"{arch}.{key}", default)
+        if isinstance(value, tuple):  # a per-layer array; the llama family uses one value for every layer
+            if len(set(value)) != 1:
+                raise ModelFileError(f"{arch}.{key} differs between layers, which the llama family never does")
+            value = value[0]
+        if not isinstance(value, int | float):
+            raise ModelFileError(f"the GGUF header has no usable {arch}.{key}")
+        return value
+
+    dim = int(number("embedding_length"))
+    n_head = int(number("attention.head_count"))
+    head_dim = int(number("attention.key_length", dim // n_head))
+    tokens = meta.get("tokenizer.ggml.tokens")
+    embd = header.tensor_by_name.get("token_embd.weight")
+    vocab_default = len(tokens) if isinstance(tokens, tuple) else (embd.shape[0] if embd else None)
+    return ModelConfig(
+        architecture=arch,
+        n_layer=int(number("block_count")),
+        dim=dim,
+        n_head=n_head,
+        n_head_kv=int(number("attention.head_count_kv", n_head)),
+        head_dim=head_dim,
+        ffn_dim=int(number("feed_forward_length")),
+        vocab_size=int(number("vocab_size", vocab_default)),
+        norm_eps=float(number("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(number("rope.freq_base", 10000.0)),
+        rope_dim=int(number("rope.dimension_count", head_dim)),
+        rope_style=ROPE_STYLES[arch],
+        attention_bias="blk.0.attn_q.bias" in header.tensor_by_name,
+        qk_norm="blk.0.attn_q_norm.weight" in header.tensor_by_name,
+        tied_output="output.weight" not in header.tensor_by_name,
+    )
+
+
+def gguf_name(config: ModelConfig, *, layer_start: int, parameter: str) -> str:
+    """The GGUF tensor that holds a StageModel parameter."""
+    if parameter.startswith("layers."):
+        _, index, path = parameter.split(".", 2)
+        return f"blk.{layer_start + int(index)}.{BLOCK_TENSORS[path]}"
+    if parameter == "output.weight" and config.tied_output:
+        return "token_embd.weight"
+    return parameter
+
+
+@dataclass
+class LoadProgress:
+    bytes_total: int = 0
+    bytes_loaded: int = 0
+    loaded: bool = False
+    error: str = ""
+
+
+def needed_tensors(model: StageModel, header: GGUFHeader) -> dict[str, list[str]]:
+    """GGUF tensor name -> the StageModel parameters it fills (token_embd may fill both ends of one stage)."""
+    needed: dict[str, list[str]] = {}
+    for parameter, _ in model.named_parameters():
+        name = gguf_name(model.config, layer_start=model.layer_start, parameter=parameter)
+        if name not in header.tensor_by_name:
+            raise ModelFileError(f"the GGUF file has no tensor {name!r}, which layers {model.layer_start}.. need")
+        needed.setdefault(name, []).append(parameter)
+    return needed
+
+
+def read_tensor(source: ByteSource, entry: TensorInfo, *, on_bytes: Callable[[int], None]) -> np.ndarray:
+    """Read one tensor by range and dequantise it to f32 in torch order."""
+    pieces = []
+    for start in range(0, entry.nbytes, READ_PIECE):
+        size = min(READ_PIECE, entry.nbytes - start)
+        pieces.append(source.read(entry.offset + start, size))
+        on_bytes(size)
+    raw = np.frombuffer(bytearray(b"".join(pieces)), dtype=np.uint8)  # writable, so torch may share it
+    block_elements, block_bytes = GGML_QUANT_SIZES[entry.ggml_type]
+    row = entry.shape[-1] // block_elements * block_bytes
+    values = dequantize(raw.reshape(-1, row), entry.ggml_type)
+    return np.asarray(values, dtype=np.float32).reshape(entry.shape)
+
+
+def load_stage(
+    *,
+    source: ByteSource,
+    header: GGUFHeader,
+    layer_start: int,
+    layer_end: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    progress: LoadProgress,
+    cancelled: threading.Event | None = None,
+) -> StageModel:
+    config = config_from_header(header)
+    with torch.device("meta"):
+        model = StageModel(config, layer_start=layer_start, layer_end=layer_end)
+    needed = needed_tensors(model, header)
+    progress.bytes_total = sum(header.tensor_by_name[name].nbytes for name in needed)
+
+    def count(n: int) -> None:
+        progress.bytes_loaded += n
+
+    for name, parameters in needed.items():
+        if cancelled is not None and cancelled.is_set():
+            raise ModelFileError("loading was cancelled")
+        values = torch.from_numpy(read_tensor(source, header.tensor_by_name[name], on_bytes=count))
+        for parameter in parameters:
+            expected = model.get_parameter(parameter).shape
+            if tuple(values.shape) != tuple(expected):
+                raise ModelFileError(f"tensor {name!r} has shape {tuple(values.shape)}; expected {tuple(expected)}")
+            owner, _, leaf = parameter.rpartition(".")
+            tensor = values.to(device=device, dtype=dtype)
+            setattr(model.get_submodule(owner), leaf, nn.Parameter(tensor, requires_grad=False))
+    progress.loaded = True
+    return model.eval()

@@ -1,0 +1,223 @@
+"""The llama-family decoder (llama, mistral, qwen2, qwen3) as one stage runs it: a contiguous slice of layers.
+
+Read top to bottom: the config (architecture differences are fields, never branches on a model name), RoPE as
+llama.cpp applies it, attention with a paged KV pool, the feed-forward, the block, and the stage module that owns
+the embedding (first stage), its layers, and the final norm and output head (last stage).
+
+Weights keep llama.cpp's layout from the GGUF file. llama.cpp's converter permutes attn_q/attn_k rows of llama
+models so that RoPE rotates adjacent pairs ("normal" RoPE); qwen2/qwen3 keep HF's order and rotate the two halves
+("neox" RoPE). Applying the matching rotation to the file's weights computes the same function as HF on the
+un-permuted weights.
+
+The model is built on the meta device and its parameters are assigned by the loader (strata.stage_worker.loader).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+import torch.nn.functional as F
+from strata.stage_worker.kv_pool import LayerCache
+from torch import Tensor, nn
+
+
+class RopeStyle(StrEnum):
+    NORM = "norm"  # rotate adjacent pairs (x[2i], x[2i+1]); llama.cpp LLAMA_ROPE_TYPE_NORM
+    NEOX = "neox"  # rotate halves (x[i], x[i + d/2]); llama.cpp LLAMA_ROPE_TYPE_NEOX
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    n_layer: int
+    dim: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    norm_eps: float
+    rope_theta: float
+    rope_dim: int
+    rope_style: RopeStyle
+    attention_bias: bool  # qwen2: q/k/v projections carry a bias
+    qk_norm: bool  # qwen3: RMSNorm over each head of q and k before RoPE
+    tied_output: bool  # no output.weight: the head reuses token_embd
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_head_kv * self.head_dim
+
+    @property
+    def n_rep(self) -> int:
+        return self.n_head // self.n_head_kv
+
+
+@dataclass(frozen=True)
+class ChunkView:
+    """One slot's chunk inside a step: its rows in the flattened batch and the pool cells it reads."""
+
+    rows: slice  # rows of the step's [N, D] batch
+    start_position: int  # absolute position of the first row
+    cells: Tensor  # [start_position + length] pool cells of positions 0..end, in order
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Everything a layer needs about a step, computed once per step."""
+
+    positions: Tensor  # [N] absolute position of each row
+    write_cells: Tensor  # [N] pool cell each row's K/V goes to
+    chunks: tuple[ChunkView, ...]
+
+
+class Rope:
+    """Rotary position embedding over the first `rope_dim` features of each head, computed in f32."""
+
+    def __init__(self, config: ModelConfig, *, device: torch.device) -> None:
+        exponents = torch.arange(0, config.rope_dim, 2, dtype=torch.float32, device=device) / config.rope_dim
+        self.inv_freq = 1.0 / (config.rope_theta**exponents)  # [rope_dim / 2]
+        self.style = config.rope_style
+        self.rope_dim = config.rope_dim
+
+    def angles(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [N, rope_dim / 2]
+        return freqs.cos()[:, None, :], freqs.sin()[:, None, :]  # [N, 1, rope_dim / 2]
+
+    def apply(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        # x: [N, H, head_dim]
+        rot, rest = x[..., : self.rope_dim].float(), x[..., self.rope_dim :]
+        if self.style is RopeStyle.NORM:
+            a, b = rot[..., 0::2], rot[..., 1::2]
+            rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+        else:
+            a, b = rot.chunk(2, dim=-1)
+            rotated = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+        return torch.cat((rotated.to(x.dtype), rest), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wq = nn.Linear(config.dim, config.q_dim, bias=config.attention_bias)
+        self.wk = nn.Linear(config.dim, config.kv_dim, bias=config.attention_bias)
+        self.wv = nn.Linear(config.dim, config.kv_dim, bias=config.attention_bias)
+        self.wo = nn.Linear(config.q_dim, config.dim, bias=False)
+        self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
+
+    def forward(
+        self, x: Tensor, *, rope: Rope, cos: Tensor, sin: Tensor, cache: LayerCache, layout: StepLayout
+    ) -> Tensor:
+        c = self.config
+        n = x.shape[0]
+        q = self.wq(x).view(n, c.n_head, c.head_dim)  # [N, H, hd]
+        k = self.wk(x).view(n, c.n_head_kv, c.head_dim)  # [N, Hkv, hd]
+        v = self.wv(x).view(n, c.n_head_kv, c.head_dim)  # [N, Hkv, hd]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        cache.write(layout.write_cells, k.reshape(n, c.kv_dim), v.reshape(n, c.kv_dim))
+
+        out = torch.empty_like(q)  # [N, H, hd]
+        for chunk in layout.chunks:
+            keys, values = cache.read(chunk.cells)  # [S, kv_dim] each, S = positions 0..end of the chunk
+            s = keys.shape[0]
+            qc = q[chunk.rows].transpose(0, 1)  # [H, T, hd]
+            kc = keys.view(s, c.n_head_kv, c.head_dim).transpose(0, 1)  # [Hkv, S, hd]
+            vc = values.view(s, c.n_head_kv, c.head_dim).transpose(0, 1)  # [Hkv, S, hd]
+            t = qc.shape[1]
+            # Row i sits at position start + i and sees keys at positions 0..start + i.
+            query_positions = torch.arange(t, device=x.device)[:, None] + chunk.start_position
+            mask = torch.arange(s, device=x.device)[None, :] <= query_positions  # [T, S]
+            attended = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=c.n_rep > 1)
+            out[chunk.rows] = attended.transpose(0, 1)  # [T, H, hd]
+        projected: Tensor = self.wo(out.reshape(n, c.q_dim))  # [N, D]
+        return projected
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.ffn_dim, bias=False)  # ffn_gate
+        self.w3 = nn.Linear(config.dim, config.ffn_dim, bias=False)  # ffn_up
+        self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)  # ffn_down
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return out
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attn = Attention(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.ffn = FeedForward(config)
+
+    def forward(
+        self, x: Tensor, *, rope: Rope, cos: Tensor, sin: Tensor, cache: LayerCache, layout: StepLayout
+    ) -> Tensor:
+        # x: [N, D]
+        h = x + self.attn(self.attn_norm(x), rope=rope, cos=cos, sin=sin, cache=cache, layout=layout)
+        out: Tensor = h + self.ffn(self.ffn_norm(h))
+        return out
+
+
+class StageModel(nn.Module):
+    """Layers [layer_start, layer_end) of the model, plus the embedding when first and the head when last."""
+
+    def __init__(self, config: ModelConfig, *, layer_start: int, layer_end: int) -> None:
+        super().__init__()
+        if not 0 <= layer_start < layer_end <= config.n_layer:
+            raise ValueError(f"layer span [{layer_start}, {layer_end}) is not inside [0, {config.n_layer})")
+        self.config = config
+        self.layer_start = layer_start
+        self.layer_end = layer_end
+        self.is_first = layer_start == 0
+        self.is_last = layer_end == config.n_layer
+        self.token_embd = nn.Embedding(config.vocab_size, config.dim) if self.is_first else None
+        self.layers = nn.ModuleList(Block(config) for _ in range(layer_start, layer_end))
+        self.output_norm = RMSNorm(config.dim, config.norm_eps) if self.is_last else None
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False) if self.is_last else None
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        # tokens: [N] -> [N, D]
+        if self.token_embd is None:
+            raise RuntimeError("only the first stage holds the token embedding")
+        out: Tensor = self.token_embd(tokens)
+        return out
+
+    def forward(self, x: Tensor, *, rope: Rope, caches: list[LayerCache], layout: StepLayout) -> Tensor:
+        # x: [N, D] -> [N, D]
+        cos, sin = rope.angles(layout.positions)
+        for layer, cache in zip(self.layers, caches, strict=True):
+            x = layer(x, rope=rope, cos=cos, sin=sin, cache=cache, layout=layout)
+        return x
+
+    def head(self, x: Tensor) -> Tensor:
+        # x: [M, D] -> logits [M, vocab]
+        if self.output_norm is None or self.output is None:
+            raise RuntimeError("only the last stage holds the output head")
+        logits: Tensor = self.output(self.output_norm(x))
+        return logits

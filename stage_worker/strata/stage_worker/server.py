@@ -1,0 +1,237 @@
+"""The gRPC edge of a stage: service Stage, the standard health service, and the one place errors become codes.
+
+The server answers at once and loads the weights in the background, so the operator can read load progress while
+the stage fills. The coordinator talks to the first stage only: Forward, ResetSlot and Claim run here and are passed
+on to the next stage, and the last stage's sampled tokens travel back up the same streams. A step that cannot reach
+the next stage frees the slots it touched and fails with UNAVAILABLE, which the coordinator may retry.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import NoReturn, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from strata.gguf import GGUFError, read_header
+from strata.gguf.sources import open_source
+from strata.rpc.v1 import stage_pb2, stage_pb2_grpc
+from strata.stage_worker.engine import Engine
+from strata.stage_worker.errors import (
+    InvalidRequestError,
+    NextStageUnavailableError,
+    NotLoadedError,
+    PoolExhaustedError,
+    StageError,
+    StaleTermError,
+    WrongGenerationError,
+)
+from strata.stage_worker.fencing import Holder, TermFence
+from strata.stage_worker.kv_pool import KVPool
+from strata.stage_worker.loader import LoadProgress, load_stage
+from strata.stage_worker.next_stage import CHANNEL_OPTIONS, NextStage, RemoteStageError
+from strata.stage_worker.settings import StageSettings
+from strata.stage_worker.wire import chunk_from_proto, reply_from_result, tensor_from_proto, tensor_to_proto
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "strata.rpc.v1.Stage"
+T = TypeVar("T")
+
+STATUS_CODES: tuple[tuple[type[StageError], grpc.StatusCode], ...] = (
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (PoolExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (StaleTermError, grpc.StatusCode.FAILED_PRECONDITION),
+    (WrongGenerationError, grpc.StatusCode.FAILED_PRECONDITION),
+    (NotLoadedError, grpc.StatusCode.UNAVAILABLE),
+    (NextStageUnavailableError, grpc.StatusCode.UNAVAILABLE),
+)
+
+
+def status_code(error: StageError) -> grpc.StatusCode:
+    if isinstance(error, RemoteStageError):
+        return error.code
+    for kind, code in STATUS_CODES:
+        if isinstance(error, kind):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def abort(context: grpc.ServicerContext, error: StageError) -> NoReturn:
+    context.abort(status_code(error), str(error))
+    raise AssertionError("grpc's abort() returns only by raising")
+
+
+class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # generated code is untyped
+    def __init__(self, settings: StageSettings, *, health_servicer: health.HealthServicer) -> None:
+        self.settings = settings
+        self.progress = LoadProgress()
+        self.fence = TermFence()
+        self._health = health_servicer
+        self._engine: Engine | None = None
+        self._engine_lock = threading.Lock()
+        self._cancel = threading.Event()
+        self.next_stage = (
+            NextStage(settings.next_stage, step_timeout_s=settings.step_timeout_s) if settings.next_stage else None
+        )
+        for service in ("", SERVICE_NAME):
+            health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    # Loading.
+
+    def load(self) -> None:
+        s = self.settings
+        try:
+            source = open_source(s.model_url)
+            try:
+                header = read_header(source)
+                model = load_stage(
+                    source=source,
+                    header=header,
+                    layer_start=s.layer_start,
+                    layer_end=s.layer_end,
+                    dtype=s.compute_dtype,
+                    device=s.torch_device,
+                    progress=self.progress,
+                    cancelled=self._cancel,
+                )
+            finally:
+                source.close()
+            c = model.config
+            pool = KVPool(
+                n_layers=s.layer_end - s.layer_start,
+                context=s.context,
+                parallel=s.parallel,
+                key_width=c.kv_dim,
+                value_width=c.kv_dim,
+                type_k=s.cache_type_k,
+                type_v=s.cache_type_v,
+                dtype=s.compute_dtype,
+                device=s.torch_device,
+            )
+            if model.is_last == bool(s.next_stage):
+                raise InvalidRequestError(
+                    f"layers [{s.layer_start}, {s.layer_end}) of {c.n_layer} "
+                    + ("end the model, yet a next stage is set" if model.is_last else "need a next stage")
+                )
+        except (StageError, GGUFError, OSError, ValueError) as exc:
+            self.progress.error = str(exc)
+            log.error("stage %d failed to load: %s", s.stage_index, exc)
+            return
+        self._engine = Engine(model=model, pool=pool, device=s.torch_device, dtype=s.compute_dtype)
+        for service in ("", SERVICE_NAME):
+            self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        log.info("stage %d loaded layers [%d, %d): %d bytes", s.stage_index, s.layer_start, s.layer_end, pool.nbytes)
+
+    def close(self) -> None:
+        self._cancel.set()
+        if self.next_stage is not None:
+            self.next_stage.close()
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            detail = self.progress.error or f"{self.progress.bytes_loaded} of {self.progress.bytes_total} bytes"
+            raise NotLoadedError(f"stage {self.settings.stage_index} is not loaded: {detail}")
+        return self._engine
+
+    # Calls.
+
+    def _admit(self, fence: stage_pb2.Fence, plan_generation: int | None = None) -> None:
+        if plan_generation is not None and plan_generation != self.settings.plan_generation:
+            raise WrongGenerationError(
+                f"the call is for plan generation {plan_generation}; this stage serves generation "
+                f"{self.settings.plan_generation}"
+            )
+        self.fence.admit(Holder(term=fence.term, holder=fence.holder, lease_uid=fence.lease_uid))
+
+    def GetLoadStatus(
+        self, request: stage_pb2.LoadStatusRequest, context: grpc.ServicerContext
+    ) -> stage_pb2.LoadStatus:
+        s, p = self.settings, self.progress
+        return stage_pb2.LoadStatus(
+            stage_index=s.stage_index,
+            layer_start=s.layer_start,
+            layer_end=s.layer_end,
+            bytes_loaded=p.bytes_loaded,
+            bytes_total=p.bytes_total,
+            loaded=self._engine is not None,
+            plan_generation=s.plan_generation,
+            accepted_term=self.fence.accepted_term,
+            error=p.error,
+        )
+
+    def Claim(self, request: stage_pb2.ClaimRequest, context: grpc.ServicerContext) -> stage_pb2.ClaimReply:
+        def claim() -> stage_pb2.ClaimReply:
+            self._admit(request.fence, request.plan_generation)
+            if self.next_stage is not None:
+                self.next_stage.claim(request)
+            return stage_pb2.ClaimReply(accepted_term=self.fence.accepted_term)
+
+        return self._guard(context, claim)
+
+    def ResetSlot(self, request: stage_pb2.ResetSlotRequest, context: grpc.ServicerContext) -> stage_pb2.ResetSlotReply:
+        def reset() -> stage_pb2.ResetSlotReply:
+            self._admit(request.fence)
+            with self._engine_lock:
+                self.engine.pool.reset(request.slot)
+            if self.next_stage is not None:
+                self.next_stage.reset_slot(request)
+            return stage_pb2.ResetSlotReply()
+
+        return self._guard(context, reset)
+
+    def Forward(
+        self, request_iterator: Iterator[stage_pb2.ForwardRequest], context: grpc.ServicerContext
+    ) -> Iterator[stage_pb2.ForwardReply]:
+        for request in request_iterator:
+            yield self._guard(context, lambda request=request: self._step(request))  # type: ignore[misc]
+
+    def _step(self, request: stage_pb2.ForwardRequest) -> stage_pb2.ForwardReply:
+        self._admit(request.fence, request.plan_generation)
+        chunks = [chunk_from_proto(c) for c in request.chunks]
+        hidden = tensor_from_proto(request.hidden) if request.HasField("hidden") else None
+        with self._engine_lock:
+            engine = self.engine
+            result = engine.step(chunks, hidden)
+        if result.hidden is None or self.next_stage is None:
+            return reply_from_result(request.step_id, result)
+        onward = stage_pb2.ForwardRequest()
+        onward.CopyFrom(request)
+        onward.hidden.CopyFrom(tensor_to_proto(result.hidden))
+        try:
+            return self.next_stage.forward(onward)
+        except NextStageUnavailableError:
+            with self._engine_lock:
+                for chunk in chunks:
+                    engine.pool.reset(chunk.slot)
+            raise
+
+    def _guard(self, context: grpc.ServicerContext, call: Callable[[], T]) -> T:
+        try:
+            return call()
+        except StageError as error:
+            abort(context, error)
+
+
+class RunningStage:
+    """A started server: the service, the bound port, and the background load."""
+
+    def __init__(self, settings: StageSettings, *, max_workers: int = 16) -> None:
+        self.health = health.HealthServicer()
+        self.service = StageService(settings, health_servicer=self.health)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
+        stage_pb2_grpc.add_StageServicer_to_server(self.service, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(settings.listen)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {settings.listen}")
+        self.server.start()
+        self.loader = threading.Thread(target=self.service.load, daemon=True, name="stage-loader")
+        self.loader.start()
+
+    def stop(self, grace_s: float | None = None) -> None:
+        self.service.close()
+        self.server.stop(grace_s).wait()

@@ -1,0 +1,50 @@
+"""What one stage pod is told to be: its span, the model, the KV pool, its neighbours, its device.
+
+The operator sets these through the environment of the stage's container; the same names work as command-line
+flags (`strata stage-worker --help`), and a flag wins over the environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from strata.gguf.model import CacheType
+
+COMPUTE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class StageSettings:
+    stage_index: int
+    layer_start: int
+    layer_end: int
+    model_url: str  # a local path, file:// or http(s):// URL of the GGUF file
+    context: int  # KV cells in the unified pool
+    parallel: int  # slots sharing the pool
+    cache_type_k: CacheType = CacheType.Q8_0
+    cache_type_v: CacheType = CacheType.Q8_0
+    next_stage: str = ""  # host:port of the next stage; empty on the last stage
+    listen: str = "0.0.0.0:50051"
+    device: str = "cpu"  # torch device: cpu, cuda, cuda:1 (ROCm builds of torch also say cuda)
+    dtype: str = ""  # compute dtype; empty: float32 on CPU, bfloat16 on GPUs
+    plan_generation: int = 0
+    step_timeout_s: float = 120.0  # how long a step may wait for the next stage's reply
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.layer_start < self.layer_end:
+            raise ValueError(f"layer span [{self.layer_start}, {self.layer_end}) is empty or negative")
+        if self.context < 1 or self.parallel < 1:
+            raise ValueError(f"context ({self.context}) and parallel ({self.parallel}) must be positive")
+        if self.dtype and self.dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        if self.dtype:
+            return COMPUTE_DTYPES[self.dtype]
+        return torch.float32 if self.torch_device.type == "cpu" else torch.bfloat16

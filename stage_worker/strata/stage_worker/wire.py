@@ -1,0 +1,65 @@
+"""Converting between the protobuf messages and the engine's tensors and chunks; no logic beyond the encoding."""
+
+from __future__ import annotations
+
+import torch
+from strata.rpc.v1 import stage_pb2
+from strata.stage_worker.engine import Chunk, StepResult
+from strata.stage_worker.errors import InvalidRequestError
+from strata.stage_worker.sampling import Sampling
+from torch import Tensor
+
+WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def tensor_to_proto(tensor: Tensor) -> stage_pb2.Tensor:
+    name = str(tensor.dtype).removeprefix("torch.")
+    raw = tensor.detach().contiguous().cpu()
+    # numpy has no bfloat16; the bytes are the same through a 16-bit integer view.
+    data = (raw.view(torch.int16) if raw.dtype == torch.bfloat16 else raw).numpy().tobytes()
+    return stage_pb2.Tensor(dtype=name, shape=list(raw.shape), data=data)
+
+
+def tensor_from_proto(message: stage_pb2.Tensor) -> Tensor:
+    if message.dtype not in WIRE_DTYPES:
+        raise InvalidRequestError(f"tensor dtype {message.dtype!r} is not one of {', '.join(WIRE_DTYPES)}")
+    dtype = WIRE_DTYPES[message.dtype]
+    shape = tuple(message.shape)
+    elements = 1
+    for d in shape:
+        elements *= d
+    expected = elements * dtype.itemsize
+    if len(message.data) != expected:
+        raise InvalidRequestError(
+            f"tensor of shape {shape} needs {expected} bytes of {message.dtype}, got {len(message.data)}"
+        )
+    if not message.data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(message.data), dtype=dtype).reshape(shape)
+
+
+def chunk_from_proto(message: stage_pb2.SlotChunk) -> Chunk:
+    s = message.sampling
+    return Chunk(
+        slot=message.slot,
+        start_position=message.start_position,
+        length=message.length,
+        token_ids=tuple(message.token_ids),
+        sample=message.sample,
+        sampling=Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, logprobs=s.logprobs),
+        return_logits=message.return_logits,
+    )
+
+
+def reply_from_result(step_id: int, result: StepResult) -> stage_pb2.ForwardReply:
+    tokens = [
+        stage_pb2.SampledToken(
+            slot=slot,
+            token_id=sampled.token_id,
+            logprob=sampled.logprob,
+            top_logprobs=[stage_pb2.TokenLogprob(token_id=t, logprob=p) for t, p in sampled.top_logprobs],
+        )
+        for slot, sampled in result.tokens.items()
+    ]
+    logits = [stage_pb2.ChunkLogits(slot=slot, logits=tensor_to_proto(v)) for slot, v in result.logits.items()]
+    return stage_pb2.ForwardReply(step_id=step_id, tokens=tokens, logits=logits)

@@ -1,0 +1,54 @@
+"""Local pipelines for tests and benchmarks: stage servers on loopback, in this process, last stage first."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from strata.gguf.model import CacheType
+from strata.stage_worker.server import RunningStage
+from strata.stage_worker.settings import StageSettings
+
+
+@contextmanager
+def local_pipeline(
+    model: Path,
+    spans: list[tuple[int, int]],
+    *,
+    context: int = 128,
+    parallel: int = 2,
+    cache_type: CacheType = CacheType.F32,
+    load_timeout_s: float = 60.0,
+) -> Iterator[list[RunningStage]]:
+    """Start one stage per span; yields them first to last once all have loaded."""
+    stages: list[RunningStage] = []
+    next_stage = ""
+    try:
+        for index in reversed(range(len(spans))):
+            start, end = spans[index]
+            settings = StageSettings(
+                stage_index=index,
+                layer_start=start,
+                layer_end=end,
+                model_url=str(model),
+                context=context,
+                parallel=parallel,
+                cache_type_k=cache_type,
+                cache_type_v=cache_type,
+                next_stage=next_stage,
+                listen="127.0.0.1:0",
+            )
+            stage = RunningStage(settings)
+            stages.insert(0, stage)
+            next_stage = f"127.0.0.1:{stage.port}"
+        deadline = time.monotonic() + load_timeout_s
+        for stage in stages:
+            stage.loader.join(max(0.0, deadline - time.monotonic()))
+            if stage.service.progress.error or not stage.service.progress.loaded:
+                raise RuntimeError(f"stage {stage.service.settings.stage_index} did not load: {stage.service.progress}")
+        yield stages
+    finally:
+        for stage in stages:
+            stage.stop(0)

@@ -1,0 +1,87 @@
+"""The layer slices compute what HF transformers computes from the same GGUF file, one process, no gRPC."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from strata.gguf import read_header
+from strata.gguf.model import CacheType
+from strata.gguf.sources import open_source
+from strata.stage_worker.engine import Chunk, Engine
+from strata.stage_worker.kv_pool import KVPool
+from strata.stage_worker.loader import LoadProgress, load_stage
+from strata_testbed.hf_reference import hf_reference
+
+CPU = torch.device("cpu")
+PROMPT = (1, 17, 200, 3, 45, 99, 12, 7, 250, 31, 64, 128, 5, 77, 190, 2, 33, 81, 140, 9)
+
+
+def engines(path: Path, spans: list[tuple[int, int]], cache_type: CacheType = CacheType.F32) -> list[Engine]:
+    source = open_source(str(path))
+    header = read_header(source)
+    built = []
+    for start, end in spans:
+        model = load_stage(
+            source=source,
+            header=header,
+            layer_start=start,
+            layer_end=end,
+            dtype=torch.float32,
+            device=CPU,
+            progress=LoadProgress(),
+        )
+        c = model.config
+        pool = KVPool(
+            n_layers=end - start,
+            context=64,
+            parallel=2,
+            key_width=c.kv_dim,
+            value_width=c.kv_dim,
+            type_k=cache_type,
+            type_v=cache_type,
+            dtype=torch.float32,
+            device=CPU,
+        )
+        built.append(Engine(model=model, pool=pool, device=CPU, dtype=torch.float32))
+    source.close()
+    return built
+
+
+def run_chunks(stages: list[Engine], chunks: list[Chunk]) -> dict[int, torch.Tensor]:
+    hidden = None
+    for engine in stages:
+        result = engine.step(chunks, hidden)
+        hidden = result.hidden
+    return result.logits
+
+
+@pytest.mark.parametrize("architecture", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize(
+    "spans",
+    [
+        pytest.param([(0, 3)], id="one stage holds every layer"),
+        pytest.param([(0, 1), (1, 2), (2, 3)], id="three stages hold one layer each"),
+    ],
+)
+def test_prompt_logits_match_hf_with_chunked_prefill_and_two_slots(
+    tiny_models: dict[str, Path], architecture: str, spans: list[tuple[int, int]]
+) -> None:
+    stages = engines(tiny_models[architecture], spans)
+    other = PROMPT[::-1]
+    first = run_chunks(
+        stages,
+        [
+            Chunk(slot=0, start_position=0, length=7, token_ids=PROMPT[:7], return_logits=True),
+            Chunk(slot=1, start_position=0, length=20, token_ids=other, return_logits=True),
+        ],
+    )
+    second = run_chunks(stages, [Chunk(slot=0, start_position=7, length=13, token_ids=PROMPT[7:], return_logits=True)])
+    ours = {0: torch.cat([first[0], second[0]]), 1: first[1]}
+    reference = hf_reference(tiny_models[architecture])
+    with torch.inference_mode():
+        for slot, prompt in ((0, PROMPT), (1, other)):
+            expected = reference(torch.tensor([prompt])).logits[0]
+            relative = (ours[slot] - expected).norm(dim=-1) / expected.norm(dim=-1)
+            assert float(relative.max()) <= 1e-4

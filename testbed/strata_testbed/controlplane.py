@@ -236,7 +236,8 @@ class ControlPlane:
                 "--manage-all-nodes=false",
                 f"--manage-nodes-with-annotation-selector={KWOK_MANAGED_ANNOTATION}=fake",
                 "--node-lease-duration-seconds=40",
-                "--cidr=10.244.0.0/16",
+                # Pod IPs on 127.0.0.0/8 are local addresses here: the pod runner's processes serve on them.
+                "--cidr=127.1.0.0/16",
                 "--node-ip=10.1.0.1",
                 f"--server-address=127.0.0.1:{kwok_port}",
             ],

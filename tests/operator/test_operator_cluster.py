@@ -20,12 +20,14 @@ from typing import Any, TypeVar
 import pytest
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
+from strata.gguf import read_model_header
 from strata.gguf.testmodels.shapes import LARGE_SHAPES
-from strata.gguf.testmodels.writer import write_header_only_model
+from strata.gguf.testmodels.writer import write_header_only_model, write_test_model
 from strata.operator.crd import render_crd
 from strata.operator.names import LABEL_GENERATION, LABEL_INSTANCE
 from strata.operator.spec import GROUP, PLURAL, VERSION
 from strata_testbed.controlplane import ControlPlane
+from strata_testbed.pod_runner import PodRunner
 
 pytestmark = pytest.mark.cluster
 
@@ -209,6 +211,26 @@ def test_an_example_runs_its_stage_pods_on_the_planned_nodes_with_their_gpus(
         assert env["STRATA_CONTEXT"] == "8192"
     events = client.CoreV1Api(cluster).list_namespaced_event(namespace=namespace).items
     assert "Planned" in {e.reason for e in events if e.involved_object.name == "llama"}
+
+
+@pytest.mark.usefixtures("operator")
+def test_status_shows_each_stage_loading_its_bytes_from_the_real_stage_process(
+    cluster: client.ApiClient, namespace: str, tmp_path: Path
+) -> None:
+    tiny = write_test_model(tmp_path / "tiny.gguf", architecture="llama").path
+    create(cluster, namespace, deployment("tiny", tiny, context=512, parallel=2))
+    with PodRunner(core=client.CoreV1Api(cluster), namespace=namespace, log_dir=tmp_path / "pods") as runner:
+
+        def loaded() -> list[dict[str, Any]] | None:
+            progress = (read(cluster, namespace, "tiny").get("status") or {}).get("loadProgress") or []
+            done = progress and all(p["bytesTotal"] > 0 and p["bytesLoaded"] == p["bytesTotal"] for p in progress)
+            return list(progress) if done else None
+
+        progress = eventually(loaded, timeout=120, what=f"load progress from the stage processes {runner.errors}")
+    body = read(cluster, namespace, "tiny")
+    assert [p["stage"] for p in progress] == [s["index"] for s in body["status"]["plan"]["stages"]]
+    header, _ = read_model_header(str(tiny))
+    assert sum(p["bytesTotal"] for p in progress) == sum(t.nbytes for t in header.tensors)
 
 
 @pytest.mark.usefixtures("operator")

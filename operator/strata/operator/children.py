@@ -123,11 +123,13 @@ def stage_statefulset(
             "STRATA_CACHE_TYPE_K": plan.cache_type_k,
             "STRATA_CACHE_TYPE_V": plan.cache_type_v,
             "STRATA_NEXT_STAGE": next_stage,
-            "STRATA_LISTEN": f"0.0.0.0:{STAGE_PORT}",
+            # Each stage serves on its pod IP, the address the operator asks for load progress.
+            "STRATA_LISTEN": f"$(POD_IP):{STAGE_PORT}",
             "STRATA_DEVICE": TORCH_DEVICE[stage.backend],
             "STRATA_PLAN_GENERATION": generation,
         }
     )
+    env.insert(0, {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     if spec.model.token_secret_ref is not None:
         ref = spec.model.token_secret_ref
         env.append({"name": "STRATA_MODEL_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})

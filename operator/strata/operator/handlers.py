@@ -50,6 +50,7 @@ def login(**_: Any) -> kopf.ConnectionInfo:
 
 def _publish(outcome: Outcome, *, body: Any, patch: kopf.Patch) -> None:
     for event in outcome.events:
+        logging.getLogger("strata.operator").info("%s %s: %s", event.type, event.reason.value, event.message)
         if event.type == "Warning":
             kopf.warn(body, reason=event.reason.value, message=event.message)
         else:

@@ -92,6 +92,10 @@ class Cluster:
             result.append(StageReadiness(index=int(labels.get("strata.dev/stage", "0")), ready=ready))
         return sorted(result, key=lambda s: s.index)
 
+    def stage_pods(self, *, namespace: str, deployment: str, generation: int) -> list[Any]:
+        selector = f"{LABEL_INSTANCE}={fit(deployment)},{LABEL_COMPONENT}=stage,{LABEL_GENERATION}={generation}"
+        return list(self.core.list_namespaced_pod(namespace=namespace, label_selector=selector).items)
+
     def gateway_available(self, *, namespace: str, name: str) -> bool:
         try:
             deployment = self.apps.read_namespaced_deployment(name=name, namespace=namespace)

@@ -17,6 +17,7 @@ from strata.operator.kube import Cluster
 from strata.operator.models import ModelCache, ModelUnreadable
 from strata.operator.names import Names
 from strata.operator.planning import PlanRefused, foreign_pods, plan_deployment
+from strata.operator.progress import load_progress
 from strata.operator.spec import ModelDeploymentSpec
 from strata.operator.status import (
     Condition,
@@ -217,6 +218,8 @@ class Reconciler:
         if status.plan is None:
             return
         stages = self.cluster.stage_readiness(namespace=namespace, deployment=name, generation=status.plan.generation)
+        pods = self.cluster.stage_pods(namespace=namespace, deployment=name, generation=status.plan.generation)
+        status.load_progress = load_progress(pods)
         ready = sum(s.ready for s in stages)
         total = len(status.plan.stages)
         status.ready = f"{ready}/{total}"

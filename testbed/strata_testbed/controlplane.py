@@ -109,6 +109,13 @@ class ControlPlane:
         if self._owns_work_dir and self.work_dir is not None:
             shutil.rmtree(self.work_dir, ignore_errors=True)
 
+    def process(self, name: str) -> ManagedProcess:
+        """A component by name (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok)."""
+        for process in self._processes:
+            if process.name == name:
+                return process
+        raise KeyError(f"the control plane runs no process named {name!r}")
+
     def running(self) -> list[str]:
         return [p.name for p in self._processes if p.running()]
 

@@ -49,6 +49,13 @@ class ManagedProcess:
     def running(self) -> bool:
         return self._proc.poll() is None
 
+    def pause(self) -> None:
+        """SIGSTOP: the process keeps its sockets but does nothing, like a partitioned or frozen component."""
+        os.killpg(self._proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.killpg(self._proc.pid, signal.SIGCONT)
+
     def log_tail(self, lines: int = 30) -> str:
         with contextlib.suppress(OSError):
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

@@ -8,7 +8,6 @@ garbage collector remove everything when the ModelDeployment goes.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +19,7 @@ from strata.operator.names import (
     stage_labels,
 )
 from strata.operator.spec import GROUP, KIND, VERSION, ModelDeploymentSpec, Resources
+from strata.operator.status import PlanSummary
 from strata.plan import Backend, Plan
 from strata.plan import Stage as StagePlan
 
@@ -197,23 +197,24 @@ def stages_disruption_budget(owner: Owner) -> Manifest:
 
 
 def gateway_deployment(
-    owner: Owner, spec: ModelDeploymentSpec, plan: Plan, *, generation: int, image: str, model_name: str
+    owner: Owner, spec: ModelDeploymentSpec, *, serving: PlanSummary, image: str, model_name: str
 ) -> Manifest:
+    """The gateway drives the `serving` generation: the previous one until every stage of a new one is ready."""
     names = Names(owner.name, owner.namespace)
     pod_labels = labels(owner.name, component="gateway")
     env = _env(
         {
             "STRATA_MODEL_URL": spec.model.url,
             "STRATA_MODEL_NAME": model_name,
-            "STRATA_FIRST_STAGE": names.stage_address(generation=generation, index=0),
+            "STRATA_FIRST_STAGE": names.stage_address(generation=serving.generation, index=0),
             "STRATA_PLAN_CONFIGMAP": names.plan_configmap,
-            "STRATA_PARALLEL": plan.parallel,
-            "STRATA_CONTEXT": plan.context_length,
+            "STRATA_PARALLEL": serving.parallel,
+            "STRATA_CONTEXT": serving.context_length,
             "STRATA_QUEUE_PER_LANE": spec.admission.queue_per_lane,
             "STRATA_MAX_WAIT_SECONDS": spec.admission.max_wait_seconds,
             "STRATA_RETRY_AFTER_SECONDS": spec.admission.retry_after_seconds,
             "STRATA_LISTEN": f"0.0.0.0:{GATEWAY_PORT}",
-            "STRATA_PLAN_GENERATION": generation,
+            "STRATA_PLAN_GENERATION": serving.generation,
         }
     )
     http_probe = {"httpGet": {"path": "/readyz", "port": GATEWAY_PORT}, "periodSeconds": 5}
@@ -294,24 +295,26 @@ def gateway_ingress(owner: Owner, spec: ModelDeploymentSpec) -> Manifest | None:
 
 
 def render_children(
-    owner: Owner, spec: ModelDeploymentSpec, plan: Plan, *, generation: int, image: str, model_name: str
+    owner: Owner,
+    spec: ModelDeploymentSpec,
+    plan: Plan,
+    *,
+    generation: int,
+    serving: PlanSummary,
+    image: str,
+    model_name: str,
 ) -> list[Manifest]:
-    """Every child for one plan generation, in the order they should be applied."""
+    """Every child for plan `generation`, in the order they should be applied; the gateway stays on `serving`."""
     children = [plan_configmap(owner, plan, generation=generation), stages_service(owner)]
     children += [
         stage_statefulset(owner, spec, plan, stage, generation=generation, image=image) for stage in plan.stages
     ]
     children += [
         stages_disruption_budget(owner),
-        gateway_deployment(owner, spec, plan, generation=generation, image=image, model_name=model_name),
+        gateway_deployment(owner, spec, serving=serving, image=image, model_name=model_name),
         gateway_service(owner),
     ]
     ingress = gateway_ingress(owner, spec)
     if ingress is not None:
         children.append(ingress)
     return children
-
-
-def plan_digest(plan: Plan) -> str:
-    """What identifies a plan for re-planning decisions: placement and sizes, not the order of fields."""
-    return json.dumps(plan.model_dump(mode="json"), sort_keys=True)

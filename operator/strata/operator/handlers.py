@@ -101,7 +101,8 @@ def monitor_deployment(
         _reconcile(body, patch, logger)
         return
     meta = body["metadata"]
+    outcome = reconciler.advance(dict(body))
     reconciler.observe(
-        namespace=meta["namespace"], name=meta["name"], status=status, generation=int(meta.get("generation", 1))
+        namespace=meta["namespace"], name=meta["name"], status=outcome.status, generation=int(meta.get("generation", 1))
     )
-    patch.status.update(status.model_dump(by_alias=True, mode="json", exclude_none=False))
+    _publish(outcome, body=body, patch=patch)

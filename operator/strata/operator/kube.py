@@ -74,10 +74,11 @@ class Cluster:
         selector = f"{LABEL_INSTANCE}={fit(deployment)},{LABEL_COMPONENT}=stage"
         return list(self.apps.list_namespaced_stateful_set(namespace=namespace, label_selector=selector).items)
 
-    def delete_other_generations(self, *, namespace: str, deployment: str, keep: int) -> list[str]:
+    def delete_other_generations(self, *, namespace: str, deployment: str, keep: set[int]) -> list[str]:
         removed = []
+        kept = {str(g) for g in keep}
         for sts in self.stage_sets(namespace=namespace, deployment=deployment):
-            if sts.metadata.labels.get(LABEL_GENERATION) != str(keep):
+            if sts.metadata.labels.get(LABEL_GENERATION) not in kept:
                 self.delete(api_version="apps/v1", kind="StatefulSet", namespace=namespace, name=sts.metadata.name)
                 removed.append(sts.metadata.name)
         return removed

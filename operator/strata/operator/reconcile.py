@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
-from strata.operator.children import Owner, render_children
+from strata.operator.children import Owner, gateway_deployment, render_children
 from strata.operator.kube import Cluster
 from strata.operator.models import ModelCache, ModelUnreadable
 from strata.operator.names import Names
@@ -187,15 +187,25 @@ class Reconciler:
                 outcome.events.append(Event("Normal", EventReason.PLANNED, _describe(summary)))
             else:
                 outcome.events.append(Event("Normal", EventReason.REPLANNED, _describe(summary)))
+        # A new generation loads beside the one that serves; the gateway moves over in advance() once it is ready.
+        serving = status.serving if status.serving and status.serving.generation != summary.generation else summary
         owner = Owner(name=name, namespace=namespace, uid=meta["uid"])
         for child in render_children(
-            owner, spec, plan, generation=plan_generation, image=self.image, model_name=status.model_name
+            owner,
+            spec,
+            plan,
+            generation=plan_generation,
+            serving=serving,
+            image=self.image,
+            model_name=status.model_name,
         ):
             self.cluster.apply(child)
-        # Until the coordinated cutover lands, a new generation replaces the old one at once.
-        self.cluster.delete_other_generations(namespace=namespace, deployment=name, keep=plan_generation)
+        self.cluster.delete_other_generations(
+            namespace=namespace, deployment=name, keep={plan_generation, serving.generation}
+        )
 
         status.plan = summary
+        status.serving = serving
         status.stage_count = len(summary.stages)
         status.context_length = summary.context_length
         set_condition(
@@ -211,6 +221,42 @@ class Reconciler:
         )
         status.endpoint = Names(name, namespace).gateway_url()
         self.observe(namespace=namespace, name=name, status=status, generation=generation)
+        return outcome
+
+    def advance(self, body: Manifest) -> Outcome:
+        """Cut the gateway over to the newest generation once every one of its stages is ready.
+
+        Until then the previous generation keeps serving: a new generation that never loads costs nothing but
+        the GPUs it holds, and the status says which generation serves and why the newest does not yet.
+        """
+        meta = body["metadata"]
+        name, namespace = meta["name"], meta["namespace"]
+        status = ModelDeploymentStatus.model_validate(body.get("status") or {})
+        outcome = Outcome(status=status)
+        pending, serving = status.plan, status.serving
+        if pending is None or serving is None or pending.generation == serving.generation:
+            return outcome
+        stages = self.cluster.stage_readiness(namespace=namespace, deployment=name, generation=pending.generation)
+        if len(stages) < len(pending.stages) or not all(s.ready for s in stages):
+            return outcome
+        try:
+            spec = ModelDeploymentSpec.from_manifest(body["spec"])
+        except ValidationError as e:
+            raise InvalidSpec(str(e)) from e
+        owner = Owner(name=name, namespace=namespace, uid=meta["uid"])
+        self.cluster.apply(
+            gateway_deployment(owner, spec, serving=pending, image=self.image, model_name=model_name(spec))
+        )
+        self.cluster.delete_other_generations(namespace=namespace, deployment=name, keep={pending.generation})
+        status.serving = pending
+        outcome.events.append(
+            Event(
+                "Normal",
+                EventReason.CUT_OVER,
+                f"every stage of generation {pending.generation} is ready: the gateway moved over from generation "
+                f"{serving.generation}, which is removed",
+            )
+        )
         return outcome
 
     def observe(self, *, namespace: str, name: str, status: ModelDeploymentStatus, generation: int) -> None:
@@ -241,13 +287,23 @@ class Reconciler:
             message="gateway has an available replica" if gateway_ok else "no gateway replica available",
             generation=generation,
         )
-        all_ok = stages_ok and gateway_ok
+        serving = status.serving
+        if serving is not None and serving.generation != status.plan.generation:
+            old = self.cluster.stage_readiness(namespace=namespace, deployment=name, generation=serving.generation)
+            serving_ok = bool(old) and all(s.ready for s in old)
+            note = (
+                f"generation {serving.generation} serves while generation {status.plan.generation} loads "
+                f"({ready} of {total} stages ready)"
+            )
+        else:
+            serving_ok, note = stages_ok, "serving" if stages_ok else "waiting for stages"
+        all_ok = serving_ok and gateway_ok
         set_condition(
             status,
             ConditionType.READY,
             ok=all_ok,
             reason="Ready" if all_ok else "NotReady",
-            message="serving" if all_ok else "waiting for stages and gateway",
+            message=note if gateway_ok else f"{note}; no gateway replica available",
             generation=generation,
         )
         status.phase = Phase.READY if all_ok else Phase.LOADING

@@ -24,6 +24,7 @@ class EventReason(StrEnum):
     CAPACITY_SHORTFALL = "CapacityShortfall"
     REPLANNED = "Replanned"
     STAGE_LOST = "StageLost"
+    CUT_OVER = "CutOver"
     INVALID_SPEC = "InvalidSpec"
     MODEL_UNREADABLE = "ModelUnreadable"
 
@@ -88,7 +89,10 @@ class ModelDeploymentStatus(_Status):
     phase: Phase = Phase.PENDING
     conditions: list[Condition] = Field(default_factory=list)
     model_name: str | None = Field(default=None, alias="modelName")
-    plan: PlanSummary | None = None
+    plan: PlanSummary | None = Field(default=None, description="The newest plan; its stages may still be loading.")
+    serving: PlanSummary | None = Field(
+        default=None, description="The plan the gateway uses: the newest once all its stages are ready."
+    )
     stage_count: int = Field(default=0, alias="stageCount", ge=0)
     context_length: int = Field(default=0, alias="contextLength", ge=0)
     ready: str = Field(default="0/0", description="Ready stages over planned stages.")

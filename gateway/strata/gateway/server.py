@@ -92,4 +92,7 @@ def bind(listen: str) -> socket.socket:
 def serve(app: FastAPI, sock: socket.socket) -> None:
     """Run until SIGINT or SIGTERM (uvicorn's handlers), then shut down gracefully."""
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5, lifespan="on")
-    uvicorn.Server(config).run(sockets=[sock])
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down; that is the normal way out
+        return

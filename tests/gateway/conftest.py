@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from strata.gguf import read_model_header
+from strata.gguf.header import GGUFHeader
 from strata.gguf.testmodels import write_test_model
 from strata_testbed.serve import Served, strata_serve
 
@@ -40,5 +41,5 @@ def one_lane(qwen2_model: Path) -> Iterator[Served]:
 
 
 @pytest.fixture(scope="session")
-def qwen2_header(qwen2_model: Path) -> object:
+def qwen2_header(qwen2_model: Path) -> GGUFHeader:
     return read_model_header(str(qwen2_model))[0]

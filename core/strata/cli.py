@@ -18,6 +18,8 @@ SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("plan", "strata.operator.plan_command"),
     ("operator", "strata.operator.command"),
     ("stage-worker", "strata.stage_worker.command"),
+    ("gateway", "strata.gateway.command"),
+    ("serve", "strata.gateway.serve_command"),
 )
 
 

@@ -1,0 +1,50 @@
+"""`strata gateway`: the OpenAI-compatible gateway of one deployment, configured as the operator configures it.
+
+    STRATA_MODEL_URL             GGUF file (path, file://, http(s)://, hf://); only its header is read
+    STRATA_MODEL_NAME            the id clients use (`org/repo:Q4`; `@main` may be added or left out)
+    STRATA_FIRST_STAGE           host:port of stage 0
+    STRATA_PARALLEL              lanes: the plan's parallel slots
+    STRATA_CONTEXT               the plan's context length (KV cells shared by the lanes)
+    STRATA_QUEUE_PER_LANE        requests that may wait per lane when all are busy (default 1)
+    STRATA_MAX_WAIT_SECONDS      the longest a request waits for a lane before a 429 (default 10)
+    STRATA_RETRY_AFTER_SECONDS   Retry-After on 429 (default 1)
+    STRATA_LISTEN                HTTP address (default 0.0.0.0:8000)
+    STRATA_PLAN_GENERATION       the plan generation the stages serve (default 0)
+    STRATA_API_KEYS_FILE         a file of accepted API keys, one per line (or STRATA_API_KEYS, comma-separated)
+
+Flags of the same names win over the environment. Until coordinator election lands, the gateway drives the pipeline
+with a fixed fencing token (term 1, holder = hostname); a stage refusing it (FAILED_PRECONDITION) makes it step down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from strata.gateway.settings import OPTIONS
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "gateway",
+        help="serve the OpenAI API in front of a running pipeline of stages",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    for flag, env, kind, default in OPTIONS:
+        parser.add_argument(flag, type=kind, default=None, help=f"(env {env}; default {default!r})")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from strata.gateway.server import bind, build, serve
+    from strata.gateway.settings import from_environment
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = from_environment(vars(args))
+    app, serving = build(settings)
+    sock = bind(settings.listen)
+    host, port = sock.getsockname()[:2]
+    print(f"gateway serving {serving.model_name!r} on http://{host}:{port}/v1", flush=True)
+    serve(app, sock)
+    return 0

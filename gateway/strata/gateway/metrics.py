@@ -1,0 +1,34 @@
+"""Prometheus metrics of one gateway, in its own registry (no process-wide globals, so tests can run several)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.lanes_busy = Gauge("strata_gateway_lanes_busy", "Lanes (pipeline slots) held by requests", registry=r)
+        self.queue_depth = Gauge("strata_gateway_queue_depth", "Requests waiting for a lane", registry=r)
+        self.admitted = Counter("strata_gateway_admitted", "Requests given a lane", registry=r)
+        self.rejected = Counter(
+            "strata_gateway_rejected", "Requests refused with 429, by reason", ["reason"], registry=r
+        )
+        self.time_to_first_token = Histogram(
+            "strata_gateway_time_to_first_token_seconds",
+            "From admission to the first generated token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "strata_gateway_inter_token_latency_seconds",
+            "Between consecutive generated tokens of one request",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tokens_generated = Counter("strata_gateway_tokens_generated", "Tokens sampled for clients", registry=r)
+        self.prompt_tokens = Counter("strata_gateway_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.ready = Gauge("strata_gateway_ready", "1 while the pipeline accepts requests", registry=r)

@@ -1,0 +1,127 @@
+"""`strata serve [MODEL]`: the whole thing on one machine — stage workers as local processes, the gateway in front.
+
+The layers are split evenly over `--stages` stage workers (the cluster planner's search is for GPU pools; one machine
+has nothing to choose between), each started as `strata stage-worker` with the STRATA_* environment the operator
+would give a stage pod, on loopback. The gateway runs in this process with a fixed fencing token and prints its
+endpoint; Ctrl-C (or SIGTERM) stops the gateway and every stage, and the stages die with this process even when it is
+killed outright. Without MODEL it generates a small demo model (random weights, a real tokenizer and chat template):
+the output is gibberish, but every part of the path is the real one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from strata.gateway.serving import Serving
+
+DEMO_LAYERS = 4
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve a GGUF model on this machine: local stage workers behind the OpenAI-compatible gateway",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("model", nargs="?", default="", help="GGUF path or URL; omitted: a generated demo model")
+    parser.add_argument("--stages", type=int, default=1, help="stage worker processes (default 1)")
+    parser.add_argument("--parallel", type=int, default=4, help="lanes: requests generating at once (default 4)")
+    parser.add_argument("--context", type=int, default=0, help="KV cells the lanes share (default min(native, 4096))")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port; 0 picks a free one (default 8000)")
+    parser.add_argument("--model-name", default="", help="the id clients use (default: the file's general.name)")
+    parser.add_argument("--queue-per-lane", type=int, default=1, help="waiting requests per lane (default 1)")
+    parser.add_argument("--max-wait-seconds", type=float, default=10.0, help="longest wait for a lane (default 10)")
+    parser.add_argument("--retry-after-seconds", type=int, default=1, help="Retry-After on 429 (default 1)")
+    parser.add_argument("--cache-type", default="f16", help="KV cache type of the stages (default f16)")
+    parser.add_argument("--device", default="cpu", help="torch device of the stages (default cpu)")
+    parser.add_argument("--api-keys-file", default="", help="accepted API keys, one per line (or STRATA_API_KEYS)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+
+    from strata.gateway.local import StageProcess, even_spans
+    from strata.gateway.server import bind, build, serve
+    from strata.gateway.settings import GatewaySettings, api_keys
+    from strata.gguf import describe, read_model_header
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    workdir = Path(tempfile.mkdtemp(prefix="strata-serve-"))
+    model = args.model or str(_demo_model(workdir))
+    header, size = read_model_header(model)
+    info = describe(header, file_bytes=size)
+    context = args.context or min(info.context_length, 4096)
+    try:
+        spans = even_spans(info.block_count, args.stages)
+    except ValueError as exc:
+        raise SystemExit(f"strata serve: {exc}") from exc
+    stages: list[StageProcess] = []
+    try:
+        next_stage = ""
+        for index in reversed(range(len(spans))):
+            start, end = spans[index]
+            env = {
+                "STRATA_STAGE_INDEX": str(index),
+                "STRATA_LAYER_START": str(start),
+                "STRATA_LAYER_END": str(end),
+                "STRATA_MODEL_URL": model,
+                "STRATA_CONTEXT": str(context),
+                "STRATA_PARALLEL": str(args.parallel),
+                "STRATA_CACHE_TYPE_K": args.cache_type,
+                "STRATA_CACHE_TYPE_V": args.cache_type,
+                "STRATA_NEXT_STAGE": next_stage,
+                "STRATA_LISTEN": "127.0.0.1:0",
+                "STRATA_DEVICE": args.device,
+            }
+            stage = StageProcess(env=env, log_path=workdir / f"stage-{index}.log")
+            stages.insert(0, stage)
+            next_stage = f"127.0.0.1:{stage.port}"
+            print(f"stage {index}: layers [{start}, {end}) on {next_stage}", flush=True)
+        settings = GatewaySettings(
+            model_url=model,
+            model_name=args.model_name,
+            first_stage=next_stage,
+            context=context,
+            parallel=args.parallel,
+            queue_per_lane=args.queue_per_lane,
+            max_wait_seconds=args.max_wait_seconds,
+            retry_after_seconds=args.retry_after_seconds,
+            listen=f"{args.host}:{args.port}",
+            api_keys=api_keys(environ=os.environ, keys_file=args.api_keys_file),
+        )
+        app, serving = build(settings, header=header)
+        sock = bind(settings.listen)
+        host, port = sock.getsockname()[:2]
+        base = f"http://{host}:{port}/v1"
+        print(f"serving {serving.model_name!r} ({len(spans)} stages, {args.parallel} lanes, context {context})")
+        print(f"endpoint {base}  (stage logs in {workdir})", flush=True)
+        threading.Thread(target=_announce_ready, args=(serving,), daemon=True).start()
+        serve(app, sock)
+    finally:
+        for stage in stages:
+            stage.stop()
+    return 0
+
+
+def _announce_ready(serving: Serving) -> None:
+    while not serving.pipeline.ready:
+        time.sleep(0.1)
+    print("ready", flush=True)
+
+
+def _demo_model(folder: Path) -> Path:
+    from strata.gguf.testmodels import write_test_model
+
+    path = folder / "strata-demo.gguf"
+    write_test_model(path, architecture="qwen2", block_count=DEMO_LAYERS)
+    return path

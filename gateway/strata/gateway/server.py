@@ -1,0 +1,98 @@
+"""Assembling a gateway from its settings (tokenizer and template from the GGUF header, pipeline, admission) and
+running it under uvicorn.
+
+Only the header of the model file is read, over HTTP Range requests when the model is remote: the gateway needs the
+vocabulary and the chat template, never the weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from pathlib import PurePosixPath
+from urllib.parse import urlsplit
+
+import uvicorn
+from fastapi import FastAPI
+from strata.gateway.admission import Admission, AdmissionPolicy
+from strata.gateway.app import create_app
+from strata.gateway.chat_template import ChatTemplate
+from strata.gateway.metrics import GatewayMetrics
+from strata.gateway.pipeline import Pipeline
+from strata.gateway.serving import Serving
+from strata.gateway.settings import GatewaySettings
+from strata.gateway.tokenizer import GGUFTokenizer, TokenizerSpec
+from strata.gguf import read_model_header
+from strata.gguf.header import GGUFHeader
+
+log = logging.getLogger(__name__)
+
+
+def model_name(header: GGUFHeader, url: str) -> str:
+    name = header.metadata.get("general.name")
+    if isinstance(name, str) and name:
+        return name
+    return PurePosixPath(urlsplit(url).path).stem or url
+
+
+def build(settings: GatewaySettings, *, header: GGUFHeader | None = None) -> tuple[FastAPI, Serving]:
+    if header is None:
+        header, _size = read_model_header(settings.model_url, token=settings.model_token)
+    tokenizer = GGUFTokenizer(TokenizerSpec.from_metadata(header.metadata))
+    spec = tokenizer.spec
+    template = (
+        ChatTemplate(
+            spec.chat_template,
+            bos_token=tokenizer.token(spec.bos_id) if spec.bos_id is not None else "",
+            eos_token=tokenizer.token(spec.eos_id) if spec.eos_id is not None else "",
+        )
+        if spec.chat_template
+        else None
+    )
+    metrics = GatewayMetrics()
+    pipeline = Pipeline(
+        first_stage=settings.first_stage,
+        slots=settings.parallel,
+        context=settings.context,
+        fence=settings.fence,
+        plan_generation=settings.plan_generation,
+        on_ready_change=lambda ready: metrics.ready.set(1 if ready else 0),
+    )
+    policy = AdmissionPolicy(
+        lanes=settings.parallel,
+        queue_per_lane=settings.queue_per_lane,
+        max_wait_s=settings.max_wait_seconds,
+        retry_after_s=settings.retry_after_seconds,
+    )
+    serving = Serving(
+        model_name=settings.model_name or model_name(header, settings.model_url),
+        tokenizer=tokenizer,
+        template=template,
+        pipeline=pipeline,
+        admission=Admission(policy, metrics=metrics),
+        metrics=metrics,
+        context=settings.context,
+    )
+    app = create_app(serving, api_keys=settings.api_keys, lifespan_hooks=(pipeline.start, pipeline.close))
+    return app, serving
+
+
+def bind(listen: str) -> socket.socket:
+    """A listening socket for `host:port` (port 0 picks a free one), so the caller knows the port before serving."""
+    host, _, port = listen.rpartition(":")
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host.strip("[]") or "0.0.0.0", int(port)))  # noqa: S104
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(app: FastAPI, sock: socket.socket) -> None:
+    """Run until SIGINT or SIGTERM (uvicorn's handlers), then shut down gracefully."""
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5, lifespan="on")
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down; that is the normal way out
+        return

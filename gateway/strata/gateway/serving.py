@@ -1,0 +1,326 @@
+"""The serving object: OpenAI requests in, admitted generations on the pipeline, OpenAI responses out.
+
+Routes hand it validated protocol models and get back a response model or an async iterator of SSE lines; every
+failure is a GatewayError. Admission happens before a response starts, so a 429 or 503 is a real HTTP status even
+for streaming requests. Whoever consumes a generation cancels it when it stops early (stop string, client gone),
+which resets its slot and frees its lane.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+from strata.gateway import protocol as p
+from strata.gateway.admission import Admission
+from strata.gateway.chat_template import ChatTemplate
+from strata.gateway.errors import ContextLengthExceededError, GatewayError, InvalidRequestError, ModelNotFoundError
+from strata.gateway.metrics import GatewayMetrics
+from strata.gateway.model_ids import canonical_model_id, same_model
+from strata.gateway.pipeline import Finished, Generation, Pipeline, Sampling, Token
+from strata.gateway.text import TextAssembler
+from strata.gateway.tokenizer import GGUFTokenizer
+
+
+@dataclass
+class _Piece:
+    text: str
+    tokens: list[Token] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class _Run:
+    """An admitted request: its generation, and the counts its usage reports."""
+
+    generation: Generation
+    prompt_tokens: int
+    stops: tuple[str, ...]
+    completion_tokens: int = 0
+    text_offset: int = 0  # characters of generated text reported in logprobs so far
+
+    def usage(self) -> p.Usage:
+        return p.Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+        )
+
+
+def sse(payload: BaseModel | dict[str, object] | str) -> str:
+    if isinstance(payload, str):
+        return f"data: {payload}\n\n"
+    data = payload.model_dump_json(exclude_none=False) if isinstance(payload, BaseModel) else _json(payload)
+    return f"data: {data}\n\n"
+
+
+def _json(payload: dict[str, object]) -> str:
+    import json
+
+    return json.dumps(payload, ensure_ascii=False)
+
+
+class Serving:
+    def __init__(
+        self,
+        *,
+        model_name: str,
+        tokenizer: GGUFTokenizer,
+        template: ChatTemplate | None,
+        pipeline: Pipeline,
+        admission: Admission,
+        metrics: GatewayMetrics,
+        context: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.model_name = canonical_model_id(model_name)
+        self.tokenizer = tokenizer
+        self.template = template
+        self.pipeline = pipeline
+        self.admission = admission
+        self.metrics = metrics
+        self.context = context
+        self.created = int(time.time())
+        self._clock = clock
+
+    # Models.
+
+    def models(self) -> p.ModelList:
+        return p.ModelList(data=[p.ModelCard(id=self.model_name, created=self.created, context_length=self.context)])
+
+    def model(self, model_id: str) -> p.ModelCard:
+        self._check_model(model_id)
+        return self.models().data[0]
+
+    def _check_model(self, requested: str) -> None:
+        if not same_model(requested, self.model_name):
+            raise ModelNotFoundError(
+                f"the model {requested!r} does not exist here; this gateway serves {self.model_name!r}", param="model"
+            )
+
+    # Chat completions.
+
+    async def chat(self, request: p.ChatCompletionRequest) -> p.ChatCompletion | AsyncIterator[str]:
+        self._check_common(request)
+        if self.template is None:
+            raise InvalidRequestError("the model has no chat template; use /v1/completions", param="messages")
+        rendered = self.template.render([{"role": m.role, "content": m.text()} for m in request.messages])
+        prompt = self.tokenizer.encode(rendered, add_special=False)
+        top = request.top_logprobs or 0 if request.logprobs else 0
+        run = await self._start(request, prompt, param="messages", logprobs=top)
+        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if request.stream:
+            return self._chat_stream(request, run, completion_id=completion_id, created=created)
+        text, tokens, reason = [], [], "stop"
+        async for piece in self._pieces(run):
+            text.append(piece.text)
+            tokens.extend(piece.tokens)
+            reason = piece.finish_reason or reason
+        return p.ChatCompletion(
+            id=completion_id,
+            created=created,
+            model=self.model_name,
+            choices=[
+                p.ChatChoice(
+                    message=p.AssistantMessage(content="".join(text)),
+                    finish_reason=reason,
+                    logprobs=self._chat_logprobs(tokens) if request.logprobs else None,
+                )
+            ],
+            usage=run.usage(),
+        )
+
+    async def _chat_stream(
+        self, request: p.ChatCompletionRequest, run: _Run, *, completion_id: str, created: int
+    ) -> AsyncIterator[str]:
+        def chunk(delta: p.Delta, **fields: object) -> str:
+            choice = p.ChatChunkChoice(delta=delta, **fields)  # type: ignore[arg-type]
+            return sse(
+                p.ChatCompletionChunk(id=completion_id, created=created, model=self.model_name, choices=[choice])
+            )
+
+        try:
+            yield chunk(p.Delta(role="assistant", content=""))
+            async for piece in self._pieces(run):
+                logprobs = self._chat_logprobs(piece.tokens) if request.logprobs and piece.tokens else None
+                if piece.text or logprobs:
+                    yield chunk(p.Delta(content=piece.text), logprobs=logprobs)
+                if piece.finish_reason:
+                    yield chunk(p.Delta(), finish_reason=piece.finish_reason)
+            if request.stream_options and request.stream_options.include_usage:
+                yield sse(
+                    p.ChatCompletionChunk(
+                        id=completion_id, created=created, model=self.model_name, choices=[], usage=run.usage()
+                    )
+                )
+        except GatewayError as error:
+            yield sse(error.body())
+        yield sse("[DONE]")
+
+    def _chat_logprobs(self, tokens: list[Token]) -> p.ChatLogprobs:
+        def entry(token_id: int, logprob: float) -> p.TopLogprob:
+            raw = self.tokenizer.token_bytes(token_id)
+            return p.TopLogprob(token=raw.decode("utf-8", errors="replace"), logprob=logprob, bytes=list(raw))
+
+        content = []
+        for t in tokens:
+            head = entry(t.token_id, t.logprob)
+            top = [entry(i, lp) for i, lp in t.top_logprobs]
+            content.append(p.TokenLogprobContent(**head.model_dump(), top_logprobs=top))
+        return p.ChatLogprobs(content=content)
+
+    # Completions.
+
+    async def complete(self, request: p.CompletionRequest) -> p.Completion | AsyncIterator[str]:
+        self._check_common(request)
+        if request.echo:
+            raise InvalidRequestError("echo is not supported", param="echo")
+        if request.suffix:
+            raise InvalidRequestError("suffix is not supported", param="suffix")
+        prompt = self._completion_prompt(request.prompt)
+        run = await self._start(request, prompt, param="prompt", logprobs=request.logprobs or 0)
+        completion_id = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if request.stream:
+            return self._completion_stream(request, run, completion_id=completion_id, created=created)
+        text, tokens, reason = [], [], "stop"
+        async for piece in self._pieces(run):
+            text.append(piece.text)
+            tokens.extend(piece.tokens)
+            reason = piece.finish_reason or reason
+        logprobs = self._completion_logprobs(run, tokens) if request.logprobs is not None else None
+        return p.Completion(
+            id=completion_id,
+            created=created,
+            model=self.model_name,
+            choices=[p.CompletionChoice(text="".join(text), finish_reason=reason, logprobs=logprobs)],
+            usage=run.usage(),
+        )
+
+    async def _completion_stream(
+        self, request: p.CompletionRequest, run: _Run, *, completion_id: str, created: int
+    ) -> AsyncIterator[str]:
+        def chunk(**fields: object) -> str:
+            choice = p.CompletionChoice(**fields)  # type: ignore[arg-type]
+            return sse(p.Completion(id=completion_id, created=created, model=self.model_name, choices=[choice]))
+
+        try:
+            async for piece in self._pieces(run):
+                logprobs = self._completion_logprobs(run, piece.tokens) if request.logprobs is not None else None
+                if piece.text or piece.tokens:
+                    yield chunk(text=piece.text, logprobs=logprobs)
+                if piece.finish_reason:
+                    yield chunk(text="", finish_reason=piece.finish_reason)
+            if request.stream_options and request.stream_options.include_usage:
+                yield sse(
+                    p.Completion(
+                        id=completion_id, created=created, model=self.model_name, choices=[], usage=run.usage()
+                    )
+                )
+        except GatewayError as error:
+            yield sse(error.body())
+        yield sse("[DONE]")
+
+    def _completion_logprobs(self, run: _Run, tokens: list[Token]) -> p.CompletionLogprobs:
+        def text(token_id: int) -> str:
+            return self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
+        result = p.CompletionLogprobs()
+        for t in tokens:
+            result.tokens.append(text(t.token_id))
+            result.text_offset.append(run.text_offset)
+            run.text_offset += len(result.tokens[-1])
+            result.token_logprobs.append(t.logprob)
+            result.top_logprobs.append({text(i): lp for i, lp in t.top_logprobs})
+        return result
+
+    def _completion_prompt(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if prompt and all(isinstance(x, int) for x in prompt):
+            ids = [int(x) for x in prompt]  # type: ignore[arg-type]
+            bad = [i for i in ids if not 0 <= i < self.tokenizer.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"token ids {bad[:5]} are outside the vocabulary of {self.tokenizer.vocab_size}", param="prompt"
+                )
+            return ids
+        if len(prompt) == 1 and isinstance(prompt[0], str | list):
+            return self._completion_prompt(prompt[0])
+        raise InvalidRequestError(
+            "give one prompt (a string or a list of token ids); batches are not supported", param="prompt"
+        )
+
+    # Shared.
+
+    def _check_common(self, request: p.ChatCompletionRequest | p.CompletionRequest) -> None:
+        self._check_model(request.model)
+        if request.n != 1:
+            raise InvalidRequestError("only n=1 is supported", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(request, name):
+                raise InvalidRequestError(f"{name} is not supported; leave it at 0", param=name)
+
+    async def _start(
+        self, request: p.ChatCompletionRequest | p.CompletionRequest, prompt: list[int], *, param: str, logprobs: int
+    ) -> _Run:
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty", param=param)
+        if len(prompt) >= self.context:
+            raise ContextLengthExceededError(
+                f"the prompt is {len(prompt)} tokens; this model's context is {self.context} tokens, and at least one "
+                "must be left to generate",
+                param=param,
+            )
+        remaining = self.context - len(prompt)
+        limit = request.token_limit()
+        max_tokens = min(limit, remaining) if limit is not None else remaining
+        seed = request.seed if request.seed is not None else secrets.randbits(63)
+        sampling = Sampling(temperature=request.temperature, top_p=request.top_p, seed=seed, logprobs=logprobs)
+        lane = await self.admission.acquire()
+        try:
+            generation = self.pipeline.submit(
+                slot=lane,
+                prompt=tuple(prompt),
+                max_tokens=max_tokens,
+                sampling=sampling,
+                stop_ids=self.tokenizer.stop_ids,
+                on_freed=lambda: self.admission.release(lane),
+            )
+        except BaseException:
+            self.admission.release(lane)
+            raise
+        self.metrics.prompt_tokens.inc(len(prompt))
+        return _Run(generation=generation, prompt_tokens=len(prompt), stops=request.stop_strings())
+
+    async def _pieces(self, run: _Run) -> AsyncIterator[_Piece]:
+        """Text as it settles; the last piece carries the finish reason. Cancels the generation if left early."""
+        generation = run.generation
+        assembler = TextAssembler(self.tokenizer, stops=run.stops)
+        started = last = self._clock()
+        try:
+            async for event in generation.stream():
+                if isinstance(event, Finished):
+                    yield _Piece(text=assembler.flush(), finish_reason=event.reason)
+                    return
+                now = self._clock()
+                histogram = (
+                    self.metrics.time_to_first_token if run.completion_tokens == 0 else self.metrics.inter_token_latency
+                )
+                histogram.observe(now - (started if run.completion_tokens == 0 else last))
+                last = now
+                run.completion_tokens += 1
+                self.metrics.tokens_generated.inc()
+                text = assembler.add(event.token_id) if event.token_id not in self.tokenizer.stop_ids else ""
+                if assembler.stopped:
+                    yield _Piece(text=text, tokens=[event], finish_reason="stop")
+                    return
+                yield _Piece(text=text, tokens=[event])
+        finally:
+            if not generation.finished:
+                self.pipeline.cancel(generation)

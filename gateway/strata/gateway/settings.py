@@ -1,0 +1,103 @@
+"""What one gateway is told to be: the model, the first stage, the lanes and the admission policy.
+
+The operator sets these through the gateway container's environment (operator/strata/operator/children.py); the same
+names work as flags of `strata gateway`, and a flag wins over the environment. API keys come from STRATA_API_KEYS
+(comma-separated) or STRATA_API_KEYS_FILE (one per line, typically a mounted Secret); they are never logged.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from strata.lease import FencingToken
+
+# (flag, environment variable, type, default; None means required)
+OPTIONS: tuple[tuple[str, str, Callable[[str], Any], object], ...] = (
+    ("--model-url", "STRATA_MODEL_URL", str, None),
+    ("--model-name", "STRATA_MODEL_NAME", str, ""),
+    ("--first-stage", "STRATA_FIRST_STAGE", str, None),
+    ("--parallel", "STRATA_PARALLEL", int, 4),
+    ("--context", "STRATA_CONTEXT", int, None),
+    ("--queue-per-lane", "STRATA_QUEUE_PER_LANE", int, 1),
+    ("--max-wait-seconds", "STRATA_MAX_WAIT_SECONDS", float, 10.0),
+    ("--retry-after-seconds", "STRATA_RETRY_AFTER_SECONDS", int, 1),
+    ("--listen", "STRATA_LISTEN", str, "0.0.0.0:8000"),
+    ("--plan-generation", "STRATA_PLAN_GENERATION", int, 0),
+    ("--api-keys-file", "STRATA_API_KEYS_FILE", str, ""),
+)
+
+
+def local_fence() -> FencingToken:
+    """The fixed token of a gateway that is the only coordinator (single-machine mode, or before elections)."""
+    return FencingToken(lease_uid="static", term=1, holder=socket.gethostname())
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatewaySettings:
+    model_url: str
+    first_stage: str
+    context: int
+    model_name: str = ""  # empty: the file's general.name, else its file name
+    parallel: int = 4
+    queue_per_lane: int = 1
+    max_wait_seconds: float = 10.0
+    retry_after_seconds: int = 1
+    listen: str = "0.0.0.0:8000"
+    plan_generation: int = 0
+    api_keys_file: str = ""
+    api_keys: frozenset[str] = field(default=frozenset(), repr=False)
+    model_token: str | None = field(default=None, repr=False)
+    fence: FencingToken = field(default_factory=local_fence)
+
+    def __post_init__(self) -> None:
+        if self.context < 2 or self.parallel < 1:
+            raise ValueError(f"context ({self.context}) must be at least 2 and parallel ({self.parallel}) positive")
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, _, port = self.listen.rpartition(":")
+        return host or "0.0.0.0", int(port)  # noqa: S104 (a server listens on every interface by default)
+
+
+def resolve(values: Mapping[str, object], environ: Mapping[str, str], *, command: str) -> dict[str, object]:
+    """Flag, else environment, else default; a missing required setting is an error naming both spellings."""
+    resolved: dict[str, object] = {}
+    for flag, env, kind, default in OPTIONS:
+        name = flag.removeprefix("--").replace("-", "_")
+        value = values.get(name)
+        if value is None and environ.get(env, "") != "":
+            try:
+                value = kind(environ[env])
+            except ValueError as exc:
+                raise SystemExit(f"strata {command}: {env}={environ[env]!r} is not a valid {kind.__name__}") from exc
+        if value is None:
+            if default is None:
+                raise SystemExit(f"strata {command}: set {flag} or {env}")
+            value = default
+        resolved[name] = value
+    return resolved
+
+
+def api_keys(*, environ: Mapping[str, str], keys_file: str) -> frozenset[str]:
+    keys = {k.strip() for k in environ.get("STRATA_API_KEYS", "").split(",") if k.strip()}
+    if keys_file:
+        keys |= {line.strip() for line in Path(keys_file).read_text().splitlines() if line.strip()}
+    return frozenset(keys)
+
+
+def from_environment(values: Mapping[str, object], environ: Mapping[str, str] | None = None) -> GatewaySettings:
+    env = dict(os.environ if environ is None else environ)
+    resolved = resolve(values, env, command="gateway")
+    try:
+        keys = api_keys(environ=env, keys_file=str(resolved["api_keys_file"]))
+    except OSError as exc:
+        raise SystemExit(f"strata gateway: cannot read the API keys file: {exc.strerror}") from exc
+    try:
+        return GatewaySettings(**resolved, api_keys=keys, model_token=env.get("STRATA_MODEL_TOKEN"))  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise SystemExit(f"strata gateway: {exc}") from exc

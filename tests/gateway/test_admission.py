@@ -1,0 +1,84 @@
+"""Admission as a unit, on the event loop: lanes at once, a bounded wait, 429 with Retry-After, nothing lost."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from strata.gateway.admission import Admission, AdmissionPolicy
+from strata.gateway.errors import RateLimitedError
+from strata.gateway.metrics import GatewayMetrics
+
+
+def admission(**policy: float) -> Admission:
+    return Admission(AdmissionPolicy(**policy), metrics=GatewayMetrics())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("lanes", "queue_per_lane", "burst", "admitted", "waiting", "rejected"),
+    [
+        pytest.param(2, 1, 2, 2, 0, 0, id="free lanes are taken at once"),
+        pytest.param(1, 1, 2, 1, 1, 0, id="with the lane busy one request may wait"),
+        pytest.param(1, 1, 6, 1, 1, 4, id="with the queue full the rest are refused"),
+        pytest.param(2, 2, 9, 2, 4, 3, id="the queue holds queue_per_lane places per lane"),
+        pytest.param(1, 0, 3, 1, 0, 2, id="no queue: every request beyond the lanes is refused"),
+    ],
+)
+def test_a_burst_splits_into_admitted_waiting_and_refused(
+    lanes: int, queue_per_lane: int, burst: int, admitted: int, waiting: int, rejected: int
+) -> None:
+    async def run() -> None:
+        gate = admission(lanes=lanes, queue_per_lane=queue_per_lane, max_wait_s=5)
+        tasks = [asyncio.create_task(gate.acquire()) for _ in range(burst)]
+        await asyncio.sleep(0.01)
+        refused = [t for t in tasks if t.done() and isinstance(t.exception(), RateLimitedError)]
+        assert sum(t.done() and t.exception() is None for t in tasks) == admitted
+        assert gate.waiting == waiting
+        assert len(refused) == rejected
+        assert all(t.exception().retry_after_s == 1 for t in refused)  # type: ignore[union-attr]
+        for t in tasks:
+            t.cancel()
+
+    asyncio.run(run())
+
+
+def test_a_released_lane_goes_to_the_oldest_waiter() -> None:
+    async def run() -> None:
+        gate = admission(lanes=1, queue_per_lane=2, max_wait_s=5)
+        lane = await gate.acquire()
+        first, second = asyncio.create_task(gate.acquire()), asyncio.create_task(gate.acquire())
+        await asyncio.sleep(0.01)
+        gate.release(lane)
+        assert await first == lane
+        assert not second.done()
+        second.cancel()
+
+    asyncio.run(run())
+
+
+def test_an_expired_wait_is_refused_and_leaves_the_queue() -> None:
+    async def run() -> None:
+        gate = admission(lanes=1, queue_per_lane=1, max_wait_s=0.05, retry_after_s=3)
+        await gate.acquire()
+        with pytest.raises(RateLimitedError, match=r"within 0.05 s") as caught:
+            await gate.acquire()
+        assert caught.value.headers() == {"Retry-After": "3"}
+        assert gate.waiting == 0
+
+    asyncio.run(run())
+
+
+def test_a_waiter_that_hangs_up_gives_back_a_lane_handed_to_it() -> None:
+    async def run() -> None:
+        gate = admission(lanes=1, queue_per_lane=1, max_wait_s=5)
+        lane = await gate.acquire()
+        waiter = asyncio.create_task(gate.acquire())
+        await asyncio.sleep(0.01)
+        gate.release(lane)  # handed to the waiter...
+        waiter.cancel()  # ...which is cancelled before it runs again
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert gate.busy == 0
+        assert await asyncio.wait_for(gate.acquire(), timeout=0.1) == lane
+
+    asyncio.run(run())

@@ -147,13 +147,17 @@ class Rope:
 
     def apply(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         # x: [N, H, head_dim]
+        # Few kernels on purpose: a decode step runs this twice per layer, and on a GPU each kernel costs microseconds.
         rot, rest = x[..., : self.rope_dim].float(), x[..., self.rope_dim :]
         if self.style is RopeStyle.NORM:
-            a, b = rot[..., 0::2], rot[..., 1::2]
-            rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+            # Adjacent pairs as complex numbers times e^(i angle): (a cos - b sin) + i (a sin + b cos).
+            pairs = torch.view_as_complex(rot.reshape(*rot.shape[:-1], -1, 2))
+            rotated = torch.view_as_real(pairs * torch.complex(cos, sin)).flatten(-2)
         else:
             a, b = rot.chunk(2, dim=-1)
             rotated = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+        if rest.shape[-1] == 0:
+            return rotated.to(x.dtype)
         return torch.cat((rotated.to(x.dtype), rest), dim=-1)
 
 
@@ -164,8 +168,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # x * rsqrt(mean(x^2) + eps), in f32
         return self.weight * normed.to(x.dtype)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from strata.stage_worker.model import Block, RopeStyle, StageModel
+from torch import Tensor
 from transformers import PreTrainedModel
 
 
@@ -25,5 +27,67 @@ def hf_reference(path: Path) -> PreTrainedModel:
     if set(missing) - allowed or unexpected:
         raise AssertionError(f"HF did not load the file whole: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
+    model.eval()  # type: ignore[no-untyped-call]
+    return model
+
+
+def hf_from_stage(stage: StageModel) -> PreTrainedModel:
+    """HF's LlamaForCausalLM holding a whole-model stage's own weights (no second read of the file).
+
+    For files too large for HF's GGUF loader to dequantise in reasonable time (an 8B Q8_0 file on a benchmark
+    machine). The tensors are shared, except attn_q/attn_k, which are un-permuted back to HF's order (llama.cpp's
+    converter permutes their rows for "normal" RoPE); HF's own RoPE and attention then compute the reference.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    c = stage.config
+    if not (stage.is_first and stage.is_last) or c.rope_style is not RopeStyle.NORM or c.attention_bias or c.qk_norm:
+        raise ValueError("hf_from_stage builds plain llama models from a stage that holds every layer")
+    if stage.token_embd is None or stage.output_norm is None or stage.output is None:
+        raise ValueError("the stage holds no embedding or output head")
+    config = LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.dim,
+        intermediate_size=c.ffn_dim,
+        num_hidden_layers=c.n_layer,
+        num_attention_heads=c.n_head,
+        num_key_value_heads=c.n_head_kv,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+    )
+
+    def unpermute(weight: Tensor, heads: int) -> Tensor:
+        rows = weight.shape[0]
+        return weight.reshape(heads, rows // heads // 2, 2, -1).transpose(1, 2).reshape(weight.shape).contiguous()
+
+    tensors = {
+        "model.embed_tokens.weight": stage.token_embd.weight,
+        "model.norm.weight": stage.output_norm.weight,
+        "lm_head.weight": stage.output.weight,
+    }
+    for i, block in enumerate(stage.layers):
+        if not isinstance(block, Block):
+            raise TypeError(f"layer {i} is not a Block")
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "self_attn.q_proj.weight": unpermute(block.attn.wq.weight, c.n_head),
+            p + "self_attn.k_proj.weight": unpermute(block.attn.wk.weight, c.n_head_kv),
+            p + "self_attn.v_proj.weight": block.attn.wv.weight,
+            p + "self_attn.o_proj.weight": block.attn.wo.weight,
+            p + "mlp.gate_proj.weight": block.ffn.w1.weight,
+            p + "mlp.up_proj.weight": block.ffn.w3.weight,
+            p + "mlp.down_proj.weight": block.ffn.w2.weight,
+            p + "input_layernorm.weight": block.attn_norm.weight,
+            p + "post_attention_layernorm.weight": block.ffn_norm.weight,
+        }
+    weight = stage.token_embd.weight
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.load_state_dict(tensors, strict=True, assign=True)
+    model.model.rotary_emb = LlamaRotaryEmbedding(config).to(weight.device)  # built on meta above; rebuilt real
     model.eval()  # type: ignore[no-untyped-call]
     return model

@@ -3,7 +3,8 @@
 Continuous batching happens here: the coordinator puts a chunk per active slot into each step (a decode step is one
 position, a prefill chunk many), the projections and feed-forwards run once over all rows, and attention runs per
 slot over that slot's cells of the KV pool. The first stage embeds token ids; the last applies the head and samples.
-A step is validated whole before it touches the pool, so a bad chunk changes nothing.
+A step is validated whole before it touches the pool, so a bad chunk changes nothing. A step of decode chunks only (one
+position per slot) takes the batched path in strata.stage_worker.decode, captured in CUDA graphs on GPUs.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from strata.stage_worker.decode import Decoder
 from strata.stage_worker.errors import InvalidRequestError
 from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.model import ChunkView, Rope, StageModel, StepLayout
@@ -37,12 +39,22 @@ class StepResult:
 
 
 class Engine:
-    def __init__(self, *, model: StageModel, pool: KVPool, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        *,
+        model: StageModel,
+        pool: KVPool,
+        device: torch.device,
+        dtype: torch.dtype,
+        cuda_graphs: bool | None = None,  # None: on CUDA devices
+    ) -> None:
         self.model = model
         self.pool = pool
         self.device = device
         self.dtype = dtype
         self.rope = Rope(model.config, device=device)
+        graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.decoder = Decoder(model=model, pool=pool, rope=self.rope, dtype=dtype, graphs=graphs)
 
     def validate(self, chunks: list[Chunk], hidden: Tensor | None) -> None:
         if not chunks:
@@ -74,6 +86,8 @@ class Engine:
     @torch.inference_mode()
     def step(self, chunks: list[Chunk], hidden: Tensor | None) -> StepResult:
         self.validate(chunks, hidden)
+        if all(chunk.length == 1 and not chunk.return_logits for chunk in chunks):
+            return self._decode(chunks, hidden)
         positions: list[Tensor] = []
         writes: list[Tensor] = []
         views: list[ChunkView] = []
@@ -109,3 +123,28 @@ class Engine:
                 end = chunk.start_position + chunk.length
                 sampled[chunk.slot] = sample(last, params=chunk.sampling, position=end)
         return StepResult(hidden=None, tokens=sampled, logits=logits)
+
+    def _decode(self, chunks: list[Chunk], hidden: Tensor | None) -> StepResult:
+        """One new position per slot, batched (and on CUDA replayed from a graph); greedy picks come back at once."""
+        cells = [self.pool.take(slot=chunk.slot, position=chunk.start_position) for chunk in chunks]
+        out = self.decoder.run(
+            slots=[chunk.slot for chunk in chunks],
+            positions=[chunk.start_position for chunk in chunks],
+            cells=cells,
+            tokens=[chunk.token_ids[0] for chunk in chunks] if self.model.is_first else [],
+            hidden=None if hidden is None else hidden.to(device=self.device, dtype=self.dtype),
+        )
+        if out.hidden is not None:
+            return StepResult(hidden=out.hidden.clone(), tokens={}, logits={})
+        if out.logits is None or out.greedy is None:
+            raise RuntimeError("the last stage's decode body returned no logits")
+        tokens, logprobs = out.greedy.cpu().tolist()
+        sampled: dict[int, Sampled] = {}
+        for i, chunk in enumerate(chunks):
+            if not chunk.sample:
+                continue
+            if chunk.sampling.temperature <= 0.0 and chunk.sampling.logprobs == 0:
+                sampled[chunk.slot] = Sampled(token_id=int(tokens[i]), logprob=logprobs[i], top_logprobs=())
+            else:
+                sampled[chunk.slot] = sample(out.logits[i], params=chunk.sampling, position=chunk.start_position + 1)
+        return StepResult(hidden=None, tokens=sampled, logits={})

@@ -110,6 +110,10 @@ class KVPool:
         ]
         self._free: list[int] = list(range(context - 1, -1, -1))  # a stack: pop() hands out low cells first
         self._slots: list[list[int]] = [[] for _ in range(parallel)]
+        # The same cells on the device, row = slot, column = position: batched decode reads a slot's cells from
+        # here (table[slots, :S]) without copying the host lists over every step. Columns past a slot's length are
+        # stale and are masked by position. Decode steps write their new cell into it on the device themselves.
+        self.table = torch.zeros(parallel, context, dtype=torch.long, device=device)
 
     @property
     def nbytes(self) -> int:
@@ -148,7 +152,20 @@ class KVPool:
         new = [self._free.pop() for _ in range(length)]
         cells.extend(new)
         as_tensor = torch.tensor(cells, dtype=torch.long, device=self.device)
+        self.table[slot, start_position : start_position + length] = as_tensor[start_position:]
         return as_tensor[start_position:], as_tensor
+
+    def take(self, *, slot: int, position: int) -> int:
+        """A decode step's one new cell for `slot` at `position`, on the host only: the step puts it in the table."""
+        self.check(slot=slot, start_position=position, length=1)
+        cells = self._slot(slot)
+        self._free.extend(reversed(cells[position:]))
+        del cells[position:]
+        if not self._free:
+            raise PoolExhaustedError(f"slot {slot} needs 1 KV cell but none of {self.context} are free")
+        cell = self._free.pop()
+        cells.append(cell)
+        return cell
 
     def reset(self, slot: int) -> None:
         cells = self._slot(slot)

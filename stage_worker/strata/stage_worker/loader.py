@@ -2,8 +2,9 @@
 
 The model is built on the meta device; its parameter names say which GGUF tensors to read (the embedding for the
 first stage, `blk.N.*` for the span, `output_norm` and `output` — or `token_embd` when tied — for the last). Each
-tensor is read by range, dequantised with gguf-py into f32, cast to the compute dtype on the target device and
-assigned. LoadProgress counts bytes read against bytes needed so the operator can show load progress.
+tensor is read by range, dequantised (on the target device for the plain types and Q8_0, with gguf-py otherwise),
+cast to the compute dtype and assigned. LoadProgress counts bytes read against bytes needed so the operator can show
+load progress.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 from strata.gguf import GGUFHeader, TensorInfo
 from strata.gguf.cursor import ByteSource
@@ -48,6 +49,12 @@ BLOCK_TENSORS: dict[str, str] = {
     "ffn.w2.weight": "ffn_down.weight",
 }
 READ_PIECE = 8 << 20
+Q8_0_BLOCK_BYTES = 34
+TORCH_TYPES: dict[GGMLQuantizationType, torch.dtype] = {
+    GGMLQuantizationType.F32: torch.float32,
+    GGMLQuantizationType.F16: torch.float16,
+    GGMLQuantizationType.BF16: torch.bfloat16,
+}
 
 
 def config_from_header(header: GGUFHeader) -> ModelConfig:
@@ -120,18 +127,36 @@ def needed_tensors(model: StageModel, header: GGUFHeader) -> dict[str, list[str]
     return needed
 
 
-def read_tensor(source: ByteSource, entry: TensorInfo, *, on_bytes: Callable[[int], None]) -> np.ndarray:
-    """Read one tensor by range and dequantise it to f32 in torch order."""
-    pieces = []
+def read_raw(source: ByteSource, entry: TensorInfo, *, on_bytes: Callable[[int], None]) -> bytearray:
+    """Read one tensor's bytes by range, in pieces so progress moves while a large tensor loads."""
+    raw = bytearray(entry.nbytes)
     for start in range(0, entry.nbytes, READ_PIECE):
         size = min(READ_PIECE, entry.nbytes - start)
-        pieces.append(source.read(entry.offset + start, size))
+        raw[start : start + size] = source.read(entry.offset + start, size)
         on_bytes(size)
-    raw = np.frombuffer(bytearray(b"".join(pieces)), dtype=np.uint8)  # writable, so torch may share it
-    block_elements, block_bytes = GGML_QUANT_SIZES[entry.ggml_type]
-    row = entry.shape[-1] // block_elements * block_bytes
-    values = dequantize(raw.reshape(-1, row), entry.ggml_type)
-    return np.asarray(values, dtype=np.float32).reshape(entry.shape)
+    return raw
+
+
+def dequantize_on(raw: bytearray, entry: TensorInfo, *, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """One tensor in torch order and `dtype` on `device`.
+
+    Q8_0, F16, BF16 and F32 travel to the device as stored and are dequantised there (a Q8_0 value is its block's
+    f16 scale times the int8, in f32, exactly as gguf-py computes it): an 8B model then loads at the speed of its
+    reads, not of numpy. Other types go through gguf-py on the CPU.
+    """
+    data = torch.frombuffer(raw, dtype=torch.uint8)
+    if entry.ggml_type in TORCH_TYPES:
+        values = data.to(device).view(TORCH_TYPES[entry.ggml_type])
+    elif entry.ggml_type == GGMLQuantizationType.Q8_0:
+        blocks = data.to(device).view(-1, Q8_0_BLOCK_BYTES)  # [blocks, 2 + 32]: f16 scale, then 32 int8 values
+        scales = blocks[:, :2].contiguous().view(torch.float16).float()  # [blocks, 1]
+        values = blocks[:, 2:].contiguous().view(torch.int8).float() * scales  # [blocks, 32]
+    else:
+        block_elements, block_bytes = GGML_QUANT_SIZES[entry.ggml_type]
+        row = entry.shape[-1] // block_elements * block_bytes
+        dequantised = dequantize(np.frombuffer(raw, dtype=np.uint8).reshape(-1, row), entry.ggml_type)
+        values = torch.from_numpy(np.asarray(dequantised, dtype=np.float32)).to(device)
+    return values.to(dtype).reshape(entry.shape)
 
 
 def load_stage(
@@ -157,13 +182,13 @@ def load_stage(
     for name, parameters in needed.items():
         if cancelled is not None and cancelled.is_set():
             raise ModelFileError("loading was cancelled")
-        values = torch.from_numpy(read_tensor(source, header.tensor_by_name[name], on_bytes=count))
+        entry = header.tensor_by_name[name]
+        values = dequantize_on(read_raw(source, entry, on_bytes=count), entry, device=device, dtype=dtype)
         for parameter in parameters:
             expected = model.get_parameter(parameter).shape
             if tuple(values.shape) != tuple(expected):
                 raise ModelFileError(f"tensor {name!r} has shape {tuple(values.shape)}; expected {tuple(expected)}")
             owner, _, leaf = parameter.rpartition(".")
-            tensor = values.to(device=device, dtype=dtype)
-            setattr(model.get_submodule(owner), leaf, nn.Parameter(tensor, requires_grad=False))
+            setattr(model.get_submodule(owner), leaf, nn.Parameter(values, requires_grad=False))
     progress.loaded = True
     return model.eval()

@@ -70,11 +70,66 @@ class ChunkView:
 
 @dataclass(frozen=True)
 class StepLayout:
-    """Everything a layer needs about a step, computed once per step."""
+    """Everything a layer needs about a step, computed once per step: any mix of prefill and decode chunks."""
 
     positions: Tensor  # [N] absolute position of each row
     write_cells: Tensor  # [N] pool cell each row's K/V goes to
     chunks: tuple[ChunkView, ...]
+
+    def attend(self, q: Tensor, cache: LayerCache, config: ModelConfig) -> Tensor:
+        """Causal attention of each chunk's rows over its slot's cells, one chunk at a time."""
+        c = config
+        out = torch.empty_like(q)  # q: [N, H, hd]
+        for chunk in self.chunks:
+            keys, values = cache.read(chunk.cells)  # [S, kv_dim] each, S = positions 0..end of the chunk
+            s = keys.shape[0]
+            qc = q[chunk.rows].transpose(0, 1)  # [H, T, hd]
+            kc = keys.view(s, c.n_head_kv, c.head_dim).transpose(0, 1)  # [Hkv, S, hd]
+            vc = values.view(s, c.n_head_kv, c.head_dim).transpose(0, 1)  # [Hkv, S, hd]
+            t = qc.shape[1]
+            # Row i sits at position start + i and sees keys at positions 0..start + i.
+            query_positions = torch.arange(t, device=q.device)[:, None] + chunk.start_position
+            mask = torch.arange(s, device=q.device)[None, :] <= query_positions  # [T, S]
+            attended = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=c.n_rep > 1)
+            out[chunk.rows] = attended.transpose(0, 1)  # [T, H, hd]
+        return out
+
+
+@dataclass(frozen=True)
+class DecodeLayout:
+    """A decode step: one row per slot, every slot's cells gathered at once from the pool's device table.
+
+    Shapes depend only on (B, S), with S a bucket at least one past the longest position, so the whole step can be
+    captured once in a CUDA graph and replayed. Cells past a slot's position are masked out.
+    """
+
+    positions: Tensor  # [B] position of each slot's new token
+    write_cells: Tensor  # [B] pool cell each row's K/V goes to
+    read_cells: Tensor  # [B, S] pool cell of positions 0..S-1 of each row's slot
+    mask: Tensor  # [B, 1, 1, S] True where the position is at most the row's own
+
+    def attend(self, q: Tensor, cache: LayerCache, config: ModelConfig) -> Tensor:
+        c = config
+        b, s = self.read_cells.shape
+        keys, values = cache.read(self.read_cells.reshape(-1))  # [B * S, kv_dim] each
+        k = keys.view(b, s, c.n_head_kv, c.head_dim).transpose(1, 2)  # [B, Hkv, S, hd]
+        v = values.view(b, s, c.n_head_kv, c.head_dim).transpose(1, 2)  # [B, Hkv, S, hd]
+        # Query head h reads KV head h // n_rep: the n_rep heads of a group become the group's query rows, so no
+        # K/V copy is repeated per head.
+        qg = q.view(b, c.n_head_kv, c.n_rep, c.head_dim)  # [B, Hkv, n_rep, hd]
+        attended = F.scaled_dot_product_attention(qg, k, v, attn_mask=self.mask)  # [B, Hkv, n_rep, hd]
+        return attended.reshape(b, c.n_head, c.head_dim)
+
+
+def decode_layout(*, table: Tensor, slots: Tensor, positions: Tensor, cells: Tensor, span: int) -> DecodeLayout:
+    """Put each row's new cell in the pool's table and gather `span` positions of every row's slot (device only)."""
+    table[slots, positions] = cells
+    read_cells = table[slots, :span]  # [B, S]
+    mask = torch.arange(span, device=table.device)[None, :] <= positions[:, None]  # [B, S]
+    return DecodeLayout(positions=positions, write_cells=cells, read_cells=read_cells, mask=mask[:, None, None, :])
+
+
+Layout = StepLayout | DecodeLayout
 
 
 class Rope:
@@ -92,13 +147,17 @@ class Rope:
 
     def apply(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         # x: [N, H, head_dim]
+        # Few kernels on purpose: a decode step runs this twice per layer, and on a GPU each kernel costs microseconds.
         rot, rest = x[..., : self.rope_dim].float(), x[..., self.rope_dim :]
         if self.style is RopeStyle.NORM:
-            a, b = rot[..., 0::2], rot[..., 1::2]
-            rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+            # Adjacent pairs as complex numbers times e^(i angle): (a cos - b sin) + i (a sin + b cos).
+            pairs = torch.view_as_complex(rot.reshape(*rot.shape[:-1], -1, 2))
+            rotated = torch.view_as_real(pairs * torch.complex(cos, sin)).flatten(-2)
         else:
             a, b = rot.chunk(2, dim=-1)
             rotated = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+        if rest.shape[-1] == 0:
+            return rotated.to(x.dtype)
         return torch.cat((rotated.to(x.dtype), rest), dim=-1)
 
 
@@ -109,8 +168,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # x * rsqrt(mean(x^2) + eps), in f32
         return self.weight * normed.to(x.dtype)
 
 
@@ -125,9 +183,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
 
-    def forward(
-        self, x: Tensor, *, rope: Rope, cos: Tensor, sin: Tensor, cache: LayerCache, layout: StepLayout
-    ) -> Tensor:
+    def forward(self, x: Tensor, *, rope: Rope, cos: Tensor, sin: Tensor, cache: LayerCache, layout: Layout) -> Tensor:
         c = self.config
         n = x.shape[0]
         q = self.wq(x).view(n, c.n_head, c.head_dim)  # [N, H, hd]
@@ -137,20 +193,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
         cache.write(layout.write_cells, k.reshape(n, c.kv_dim), v.reshape(n, c.kv_dim))
-
-        out = torch.empty_like(q)  # [N, H, hd]
-        for chunk in layout.chunks:
-            keys, values = cache.read(chunk.cells)  # [S, kv_dim] each, S = positions 0..end of the chunk
-            s = keys.shape[0]
-            qc = q[chunk.rows].transpose(0, 1)  # [H, T, hd]
-            kc = keys.view(s, c.n_head_kv, c.head_dim).transpose(0, 1)  # [Hkv, S, hd]
-            vc = values.view(s, c.n_head_kv, c.head_dim).transpose(0, 1)  # [Hkv, S, hd]
-            t = qc.shape[1]
-            # Row i sits at position start + i and sees keys at positions 0..start + i.
-            query_positions = torch.arange(t, device=x.device)[:, None] + chunk.start_position
-            mask = torch.arange(s, device=x.device)[None, :] <= query_positions  # [T, S]
-            attended = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=c.n_rep > 1)
-            out[chunk.rows] = attended.transpose(0, 1)  # [T, H, hd]
+        out = layout.attend(q, cache, c)  # [N, H, hd]
         projected: Tensor = self.wo(out.reshape(n, c.q_dim))  # [N, D]
         return projected
 
@@ -175,9 +218,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.ffn = FeedForward(config)
 
-    def forward(
-        self, x: Tensor, *, rope: Rope, cos: Tensor, sin: Tensor, cache: LayerCache, layout: StepLayout
-    ) -> Tensor:
+    def forward(self, x: Tensor, *, rope: Rope, cos: Tensor, sin: Tensor, cache: LayerCache, layout: Layout) -> Tensor:
         # x: [N, D]
         h = x + self.attn(self.attn_norm(x), rope=rope, cos=cos, sin=sin, cache=cache, layout=layout)
         out: Tensor = h + self.ffn(self.ffn_norm(h))
@@ -208,7 +249,7 @@ class StageModel(nn.Module):
         out: Tensor = self.token_embd(tokens)
         return out
 
-    def forward(self, x: Tensor, *, rope: Rope, caches: list[LayerCache], layout: StepLayout) -> Tensor:
+    def forward(self, x: Tensor, *, rope: Rope, caches: list[LayerCache], layout: Layout) -> Tensor:
         # x: [N, D] -> [N, D]
         cos, sin = rope.angles(layout.positions)
         for layer, cache in zip(self.layers, caches, strict=True):

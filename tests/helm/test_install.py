@@ -1,0 +1,254 @@
+"""`helm install` on the local control plane: the CRD is established, the operator's objects exist, and its
+ServiceAccount can do what the operator needs and nothing else.
+
+Two releases share the cluster: one cluster-wide (the defaults, with one model-token Secret listed) and one
+namespace-scoped to `team-x` without CRDs. The permission matrix asks the real API server's RBAC authorizer
+(`kubectl auth can-i --as system:serviceaccount:...`). Then the real operator process runs with a token of the
+namespace-scoped ServiceAccount (TokenRequest API) and reconciles a ModelDeployment: the RBAC is sufficient, not
+only restrictive.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+from strata.operator.spec import GROUP, PLURAL
+from strata_testbed.controlplane import ControlPlane
+from strata_testbed.helm import Helm
+
+pytestmark = pytest.mark.cluster
+
+T = TypeVar("T")
+CRD_NAME = f"{PLURAL}.{GROUP}"
+TOKEN_SECRET = "hf-token"
+
+
+def eventually(probe: Callable[[], T | None], *, timeout: float = 90.0, what: str) -> T:
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; last: {last!r}")
+
+
+@dataclass(frozen=True)
+class Release:
+    name: str
+    namespace: str
+    service_account: str
+    lease: str
+    notes: str
+
+    @property
+    def user(self) -> str:
+        return f"system:serviceaccount:{self.namespace}:{self.service_account}"
+
+
+@dataclass(frozen=True)
+class Installed:
+    cluster_wide: Release
+    scoped: Release
+    watched: str  # the namespace the scoped release watches
+    unwatched: str  # a namespace neither may write in through the scoped release
+
+
+def _adopt_crd(ext: client.ApiextensionsV1Api, release: str, namespace: str) -> None:
+    """Other test modules create the CRD without Helm; mark it as this release's so Helm adopts it, as a platform
+    team does when it moves a hand-installed CRD under the chart."""
+    try:
+        ext.patch_custom_resource_definition(
+            name=CRD_NAME,
+            body={
+                "metadata": {
+                    "labels": {"app.kubernetes.io/managed-by": "Helm"},
+                    "annotations": {
+                        "meta.helm.sh/release-name": release,
+                        "meta.helm.sh/release-namespace": namespace,
+                    },
+                }
+            },
+        )
+    except ApiException as e:
+        if e.status != 404:
+            raise
+
+
+def _release(helm: Helm, *, name: str, namespace: str, values: dict[str, object]) -> Release:
+    notes = helm.install(release=name, namespace=namespace, values=values)
+    operator = f"{name}-strata-operator"
+    return Release(name=name, namespace=namespace, service_account=operator, lease=operator, notes=notes)
+
+
+@pytest.fixture(scope="module")
+def installed(control_plane: ControlPlane) -> Iterator[Installed]:
+    api = config.new_client_from_config(config_file=str(control_plane.kubeconfig))
+    core, ext = client.CoreV1Api(api), client.ApiextensionsV1Api(api)
+    suffix = uuid.uuid4().hex[:5]
+    names = [f"strata-{suffix}", f"scoped-{suffix}", f"team-x-{suffix}", f"team-y-{suffix}"]
+    for namespace in names:
+        core.create_namespace(body={"metadata": {"name": namespace}})
+    helm = Helm.pinned(kubeconfig=control_plane.kubeconfig)
+    wide = f"cw-{suffix}"
+    _adopt_crd(ext, wide, names[0])
+    cluster_wide = _release(helm, name=wide, namespace=names[0], values={"operator": {"secretNames": [TOKEN_SECRET]}})
+    scoped = _release(
+        helm,
+        name=f"ns-{suffix}",
+        namespace=names[1],
+        values={"crds": {"enabled": False}, "operator": {"watchNamespaces": [names[2]], "secretNames": [TOKEN_SECRET]}},
+    )
+    yield Installed(cluster_wide=cluster_wide, scoped=scoped, watched=names[2], unwatched=names[3])
+    helm.uninstall(release=scoped.name, namespace=scoped.namespace)
+    for namespace in names:
+        core.delete_namespace(name=namespace)
+    api.close()
+
+
+def test_the_crd_is_established_and_kept_by_the_release(installed: Installed, api_client: client.ApiClient) -> None:
+    ext = client.ApiextensionsV1Api(api_client)
+
+    def established() -> bool:
+        crd = ext.read_custom_resource_definition(name=CRD_NAME)
+        return any(c.type == "Established" and c.status == "True" for c in crd.status.conditions or [])
+
+    eventually(established, what="the CRD to be established")
+    crd = ext.read_custom_resource_definition(name=CRD_NAME)
+    assert crd.metadata.annotations["meta.helm.sh/release-name"] == installed.cluster_wide.name
+    assert crd.metadata.annotations["helm.sh/resource-policy"] == "keep"
+
+
+def test_the_operator_objects_exist(installed: Installed, api_client: client.ApiClient) -> None:
+    release = installed.cluster_wide
+    apps, core = client.AppsV1Api(api_client), client.CoreV1Api(api_client)
+    rbac = client.RbacAuthorizationV1Api(api_client)
+    deployment = apps.read_namespaced_deployment(name=f"{release.name}-strata-operator", namespace=release.namespace)
+    pod = deployment.spec.template.spec
+    assert pod.service_account_name == release.service_account
+    assert pod.security_context.run_as_non_root is True
+    assert pod.containers[0].security_context.read_only_root_filesystem is True
+    core.read_namespaced_service_account(name=release.service_account, namespace=release.namespace)
+    rbac.read_cluster_role(name=f"{release.name}-strata-operator")
+    rbac.read_cluster_role_binding(name=f"{release.name}-strata-operator-pool-reader")
+    rbac.read_namespaced_role(name=f"{release.name}-strata-operator-leader-election", namespace=release.namespace)
+    scoped = installed.scoped
+    rbac.read_namespaced_role(name=f"{scoped.name}-strata-operator", namespace=installed.watched)
+    with pytest.raises(ApiException) as missing:
+        rbac.read_cluster_role(name=f"{scoped.name}-strata-operator")
+    assert missing.value.status == 404
+
+
+def test_the_notes_tell_the_next_steps(installed: Installed) -> None:
+    notes = installed.cluster_wide.notes
+    assert f"rollout status deployment/{installed.cluster_wide.name}-strata-operator" in notes
+    assert "kind: ModelDeployment" in notes
+    assert f"read these Secrets for model tokens, and no others: {TOKEN_SECRET}" in notes
+    assert f"watches only these namespaces: {installed.watched}" in installed.scoped.notes
+
+
+def _can(kubectl: Path, kubeconfig: Path, user: str, verb: str, resource: str, namespace: str | None) -> bool:
+    scope = ["--namespace", namespace] if namespace else ["--all-namespaces"]
+    argv = [str(kubectl), "--kubeconfig", str(kubeconfig), "auth", "can-i", verb, resource, "--as", user, *scope]
+    result = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=30)
+    if result.returncode not in (0, 1):
+        raise AssertionError(f"kubectl auth can-i failed: {result.stderr}")
+    return result.returncode == 0
+
+
+# (verb, resource, namespace: "release", "watched", "unwatched", "other" or None for all namespaces, allowed)
+CLUSTER_WIDE = [
+    ("watch", "modeldeployments.strata.dev", None, True),
+    ("patch", "modeldeployments.strata.dev/status", "other", True),
+    ("patch", "statefulsets.apps", "other", True),
+    ("delete", "statefulsets.apps", "other", True),
+    ("patch", "networkpolicies.networking.k8s.io", "other", True),
+    ("patch", "poddisruptionbudgets.policy", "other", True),
+    ("create", "events", "other", True),
+    ("list", "nodes", None, True),
+    ("list", "pods", None, True),
+    ("get", f"secrets/{TOKEN_SECRET}", "other", True),
+    ("get", "leases.coordination.k8s.io/LEASE", "release", True),
+    ("update", "leases.coordination.k8s.io/LEASE", "release", True),
+    ("create", "leases.coordination.k8s.io", "release", True),
+    ("get", "secrets/another-secret", "other", False),
+    ("list", "secrets", "other", False),
+    ("watch", "secrets", None, False),
+    ("create", "pods", "other", False),
+    ("delete", "pods", "other", False),
+    ("patch", "nodes", None, False),
+    ("delete", "modeldeployments.strata.dev", "other", False),
+    ("update", "leases.coordination.k8s.io/someone-elses-lease", "release", False),
+    ("get", "leases.coordination.k8s.io/LEASE", "other", False),
+    ("create", "rolebindings.rbac.authorization.k8s.io", "other", False),
+    ("create", "clusterroles.rbac.authorization.k8s.io", None, False),
+    ("patch", "customresourcedefinitions.apiextensions.k8s.io", None, False),
+    ("impersonate", "serviceaccounts", "other", False),
+    ("create", "serviceaccounts/token", "release", False),
+]
+SCOPED = [
+    ("watch", "modeldeployments.strata.dev", "watched", True),
+    ("patch", "statefulsets.apps", "watched", True),
+    ("patch", "networkpolicies.networking.k8s.io", "watched", True),
+    ("get", f"secrets/{TOKEN_SECRET}", "watched", True),
+    ("list", "pods", None, True),
+    ("list", "nodes", None, True),
+    ("get", "leases.coordination.k8s.io/LEASE", "release", True),
+    ("watch", "modeldeployments.strata.dev", None, False),
+    ("watch", "modeldeployments.strata.dev", "unwatched", False),
+    ("patch", "statefulsets.apps", "unwatched", False),
+    ("patch", "deployments.apps", "unwatched", False),
+    ("delete", "services", "unwatched", False),
+    ("create", "events", "unwatched", False),
+    ("get", f"secrets/{TOKEN_SECRET}", "unwatched", False),
+    ("get", "secrets/another-secret", "watched", False),
+    ("delete", "pods", "watched", False),
+]
+MATRIX = [
+    pytest.param(
+        "cluster_wide",
+        *row,
+        id=f"cluster-wide {'can' if row[3] else 'cannot'} {row[0]} {row[1]} in {row[2] or 'all namespaces'}",
+    )
+    for row in CLUSTER_WIDE
+] + [
+    pytest.param(
+        "scoped",
+        *row,
+        id=f"namespace-scoped {'can' if row[3] else 'cannot'} {row[0]} {row[1]} in {row[2] or 'all namespaces'}",
+    )
+    for row in SCOPED
+]
+
+
+@pytest.mark.parametrize(("mode", "verb", "resource", "where", "allowed"), MATRIX)
+def test_the_permission_matrix(
+    control_plane: ControlPlane,
+    installed: Installed,
+    mode: str,
+    verb: str,
+    resource: str,
+    where: str | None,
+    allowed: bool,
+) -> None:
+    release: Release = getattr(installed, mode)
+    namespaces = {
+        "release": release.namespace,
+        "watched": installed.watched,
+        "unwatched": installed.unwatched,
+        "other": installed.unwatched,
+        None: None,
+    }
+    resource = resource.replace("LEASE", release.lease)
+    got = _can(control_plane.kubectl, control_plane.kubeconfig, release.user, verb, resource, namespaces[where])
+    assert got is allowed

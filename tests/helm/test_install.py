@@ -11,17 +11,21 @@ only restrictive.
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
+import yaml
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
-from strata.operator.spec import GROUP, PLURAL
+from strata.gguf.testmodels.writer import write_header_only_model
+from strata.operator.names import LABEL_INSTANCE
+from strata.operator.spec import GROUP, PLURAL, VERSION
 from strata_testbed.controlplane import ControlPlane
 from strata_testbed.helm import Helm
 
@@ -192,7 +196,9 @@ CLUSTER_WIDE = [
     ("get", "leases.coordination.k8s.io/LEASE", "other", False),
     ("create", "rolebindings.rbac.authorization.k8s.io", "other", False),
     ("create", "clusterroles.rbac.authorization.k8s.io", None, False),
+    ("watch", "customresourcedefinitions.apiextensions.k8s.io", None, True),
     ("patch", "customresourcedefinitions.apiextensions.k8s.io", None, False),
+    ("list", "namespaces", None, False),
     ("impersonate", "serviceaccounts", "other", False),
     ("create", "serviceaccounts/token", "release", False),
 ]
@@ -203,6 +209,7 @@ SCOPED = [
     ("get", f"secrets/{TOKEN_SECRET}", "watched", True),
     ("list", "pods", None, True),
     ("list", "nodes", None, True),
+    ("watch", "namespaces", None, True),
     ("get", "leases.coordination.k8s.io/LEASE", "release", True),
     ("watch", "modeldeployments.strata.dev", None, False),
     ("watch", "modeldeployments.strata.dev", "unwatched", False),
@@ -252,3 +259,98 @@ def test_the_permission_matrix(
     resource = resource.replace("LEASE", release.lease)
     got = _can(control_plane.kubectl, control_plane.kubeconfig, release.user, verb, resource, namespaces[where])
     assert got is allowed
+
+
+def _token_kubeconfig(control_plane: ControlPlane, release: Release, path: Path) -> Path:
+    """A kubeconfig that authenticates as the release's ServiceAccount, with a token from the TokenRequest API."""
+    api = config.new_client_from_config(config_file=str(control_plane.kubeconfig))
+    token = (
+        client.CoreV1Api(api)
+        .create_namespaced_service_account_token(
+            name=release.service_account, namespace=release.namespace, body={"spec": {"expirationSeconds": 3600}}
+        )
+        .status.token
+    )
+    api.close()
+    kubeconfig = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {
+                "name": "testbed",
+                "cluster": {"server": control_plane.server, "certificate-authority": str(control_plane.pki.ca.cert)},
+            }
+        ],
+        "users": [{"name": release.user, "user": {"token": token}}],
+        "contexts": [{"name": "testbed", "context": {"cluster": "testbed", "user": release.user}}],
+        "current-context": "testbed",
+    }
+    path.write_text(yaml.safe_dump(kubeconfig))
+    return path
+
+
+def _condition(body: dict[str, Any], kind: str) -> str | None:
+    for c in (body.get("status") or {}).get("conditions", []):
+        if c["type"] == kind:
+            return str(c["status"])
+    return None
+
+
+def test_the_operator_reconciles_with_nothing_but_its_service_account(
+    control_plane: ControlPlane, installed: Installed, api_client: client.ApiClient, tmp_path: Path
+) -> None:
+    release, namespace = installed.scoped, installed.watched
+    kubeconfig = _token_kubeconfig(control_plane, release, tmp_path / "operator.kubeconfig")
+    model = write_header_only_model(tmp_path / "llama3-70b.gguf", shape="llama3-70b").path
+    log = tmp_path / "operator.log"
+    argv = [sys.executable, "-m", "strata.cli", "operator", "--kubeconfig", str(kubeconfig)]
+    argv += ["--namespace", namespace, "--lease-namespace", release.namespace, "--lease-name", release.lease]
+    argv += ["--image", "strata:test", "--identity", "operator-under-test"]
+    objects = client.CustomObjectsApi(api_client)
+    with log.open("ab") as out:
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        objects.create_namespaced_custom_object(
+            group=GROUP,
+            version=VERSION,
+            namespace=namespace,
+            plural=PLURAL,
+            body={
+                "apiVersion": f"{GROUP}/{VERSION}",
+                "kind": "ModelDeployment",
+                "metadata": {"name": "llama"},
+                "spec": {"model": {"url": model.as_uri()}, "context": 8192},
+            },
+        )
+
+        def ready_pods() -> dict[str, Any] | None:
+            body = dict(objects.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "llama"))
+            plan = (body.get("status") or {}).get("plan")
+            pods = client.CoreV1Api(api_client).list_namespaced_pod(
+                namespace=namespace, label_selector=f"{LABEL_INSTANCE}=llama,app.kubernetes.io/component=stage"
+            )
+            running = [p for p in pods.items if p.status.phase == "Running"]
+            return body if plan and len(running) == len(plan["stages"]) else None
+
+        body = eventually(ready_pods, what="the stage pods of a plan made under the operator's own RBAC")
+        assert _condition(body, "Planned") == "True"
+        assert body["status"]["observedGeneration"] == body["metadata"]["generation"]
+        policies = client.NetworkingV1Api(api_client).list_namespaced_network_policy(
+            namespace=namespace, label_selector=f"{LABEL_INSTANCE}=llama"
+        )
+        assert len(policies.items) == len(body["status"]["plan"]["stages"]) + 1
+        events = client.CoreV1Api(api_client).list_namespaced_event(namespace=namespace).items
+        assert "Planned" in {e.reason for e in events if e.involved_object.name == "llama"}
+        lease = client.CoordinationV1Api(api_client).read_namespaced_lease(
+            name=release.lease, namespace=release.namespace
+        )
+        assert lease.spec.holder_identity == "operator-under-test"
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=30)
+        print(log.read_text(errors="replace")[-6000:])  # shown when the test fails
+    assert "Forbidden" not in log.read_text(errors="replace")

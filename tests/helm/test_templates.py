@@ -107,7 +107,13 @@ def test_namespace_scoped_mode_grants_workloads_only_in_the_watched_namespaces(h
     # Only the read-only pool ClusterRole remains cluster-wide.
     (cluster_role,) = find(manifests, "ClusterRole")
     assert cluster_role["rules"] == [
-        {"apiGroups": [""], "resources": ["nodes", "pods"], "verbs": ["get", "list", "watch"]}
+        {"apiGroups": [""], "resources": ["nodes", "pods"], "verbs": ["get", "list", "watch"]},
+        {
+            "apiGroups": ["apiextensions.k8s.io"],
+            "resources": ["customresourcedefinitions"],
+            "verbs": ["get", "list", "watch"],
+        },
+        {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
     ]
 
 

@@ -38,9 +38,9 @@ def login(**_: Any) -> kopf.ConnectionInfo:
     configuration = _reconciler().cluster.configuration
     # The client keeps the token as "Bearer ..." (kubeconfig) or "bearer ..." (in-cluster) under "BearerToken"; the
     # getter also runs the in-cluster refresh hook, so a rotated ServiceAccount token is picked up on re-login.
-    header = configuration.get_api_key_with_prefix("BearerToken", alias="authorization") or ""
-    scheme, _, credential = header.partition(" ")
-    token = (credential if scheme.lower() == "bearer" else header).strip() or None
+    authorization = configuration.get_api_key_with_prefix("BearerToken", alias="authorization") or ""
+    scheme, _space, credential = authorization.partition(" ")
+    token = (credential if scheme.lower() == "bearer" else authorization).strip() or None
     return kopf.ConnectionInfo(
         server=configuration.host,
         ca_path=configuration.ssl_ca_cert,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from kubernetes.client.exceptions import ApiException
 from strata.gguf.testmodels.writer import write_header_only_model
 from strata.operator.names import LABEL_INSTANCE
 from strata.operator.spec import GROUP, PLURAL, VERSION
-from strata_testbed.controlplane import ControlPlane
+from strata_testbed.controlplane import ControlPlane, free_port
 from strata_testbed.helm import Helm
 
 pytestmark = pytest.mark.cluster
@@ -305,7 +306,8 @@ def test_the_operator_reconciles_with_nothing_but_its_service_account(
     log = tmp_path / "operator.log"
     argv = [sys.executable, "-m", "strata.cli", "operator", "--kubeconfig", str(kubeconfig)]
     argv += ["--namespace", namespace, "--lease-namespace", release.namespace, "--lease-name", release.lease]
-    argv += ["--image", "strata:test", "--identity", "operator-under-test"]
+    metrics_port = free_port()
+    argv += ["--image", "strata:test", "--identity", "operator-under-test", "--metrics-port", str(metrics_port)]
     objects = client.CustomObjectsApi(api_client)
     with log.open("ab") as out:
         process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
@@ -345,6 +347,8 @@ def test_the_operator_reconciles_with_nothing_but_its_service_account(
             name=release.lease, namespace=release.namespace
         )
         assert lease.spec.holder_identity == "operator-under-test"
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
+            assert "strata_operator_leader 1.0" in response.read().decode()
     finally:
         process.terminate()
         try:
@@ -354,3 +358,21 @@ def test_the_operator_reconciles_with_nothing_but_its_service_account(
             process.wait(timeout=30)
         print(log.read_text(errors="replace")[-6000:])  # shown when the test fails
     assert "Forbidden" not in log.read_text(errors="replace")
+
+
+def test_uninstall_keeps_the_crd_and_removes_the_operator(
+    control_plane: ControlPlane, installed: Installed, api_client: client.ApiClient
+) -> None:
+    release = installed.cluster_wide
+    Helm.pinned(kubeconfig=control_plane.kubeconfig).uninstall(release=release.name, namespace=release.namespace)
+    rbac, ext = client.RbacAuthorizationV1Api(api_client), client.ApiextensionsV1Api(api_client)
+
+    def operator_gone() -> bool:
+        try:
+            rbac.read_cluster_role(name=f"{release.name}-strata-operator")
+        except ApiException as e:
+            return bool(e.status == 404)
+        return False
+
+    eventually(operator_gone, what="the release's ClusterRole to go")
+    assert ext.read_custom_resource_definition(name=CRD_NAME).metadata.name == CRD_NAME

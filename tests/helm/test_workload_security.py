@@ -110,8 +110,9 @@ def test_a_workload_pod_runs_as_the_image_user_without_privileges(kind: str, com
         assert {m["mountPath"] for m in container["volumeMounts"]} == {"/tmp"}
 
 
-def test_stage_pods_get_no_service_account_token() -> None:
-    assert _template(_children(), "StatefulSet", "stage", "0")["spec"]["automountServiceAccountToken"] is False
+@pytest.mark.parametrize(("kind", "component", "index"), POD_CASES)
+def test_a_workload_pod_gets_no_service_account_token(kind: str, component: str, index: str | None) -> None:
+    assert _template(_children(), kind, component, index)["spec"]["automountServiceAccountToken"] is False
 
 
 RESOURCE_CASES = [

@@ -246,6 +246,8 @@ def gateway_deployment(
             "template": {
                 "metadata": {"labels": pod_labels},
                 "spec": {
+                    # No API access yet; the coordinator Lease will come with its own ServiceAccount and Role.
+                    "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
                     "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
                     "containers": [container],

@@ -297,15 +297,32 @@ def _condition(body: dict[str, Any], kind: str) -> str | None:
     return None
 
 
+RUNS = [
+    pytest.param("scoped", "watched", id="the namespace-scoped operator reconciles in its watched namespace"),
+    pytest.param("cluster_wide", "unwatched", id="the cluster-wide operator reconciles in any namespace"),
+]
+# What the API server answers when RBAC denies a ServiceAccount (other failures, a model fetch say, do not count).
+RBAC_DENIAL = 'forbidden: User "system:serviceaccount:'
+
+
+@pytest.mark.parametrize(("mode", "where"), RUNS)
 def test_the_operator_reconciles_with_nothing_but_its_service_account(
-    control_plane: ControlPlane, installed: Installed, api_client: client.ApiClient, tmp_path: Path
+    control_plane: ControlPlane,
+    installed: Installed,
+    api_client: client.ApiClient,
+    tmp_path: Path,
+    mode: str,
+    where: str,
 ) -> None:
-    release, namespace = installed.scoped, installed.watched
+    release: Release = getattr(installed, mode)
+    namespace: str = getattr(installed, where)
     kubeconfig = _token_kubeconfig(control_plane, release, tmp_path / "operator.kubeconfig")
     model = write_header_only_model(tmp_path / "llama3-70b.gguf", shape="llama3-70b").path
     log = tmp_path / "operator.log"
     argv = [sys.executable, "-m", "strata.cli", "operator", "--kubeconfig", str(kubeconfig)]
-    argv += ["--namespace", namespace, "--lease-namespace", release.namespace, "--lease-name", release.lease]
+    if mode == "scoped":
+        argv += ["--namespace", namespace]
+    argv += ["--lease-namespace", release.namespace, "--lease-name", release.lease]
     metrics_port = free_port()
     argv += ["--image", "strata:test", "--identity", "operator-under-test", "--metrics-port", str(metrics_port)]
     objects = client.CustomObjectsApi(api_client)
@@ -357,7 +374,7 @@ def test_the_operator_reconciles_with_nothing_but_its_service_account(
             process.kill()
             process.wait(timeout=30)
         print(log.read_text(errors="replace")[-6000:])  # shown when the test fails
-    assert "Forbidden" not in log.read_text(errors="replace")
+    assert RBAC_DENIAL not in log.read_text(errors="replace")
 
 
 def test_uninstall_keeps_the_crd_and_removes_the_operator(

@@ -80,8 +80,11 @@ app.kubernetes.io/component: operator
 {{- end -}}
 
 {{/*
-strata.operator.rules: what the operator does inside a watched namespace (or every namespace, in a ClusterRole).
-Children are written with server-side apply (patch; create when they do not exist yet) and never updated.
+strata.operator.rules: what the operator does inside a watched namespace (or every namespace, in a ClusterRole),
+and no more: children are written with server-side apply, which needs `create` for an object that does not exist
+yet and `patch` otherwise; the only children it reads or deletes are stage StatefulSets (a new plan generation
+replaces the old) and the gateway Deployment (readiness). In cluster-wide mode a read of ConfigMaps or Services
+would reach every namespace, so none is granted. Extend this list together with the reconciler.
 */}}
 {{- define "strata.operator.rules" -}}
 - apiGroups: ["strata.dev"]
@@ -96,16 +99,19 @@ Children are written with server-side apply (patch; create when they do not exis
   verbs: ["create", "patch"]
 - apiGroups: [""]
   resources: ["configmaps", "services"]
+  verbs: ["create", "patch"]
+- apiGroups: ["apps"]
+  resources: ["statefulsets"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["apps"]
-  resources: ["statefulsets", "deployments"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  resources: ["deployments"]
+  verbs: ["get", "create", "patch"]
 - apiGroups: ["networking.k8s.io"]
   resources: ["ingresses", "networkpolicies"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  verbs: ["create", "patch"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  verbs: ["create", "patch"]
 {{- with .Values.operator.secretNames }}
 - apiGroups: [""]
   resources: ["secrets"]

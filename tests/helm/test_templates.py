@@ -194,6 +194,11 @@ REFUSED = [
     pytest.param({"operator": {"watchNamespaces": "team-a"}}, "/operator/watchNamespaces", id="one namespace, no list"),
     pytest.param({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy", id="an unknown pull policy"),
     pytest.param(
+        {"operator": {"watchNamespaces": ["team-a", "team-a"]}},
+        "/operator/watchNamespaces",
+        id="a namespace listed twice",
+    ),
+    pytest.param(
         {"operator": {"resources": {"requests": {"cpu": "lots"}}}},
         "/operator/resources/requests/cpu",
         id="a non-quantity request",

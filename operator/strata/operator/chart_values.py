@@ -23,7 +23,6 @@ SCHEMA_PATH = CHART_DIR / "values.schema.json"
 CRD_TEMPLATE_PATH = CHART_DIR / "templates" / "crd-modeldeployments.yaml"
 
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-PORT = Field(ge=1, le=65535)
 
 
 class _Values(BaseModel):
@@ -131,7 +130,7 @@ class ChartValues(_Values):
 
 
 def _names(pattern: str, max_length: int) -> dict[str, Any]:
-    return {"type": "array", "items": {"type": "string", "pattern": pattern, "maxLength": max_length}}
+    return {"uniqueItems": True, "items": {"type": "string", "pattern": pattern, "maxLength": max_length}}
 
 
 # Constraints on list items that pydantic cannot attach to `list[str]` without making the Python side awkward.
@@ -158,7 +157,7 @@ def _inline(node: Any, defs: dict[str, Any], path: tuple[str, ...]) -> Any:
             continue
         if key == "properties":
             out[key] = {
-                name: _ITEM_CONSTRAINTS.get((*path, name)) or _inline(prop, defs, (*path, name))
+                name: _inline(prop, defs, (*path, name)) | _ITEM_CONSTRAINTS.get((*path, name), {})
                 for name, prop in value.items()
             }
         else:

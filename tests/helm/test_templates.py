@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from strata.cli import build_parser
+from strata.operator import command as operator_command
 from strata_testbed.helm import Helm, HelmFailed, Manifest, find
 
 NAMESPACED = {"operator": {"watchNamespaces": ["team-a", "team-b"]}}
@@ -216,3 +218,45 @@ REFUSED = [
 def test_bad_values_are_refused_before_anything_renders(helm: Helm, values: dict[str, Any], message: str) -> None:
     with pytest.raises(HelmFailed, match=message):
         helm.template(values)
+
+
+@pytest.mark.parametrize("values", VALUE_SETS)
+def test_the_rendered_arguments_are_ones_the_operator_command_accepts(helm: Helm, values: Manifest) -> None:
+    manifests = helm.manifests(values)
+    args = build_parser().parse_args(_operator_container(manifests)["args"])
+    operator = {**{"watchNamespaces": [], "jsonLogs": True}, **values.get("operator", {})}
+    assert args.run is operator_command.run
+    assert args.namespaces == operator["watchNamespaces"]
+    assert args.lease_name == "strata-operator"
+    assert args.json_logs is operator["jsonLogs"]
+    assert args.metrics_port == (9402 if values.get("metrics", {}).get("enabled") else 0)
+
+
+IMAGE_CASES = [
+    pytest.param({}, "strata:0.1.0", "strata:0.1.0-cuda", id="the app version tags both variants"),
+    pytest.param(
+        {"image": {"repository": "registry.example/strata", "tag": "1.2.3"}},
+        "registry.example/strata:1.2.3",
+        "registry.example/strata:1.2.3-cuda",
+        id="a repository and tag apply to both variants",
+    ),
+    pytest.param(
+        {"image": {"digest": "sha256:" + "ab" * 32}},
+        "strata@sha256:" + "ab" * 32,
+        "strata:0.1.0-cuda",
+        id="a digest pins the operator image",
+    ),
+    pytest.param(
+        {"operator": {"workloadImage": "strata-rocm:0.1.0"}},
+        "strata:0.1.0",
+        "strata-rocm:0.1.0",
+        id="the workload image can be set on its own",
+    ),
+]
+
+
+@pytest.mark.parametrize(("values", "operator_image", "workload_image"), IMAGE_CASES)
+def test_images_follow_the_values(helm: Helm, values: Manifest, operator_image: str, workload_image: str) -> None:
+    container = _operator_container(helm.manifests(values))
+    assert container["image"] == operator_image
+    assert f"--image={workload_image}" in container["args"]

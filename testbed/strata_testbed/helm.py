@@ -47,6 +47,8 @@ class Helm:
                 argv += ["--kubeconfig", str(self.kubeconfig)]
             # helm keeps caches and repository settings under these; a scratch folder keeps runs independent.
             env = {
+                # The Kubernetes client under helm caches discovery in $HOME/.kube: keep that in the scratch folder too.
+                "HOME": scratch,
                 "HELM_CACHE_HOME": f"{scratch}/cache",
                 "HELM_CONFIG_HOME": f"{scratch}/config",
                 "HELM_DATA_HOME": f"{scratch}/data",

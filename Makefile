@@ -27,6 +27,7 @@ $(PROTO_OUT): $(PROTOS) $(STAMP)
 
 crds: $(STAMP)
 	$(BIN)/python -m strata.operator.crd
+	$(BIN)/python -m strata.operator.chart_values
 
 binaries:
 	testbed/build-binaries.sh >/dev/null

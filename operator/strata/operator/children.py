@@ -13,6 +13,7 @@ from typing import Any
 
 from strata.operator.names import (
     GATEWAY_PORT,
+    LABEL_STAGE,
     STAGE_PORT,
     Names,
     labels,
@@ -29,6 +30,11 @@ Manifest = dict[str, Any]
 RUN_AS_USER = 10001
 # The root filesystem is read-only: scratch space is an emptyDir mounted here, inside the pod.
 POD_TMP = "/tmp"  # noqa: S108
+# Requests a pod gets unless its spec sets that resource's request or limit (a limit alone implies the request).
+STAGE_REQUESTS = {"cpu": "1", "memory": "4Gi"}
+GATEWAY_REQUESTS = {"cpu": "250m", "memory": "512Mi"}
+# Stage and gateway containers that serve Prometheus metrics name that port so; scrapers reach it by this name.
+METRICS_PORT_NAME = "metrics"
 # torch addresses ROCm GPUs through its CUDA device type.
 TORCH_DEVICE = {Backend.CUDA: "cuda", Backend.ROCM: "cuda", Backend.XPU: "xpu"}
 
@@ -54,9 +60,9 @@ def _metadata(owner: Owner, *, name: str, labels: dict[str, str]) -> Manifest:
     return {"name": name, "namespace": owner.namespace, "labels": labels, "ownerReferences": [owner.reference()]}
 
 
-def _resources(resources: Resources, *, gpu: tuple[str, int] | None = None) -> Manifest:
+def _resources(resources: Resources, *, defaults: dict[str, str], gpu: tuple[str, int] | None = None) -> Manifest:
     limits = dict(resources.limits)
-    requests = dict(resources.requests)
+    requests = {key: value for key, value in defaults.items() if key not in limits} | resources.requests
     if gpu is not None:
         limits[gpu[0]] = str(gpu[1])
     return {key: value for key, value in (("requests", requests), ("limits", limits)) if value}
@@ -144,7 +150,7 @@ def stage_statefulset(
         "startupProbe": probe | {"failureThreshold": 360},
         "readinessProbe": probe,
         "livenessProbe": probe | {"failureThreshold": 6},
-        "resources": _resources(spec.stage.resources, gpu=(stage.resource, len(stage.gpus))),
+        "resources": _resources(spec.stage.resources, defaults=STAGE_REQUESTS, gpu=(stage.resource, len(stage.gpus))),
         "securityContext": _container_security(),
         "volumeMounts": [{"name": "tmp", "mountPath": POD_TMP}],
     }
@@ -217,6 +223,9 @@ def gateway_deployment(
             "STRATA_PLAN_GENERATION": serving.generation,
         }
     )
+    if spec.gateway.api_key_secret_ref is not None:
+        ref = spec.gateway.api_key_secret_ref
+        env.append({"name": "STRATA_API_KEYS", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
     http_probe = {"httpGet": {"path": "/readyz", "port": GATEWAY_PORT}, "periodSeconds": 5}
     container = {
         "name": "gateway",
@@ -226,7 +235,7 @@ def gateway_deployment(
         "ports": [{"name": "http", "containerPort": GATEWAY_PORT}],
         "readinessProbe": http_probe,
         "livenessProbe": http_probe | {"httpGet": {"path": "/healthz", "port": GATEWAY_PORT}, "failureThreshold": 6},
-        "resources": _resources(spec.gateway.resources),
+        "resources": _resources(spec.gateway.resources, defaults=GATEWAY_REQUESTS),
         "securityContext": _container_security(),
         "volumeMounts": [{"name": "tmp", "mountPath": POD_TMP}],
     }
@@ -240,6 +249,8 @@ def gateway_deployment(
             "template": {
                 "metadata": {"labels": pod_labels},
                 "spec": {
+                    # No API access yet; the coordinator Lease will come with its own ServiceAccount and Role.
+                    "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
                     "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
                     "containers": [container],
@@ -294,6 +305,50 @@ def gateway_ingress(owner: Owner, spec: ModelDeploymentSpec) -> Manifest | None:
     }
 
 
+def _scrapers(spec: ModelDeploymentSpec) -> list[Manifest]:
+    """An ingress rule for the metrics port, from the scrapers the spec names (none: no rule)."""
+    peers = [scraper.model_dump(by_alias=True, exclude_none=True) for scraper in spec.network_policy.metrics_from]
+    if not peers:
+        return []
+    return [{"from": peers, "ports": [{"protocol": "TCP", "port": METRICS_PORT_NAME}]}]
+
+
+def _network_policy(owner: Owner, *, name: str, selected: dict[str, str], ingress: list[Manifest]) -> Manifest:
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(owner, name=name, labels=labels(owner.name, component="network-policy")),
+        "spec": {"podSelector": {"matchLabels": selected}, "policyTypes": ["Ingress"], "ingress": ingress},
+    }
+
+
+def stage_network_policy(owner: Owner, spec: ModelDeploymentSpec, *, index: int) -> Manifest:
+    """Stage `index` accepts gRPC only from its predecessor: the gateway for stage 0, stage index-1 otherwise.
+
+    A NetworkPolicy has one pod selector, so each stage gets its own; it selects by stage index, not plan
+    generation, so the new generation of a re-plan is covered the moment its pods start.
+    """
+    names = Names(owner.name, owner.namespace)
+    stage = labels(owner.name, component="stage")
+    predecessor = labels(owner.name, component="gateway") if index == 0 else stage | {LABEL_STAGE: str(index - 1)}
+    grpc = {"from": [{"podSelector": {"matchLabels": predecessor}}], "ports": [{"protocol": "TCP", "port": STAGE_PORT}]}
+    return _network_policy(
+        owner,
+        name=names.stage_policy(index=index),
+        selected=stage | {LABEL_STAGE: str(index)},
+        ingress=[grpc, *_scrapers(spec)],
+    )
+
+
+def gateway_network_policy(owner: Owner, spec: ModelDeploymentSpec) -> Manifest:
+    """Clients (and an ingress controller) reach the gateway's HTTP port from anywhere; nothing else is open."""
+    names = Names(owner.name, owner.namespace)
+    http = {"ports": [{"protocol": "TCP", "port": GATEWAY_PORT}]}
+    return _network_policy(
+        owner, name=names.gateway, selected=labels(owner.name, component="gateway"), ingress=[http, *_scrapers(spec)]
+    )
+
+
 def render_children(
     owner: Owner,
     spec: ModelDeploymentSpec,
@@ -317,4 +372,7 @@ def render_children(
     ingress = gateway_ingress(owner, spec)
     if ingress is not None:
         children.append(ingress)
+    if spec.network_policy.enabled:
+        children += [stage_network_policy(owner, spec, index=stage.index) for stage in plan.stages]
+        children.append(gateway_network_policy(owner, spec))
     return children

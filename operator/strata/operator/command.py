@@ -13,7 +13,10 @@ import logging
 import os
 import socket
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prometheus_client import Gauge
 
 DEFAULT_IMAGE = "strata:0.1.0"
 
@@ -41,6 +44,12 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--lease-name", default="strata-operator")
     parser.add_argument("--identity", default=os.environ.get("POD_NAME", socket.gethostname()))
     parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve Prometheus metrics on this port, on standby replicas too (0: off)",
+    )
+    parser.add_argument(
         "--kubeconfig",
         default=os.environ.get("KUBECONFIG"),
         help="kubeconfig path; in-cluster configuration when omitted",
@@ -57,6 +66,16 @@ def _api_client(kubeconfig: str | None) -> Any:
     from kubernetes import client
 
     return client.ApiClient()
+
+
+def _serve_metrics(port: int) -> Gauge:
+    """A gauge that says whether this replica leads, with the process metrics, when a port is given."""
+    from prometheus_client import Gauge, start_http_server
+
+    leader = Gauge("strata_operator_leader", "1 while this replica holds the operator Lease")
+    if port:
+        start_http_server(port)
+    return leader
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         identity=args.identity,
         timing=timing,
     )
+    leader = _serve_metrics(args.metrics_port)
     stop = threading.Event()
     leading = threading.Event()
     lost = threading.Event()
@@ -90,9 +110,11 @@ def run(args: argparse.Namespace) -> int:
             token = elector.try_acquire_or_renew()
             if token is not None and not leading.is_set():
                 log.info("leading as %s with term %d", args.identity, token.term)
+                leader.set(1)
                 leading.set()
             elif token is None and leading.is_set():
                 log.error("lost the operator Lease: stopping so the new leader acts alone")
+                leader.set(0)
                 lost.set()
                 stop.set()
                 return

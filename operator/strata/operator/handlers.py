@@ -36,7 +36,11 @@ def _reconciler() -> Reconciler:
 def login(**_: Any) -> kopf.ConnectionInfo:
     """kopf connects with the same credentials as the reconciler's client, in-cluster or from --kubeconfig."""
     configuration = _reconciler().cluster.configuration
-    token = (configuration.api_key or {}).get("authorization", "").removeprefix("Bearer ").strip() or None
+    # The client keeps the token as "Bearer ..." (kubeconfig) or "bearer ..." (in-cluster) under "BearerToken"; the
+    # getter also runs the in-cluster refresh hook, so a rotated ServiceAccount token is picked up on re-login.
+    authorization = configuration.get_api_key_with_prefix("BearerToken", alias="authorization") or ""
+    scheme, _space, credential = authorization.partition(" ")
+    token = (credential if scheme.lower() == "bearer" else authorization).strip() or None
     return kopf.ConnectionInfo(
         server=configuration.host,
         ca_path=configuration.ssl_ca_cert,

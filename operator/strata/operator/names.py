@@ -60,6 +60,10 @@ class Names:
     def stages_pdb(self) -> str:
         return fit(self.deployment, suffix="-stages")
 
+    def stage_policy(self, *, index: int) -> str:
+        """The NetworkPolicy of stage `index`, shared by every plan generation (it selects by stage index)."""
+        return fit(self.deployment, suffix=f"-s{index}")
+
     def stage(self, *, generation: int, index: int) -> str:
         # The pod's hostname is `<statefulset>-0`: keep two characters for that suffix.
         return fit(self.deployment, suffix=f"-g{generation}-s{index}", limit=MAX_NAME - 2)

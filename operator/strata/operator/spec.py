@@ -10,7 +10,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.config import JsonDict
 from strata.gguf.model import CacheType
 
@@ -101,10 +101,64 @@ class Ingress(_Spec):
     tls_secret_name: str | None = Field(default=None, alias="tlsSecretName", pattern=DNS_SUBDOMAIN_PATTERN)
 
 
+class ApiKeySecretRef(SecretKeyRef):
+    key: str = Field(
+        default="api-keys", min_length=1, max_length=253, description="Key holding the API keys, one per line."
+    )
+
+
 class Gateway(_Spec):
     replicas: int = Field(default=1, ge=1, le=16)
     resources: Resources = Field(default_factory=Resources)
     ingress: Ingress | None = None
+    api_key_secret_ref: ApiKeySecretRef | None = Field(
+        default=None,
+        alias="apiKeySecretRef",
+        description="Secret whose key lists the API keys clients must send; the gateway gets it as STRATA_API_KEYS.",
+    )
+
+
+class LabelSelector(_Spec):
+    match_labels: dict[str, str] = Field(default_factory=dict, alias="matchLabels", max_length=32)
+
+
+class MetricsScraper(_Spec):
+    """Who may scrape: pods matching podSelector in namespaces matching namespaceSelector (as in a NetworkPolicy)."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        populate_by_name=True,
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "has(self.namespaceSelector) || has(self.podSelector)",
+                    "a metrics scraper names a namespaceSelector, a podSelector or both",
+                )
+            ]
+        },
+    )
+
+    namespace_selector: LabelSelector | None = Field(default=None, alias="namespaceSelector")
+    pod_selector: LabelSelector | None = Field(default=None, alias="podSelector")
+
+    @model_validator(mode="after")
+    def _names_a_peer(self) -> MetricsScraper:
+        if self.namespace_selector is None and self.pod_selector is None:
+            raise ValueError("a metrics scraper names a namespaceSelector, a podSelector or both")
+        return self
+
+
+class NetworkPolicy(_Spec):
+    enabled: bool = Field(
+        default=True,
+        description="Render NetworkPolicies: the gateway alone reaches stage 0, stage i alone reaches stage i+1.",
+    )
+    metrics_from: list[MetricsScraper] = Field(
+        default_factory=list,
+        alias="metricsFrom",
+        max_length=16,
+        description="Scrapers allowed to reach a container port named `metrics` on stage and gateway pods.",
+    )
 
 
 class Stage(_Spec):
@@ -149,6 +203,7 @@ class ModelDeploymentSpec(_Spec):
     admission: Admission = Field(default_factory=Admission)
     gateway: Gateway = Field(default_factory=Gateway)
     stage: Stage = Field(default_factory=Stage)
+    network_policy: NetworkPolicy = Field(default_factory=NetworkPolicy, alias="networkPolicy")
 
     @classmethod
     def from_manifest(cls, spec: dict[str, Any]) -> ModelDeploymentSpec:

@@ -20,6 +20,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from strata.gguf.model import CacheType
 from strata.operator.children import Owner, render_children
+from strata.operator.reconcile import summarize
 from strata.operator.spec import ModelDeploymentSpec
 from strata.plan import Backend, Plan, Stage
 from strata_testbed.helm import Helm, find
@@ -60,7 +61,10 @@ def _workload_templates() -> dict[str, Manifest]:
         {"model": {"url": "https://models.example/m.gguf"}, "gateway": {"apiKeySecretRef": {"name": "keys"}}}
     )
     owner = Owner(name="llama", namespace="unused", uid="0f0e0d0c-0000-4000-8000-000000000002")
-    children = render_children(owner, spec, _plan(), generation=1, image="strata:test", model_name="m")
+    plan = _plan()
+    children = render_children(
+        owner, spec, plan, generation=1, serving=summarize(plan, generation=1), image="strata:test", model_name="m"
+    )
     templates = {c["kind"]: c["spec"]["template"] for c in children if c["kind"] in ("StatefulSet", "Deployment")}
     (operator,) = find(Helm.pinned().manifests(), "Deployment")
     return {

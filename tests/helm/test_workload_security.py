@@ -18,6 +18,7 @@ from strata.operator.children import (
     render_children,
 )
 from strata.operator.names import GATEWAY_PORT, LABEL_COMPONENT, LABEL_STAGE, STAGE_PORT, labels
+from strata.operator.reconcile import summarize
 from strata.operator.spec import ModelDeploymentSpec
 from strata.plan import Backend, Plan, Stage
 
@@ -56,7 +57,15 @@ def _plan(stages: int) -> Plan:
 
 def _children(stages: int = 3, **spec: Any) -> list[Manifest]:
     parsed = ModelDeploymentSpec.from_manifest({"model": {"url": "https://models.example/m.gguf"}, **spec})
-    return render_children(OWNER, parsed, _plan(stages), generation=1, image="strata:test", model_name="m")
+    return render_children(
+        OWNER,
+        parsed,
+        plan := _plan(stages),
+        generation=1,
+        serving=summarize(plan, generation=1),
+        image="strata:test",
+        model_name="m",
+    )
 
 
 def _matches(selector: Manifest, labels: dict[str, str]) -> bool:

@@ -25,14 +25,18 @@ def eventually(probe: Callable[[], T | None], *, timeout: float = 90.0, what: st
 
 
 def establish_crd(api_client: client.ApiClient, crd: dict[str, Any]) -> None:
-    """Create `crd` (or find it already there) and wait until the API server reports it Established."""
+    """Create `crd`, or replace the one already there (an earlier test may have installed another version of it),
+    and wait until the API server reports it Established."""
     ext = client.ApiextensionsV1Api(api_client)
+    name = crd["metadata"]["name"]
     try:
         ext.create_custom_resource_definition(body=crd)
     except ApiException as e:
         if e.status != 409:
             raise
-    name = crd["metadata"]["name"]
+        current = ext.read_custom_resource_definition(name=name)
+        body = {**crd, "metadata": {**crd["metadata"], "resourceVersion": current.metadata.resource_version}}
+        ext.replace_custom_resource_definition(name=name, body=body)
     eventually(
         lambda: any(
             c.type == "Established" and c.status == "True"

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import subprocess
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import pytest
@@ -13,20 +12,11 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from strata_testbed.controlplane import TESTBED_DIR, binaries_dir
 from strata_testbed.gpu_pool import pool_nodes
+from strata_testbed.waiting import eventually
 
 pytestmark = pytest.mark.cluster
 
 T = TypeVar("T")
-
-
-def eventually(probe: Callable[[], T | None], *, timeout: float = 60.0, what: str) -> T:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = probe()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 @pytest.fixture

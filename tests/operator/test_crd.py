@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import time
 import uuid
 from typing import Any
 
@@ -12,6 +11,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from strata.operator.crd import CRD_PATH, render_crd, render_yaml
 from strata.operator.spec import GROUP, PLURAL, VERSION, ModelDeploymentSpec
+from strata_testbed.waiting import establish_crd
 
 VALID: dict[str, Any] = {
     "apiVersion": f"{GROUP}/{VERSION}",
@@ -43,18 +43,7 @@ def crd_installed(control_plane: Any) -> None:
     from kubernetes import config
 
     api = config.new_client_from_config(config_file=str(control_plane.kubeconfig))
-    ext = client.ApiextensionsV1Api(api)
-    try:
-        ext.create_custom_resource_definition(body=render_crd())
-    except ApiException as e:
-        if e.status != 409:
-            raise
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        crd = ext.read_custom_resource_definition(name=f"{PLURAL}.{GROUP}")
-        if any(c.type == "Established" and c.status == "True" for c in crd.status.conditions or []):
-            break
-        time.sleep(0.2)
+    establish_crd(api, render_crd())
     api.close()
 
 

@@ -13,13 +13,12 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 from kubernetes import client, config
-from kubernetes.client.exceptions import ApiException
 from strata.gguf import read_model_header
 from strata.gguf.testmodels.shapes import LARGE_SHAPES
 from strata.gguf.testmodels.writer import write_header_only_model, write_test_model
@@ -28,21 +27,11 @@ from strata.operator.names import LABEL_GENERATION, LABEL_INSTANCE
 from strata.operator.spec import GROUP, PLURAL, VERSION
 from strata_testbed.controlplane import ControlPlane
 from strata_testbed.pod_runner import PodRunner
+from strata_testbed.waiting import establish_crd, eventually
 
 pytestmark = pytest.mark.cluster
 
 T = TypeVar("T")
-
-
-def eventually(probe: Callable[[], T | None], *, timeout: float = 90.0, what: str) -> T:
-    deadline = time.monotonic() + timeout
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; last: {last!r}")
 
 
 @pytest.fixture(scope="module")
@@ -95,19 +84,7 @@ class OperatorProcess:
 @pytest.fixture(scope="module")
 def cluster(control_plane: ControlPlane) -> Iterator[client.ApiClient]:
     api = config.new_client_from_config(config_file=str(control_plane.kubeconfig))
-    ext = client.ApiextensionsV1Api(api)
-    try:
-        ext.create_custom_resource_definition(body=render_crd())
-    except ApiException as e:
-        if e.status != 409:
-            raise
-    eventually(
-        lambda: any(
-            c.type == "Established" and c.status == "True"
-            for c in ext.read_custom_resource_definition(name=f"{PLURAL}.{GROUP}").status.conditions or []
-        ),
-        what="the CRD to be established",
-    )
+    establish_crd(api, render_crd())
     yield api
     api.close()
 

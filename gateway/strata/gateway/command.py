@@ -29,6 +29,7 @@ import argparse
 import logging
 
 from strata.gateway.settings import OPTIONS
+from strata.settings import add_options
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -38,8 +39,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    for flag, env, kind, default in OPTIONS:
-        parser.add_argument(flag, type=kind, default=None, help=f"(env {env}; default {default!r})")
+    add_options(parser, OPTIONS)
     parser.set_defaults(run=run)
 
 

@@ -13,32 +13,35 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from strata.lease import FencingToken, LeaseTiming
+from strata.settings import Option, resolve_options
 
-# (flag, environment variable, type, default; None means required)
-OPTIONS: tuple[tuple[str, str, Callable[[str], Any], object], ...] = (
-    ("--model-url", "STRATA_MODEL_URL", str, None),
-    ("--model-name", "STRATA_MODEL_NAME", str, ""),
-    ("--first-stage", "STRATA_FIRST_STAGE", str, None),
-    ("--parallel", "STRATA_PARALLEL", int, 4),
-    ("--context", "STRATA_CONTEXT", int, None),
-    ("--queue-per-lane", "STRATA_QUEUE_PER_LANE", int, 1),
-    ("--max-wait-seconds", "STRATA_MAX_WAIT_SECONDS", float, 10.0),
-    ("--retry-after-seconds", "STRATA_RETRY_AFTER_SECONDS", int, 1),
-    ("--listen", "STRATA_LISTEN", str, "0.0.0.0:8000"),
-    ("--plan-generation", "STRATA_PLAN_GENERATION", int, 0),
-    ("--api-keys-file", "STRATA_API_KEYS_FILE", str, ""),
-    ("--lease-name", "STRATA_LEASE_NAME", str, ""),
-    ("--lease-namespace", "STRATA_LEASE_NAMESPACE", str, "default"),
-    ("--lease-duration-seconds", "STRATA_LEASE_DURATION_SECONDS", int, 15),
-    ("--renew-deadline-seconds", "STRATA_RENEW_DEADLINE_SECONDS", float, 10.0),
-    ("--retry-period-seconds", "STRATA_RETRY_PERIOD_SECONDS", float, 2.0),
-    ("--pod-name", "STRATA_POD_NAME", str, ""),
+# Flag, environment variable, type, default (None: required).
+OPTIONS: tuple[Option, ...] = tuple(
+    Option(*row)
+    for row in (
+        ("--model-url", "STRATA_MODEL_URL", str, None),
+        ("--model-name", "STRATA_MODEL_NAME", str, ""),
+        ("--first-stage", "STRATA_FIRST_STAGE", str, None),
+        ("--parallel", "STRATA_PARALLEL", int, 4),
+        ("--context", "STRATA_CONTEXT", int, None),
+        ("--queue-per-lane", "STRATA_QUEUE_PER_LANE", int, 1),
+        ("--max-wait-seconds", "STRATA_MAX_WAIT_SECONDS", float, 10.0),
+        ("--retry-after-seconds", "STRATA_RETRY_AFTER_SECONDS", int, 1),
+        ("--listen", "STRATA_LISTEN", str, "0.0.0.0:8000"),
+        ("--plan-generation", "STRATA_PLAN_GENERATION", int, 0),
+        ("--api-keys-file", "STRATA_API_KEYS_FILE", str, ""),
+        ("--lease-name", "STRATA_LEASE_NAME", str, ""),
+        ("--lease-namespace", "STRATA_LEASE_NAMESPACE", str, "default"),
+        ("--lease-duration-seconds", "STRATA_LEASE_DURATION_SECONDS", int, 15),
+        ("--renew-deadline-seconds", "STRATA_RENEW_DEADLINE_SECONDS", float, 10.0),
+        ("--retry-period-seconds", "STRATA_RETRY_PERIOD_SECONDS", float, 2.0),
+        ("--pod-name", "STRATA_POD_NAME", str, ""),
+    )
 )
 
 
@@ -95,22 +98,7 @@ class GatewaySettings:
 
 
 def resolve(values: Mapping[str, object], environ: Mapping[str, str], *, command: str) -> dict[str, object]:
-    """Flag, else environment, else default; a missing required setting is an error naming both spellings."""
-    resolved: dict[str, object] = {}
-    for flag, env, kind, default in OPTIONS:
-        name = flag.removeprefix("--").replace("-", "_")
-        value = values.get(name)
-        if value is None and environ.get(env, "") != "":
-            try:
-                value = kind(environ[env])
-            except ValueError as exc:
-                raise SystemExit(f"strata {command}: {env}={environ[env]!r} is not a valid {kind.__name__}") from exc
-        if value is None:
-            if default is None:
-                raise SystemExit(f"strata {command}: set {flag} or {env}")
-            value = default
-        resolved[name] = value
-    return resolved
+    return resolve_options(OPTIONS, values, environ, command=command)
 
 
 def api_keys(*, environ: Mapping[str, str], keys_file: str) -> frozenset[str]:

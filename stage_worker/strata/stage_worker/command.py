@@ -27,24 +27,27 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable
-from typing import Any
 
-# (flag, environment variable, type, default; None means required)
-OPTIONS: tuple[tuple[str, str, Callable[[str], Any], object], ...] = (
-    ("--stage-index", "STRATA_STAGE_INDEX", int, 0),
-    ("--layer-start", "STRATA_LAYER_START", int, None),
-    ("--layer-end", "STRATA_LAYER_END", int, None),
-    ("--model-url", "STRATA_MODEL_URL", str, None),
-    ("--context", "STRATA_CONTEXT", int, None),
-    ("--parallel", "STRATA_PARALLEL", int, 4),
-    ("--cache-type-k", "STRATA_CACHE_TYPE_K", str, "q8_0"),
-    ("--cache-type-v", "STRATA_CACHE_TYPE_V", str, "q8_0"),
-    ("--next-stage", "STRATA_NEXT_STAGE", str, ""),
-    ("--listen", "STRATA_LISTEN", str, "0.0.0.0:50051"),
-    ("--device", "STRATA_DEVICE", str, "cpu"),
-    ("--dtype", "STRATA_DTYPE", str, ""),
-    ("--plan-generation", "STRATA_PLAN_GENERATION", int, 0),
+from strata.settings import Option, add_options, resolve_options
+
+# Flag, environment variable, type, default (None: required).
+OPTIONS: tuple[Option, ...] = tuple(
+    Option(*row)
+    for row in (
+        ("--stage-index", "STRATA_STAGE_INDEX", int, 0),
+        ("--layer-start", "STRATA_LAYER_START", int, None),
+        ("--layer-end", "STRATA_LAYER_END", int, None),
+        ("--model-url", "STRATA_MODEL_URL", str, None),
+        ("--context", "STRATA_CONTEXT", int, None),
+        ("--parallel", "STRATA_PARALLEL", int, 4),
+        ("--cache-type-k", "STRATA_CACHE_TYPE_K", str, "q8_0"),
+        ("--cache-type-v", "STRATA_CACHE_TYPE_V", str, "q8_0"),
+        ("--next-stage", "STRATA_NEXT_STAGE", str, ""),
+        ("--listen", "STRATA_LISTEN", str, "0.0.0.0:50051"),
+        ("--device", "STRATA_DEVICE", str, "cpu"),
+        ("--dtype", "STRATA_DTYPE", str, ""),
+        ("--plan-generation", "STRATA_PLAN_GENERATION", int, 0),
+    )
 )
 
 
@@ -55,28 +58,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    for flag, env, kind, default in OPTIONS:
-        parser.add_argument(flag, type=kind, default=None, help=f"(env {env}; default {default!r})")
+    add_options(parser, OPTIONS)
     parser.set_defaults(run=run)
 
 
 def resolve(args: argparse.Namespace, environ: dict[str, str]) -> dict[str, object]:
-    """Flag, else environment, else default; a missing required setting is an error naming both spellings."""
-    values: dict[str, object] = {}
-    for flag, env, kind, default in OPTIONS:
-        name = flag.removeprefix("--").replace("-", "_")
-        value = getattr(args, name)
-        if value is None and env in environ:
-            try:
-                value = kind(environ[env])
-            except ValueError as exc:
-                raise SystemExit(f"strata stage-worker: {env}={environ[env]!r} is not a valid {kind.__name__}") from exc
-        if value is None:
-            if default is None:
-                raise SystemExit(f"strata stage-worker: set {flag} or {env}")
-            value = default
-        values[name] = value
-    return values
+    return resolve_options(OPTIONS, vars(args), environ, command="stage-worker")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,15 +14,10 @@ from collections.abc import Iterator
 
 import grpc
 from strata.rpc.v1 import stage_pb2, stage_pb2_grpc
+from strata.settings import GRPC_OPTIONS
 from strata.stage_worker.errors import NextStageUnavailableError, StageError
 
-CHANNEL_OPTIONS = [
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.max_send_message_length", 256 << 20),
-    ("grpc.max_receive_message_length", 256 << 20),
-]
+CHANNEL_OPTIONS = GRPC_OPTIONS
 UNARY_TIMEOUT_S = 30.0
 _CLOSE = object()
 

@@ -1,0 +1,65 @@
+"""Settings for the processes the operator starts: a flag, else an environment variable, else a default.
+
+The operator configures stage and gateway pods through STRATA_* variables; a person running the same command by
+hand passes flags. Both commands declare their settings as one table of Options and share this resolution, so a
+missing or malformed setting is reported the same way, naming both spellings.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# gRPC channel and server options shared by every hop of the pipeline: keepalives notice a dead peer in seconds,
+# and messages carry a prefill chunk's activations, far above gRPC's 4 MiB default.
+GRPC_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_send_message_length", 256 << 20),
+    ("grpc.max_receive_message_length", 256 << 20),
+]
+
+
+@dataclass(frozen=True)
+class Option:
+    flag: str
+    env: str
+    kind: Callable[[str], Any]
+    default: object  # None: required
+
+    @property
+    def name(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+
+def add_options(parser: argparse.ArgumentParser, options: Sequence[Option]) -> None:
+    for option in options:
+        parser.add_argument(
+            option.flag, type=option.kind, default=None, help=f"(env {option.env}; default {option.default!r})"
+        )
+
+
+def resolve_options(
+    options: Sequence[Option], values: Mapping[str, object], environ: Mapping[str, str], *, command: str
+) -> dict[str, object]:
+    """Flag, else environment (an empty variable counts as unset), else default."""
+    resolved: dict[str, object] = {}
+    for option in options:
+        value = values.get(option.name)
+        raw = environ.get(option.env, "")
+        if value is None and raw != "":
+            try:
+                value = option.kind(raw)
+            except ValueError as exc:
+                raise SystemExit(
+                    f"strata {command}: {option.env}={raw!r} is not a valid {option.kind.__name__}"
+                ) from exc
+        if value is None:
+            if option.default is None:
+                raise SystemExit(f"strata {command}: set {option.flag} or {option.env}")
+            value = option.default
+        resolved[option.name] = value
+    return resolved

@@ -10,7 +10,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.config import JsonDict
 from strata.gguf.model import CacheType
 
@@ -107,6 +107,39 @@ class Gateway(_Spec):
     ingress: Ingress | None = None
 
 
+class Coordination(_Spec):
+    """How the gateway replicas elect the coordinator that drives the stages (a coordination.k8s.io Lease).
+
+    A standby takes over at most leaseDurationSeconds after the coordinator stops renewing; a coordinator that
+    cannot renew for renewDeadlineSeconds stops using its term first, so two never act at once.
+    """
+
+    model_config = ConfigDict(
+        extra="forbid",
+        populate_by_name=True,
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.retryPeriodSeconds < self.renewDeadlineSeconds "
+                    "&& self.renewDeadlineSeconds < self.leaseDurationSeconds",
+                    "coordination needs retryPeriodSeconds < renewDeadlineSeconds < leaseDurationSeconds",
+                )
+            ]
+        },
+    )
+
+    lease_duration_seconds: int = Field(default=15, alias="leaseDurationSeconds", ge=3, le=300)
+    renew_deadline_seconds: int = Field(default=10, alias="renewDeadlineSeconds", ge=2, le=299)
+    retry_period_seconds: int = Field(default=2, alias="retryPeriodSeconds", ge=1, le=298)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Coordination:
+        """The CEL rule again, for manifests that reach the handlers without the API server's check."""
+        if not self.retry_period_seconds < self.renew_deadline_seconds < self.lease_duration_seconds:
+            raise ValueError("coordination needs retryPeriodSeconds < renewDeadlineSeconds < leaseDurationSeconds")
+        return self
+
+
 class Stage(_Spec):
     image: str | None = Field(default=None, max_length=512, description="Defaults to the operator's image.")
     resources: Resources = Field(default_factory=Resources)
@@ -149,6 +182,7 @@ class ModelDeploymentSpec(_Spec):
     admission: Admission = Field(default_factory=Admission)
     gateway: Gateway = Field(default_factory=Gateway)
     stage: Stage = Field(default_factory=Stage)
+    coordination: Coordination = Field(default_factory=Coordination)
 
     @classmethod
     def from_manifest(cls, spec: dict[str, Any]) -> ModelDeploymentSpec:

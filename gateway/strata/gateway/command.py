@@ -11,9 +11,16 @@
     STRATA_LISTEN                HTTP address (default 0.0.0.0:8000)
     STRATA_PLAN_GENERATION       the plan generation the stages serve (default 0)
     STRATA_API_KEYS_FILE         a file of accepted API keys, one per line (or STRATA_API_KEYS, comma-separated)
+    STRATA_LEASE_NAME            the coordination.k8s.io Lease the replicas elect a coordinator on (default: none)
+    STRATA_LEASE_NAMESPACE       its namespace (default "default")
+    STRATA_LEASE_DURATION_SECONDS, STRATA_RENEW_DEADLINE_SECONDS, STRATA_RETRY_PERIOD_SECONDS  (default 15, 10, 2)
+    STRATA_POD_NAME              this replica's name in the Lease (default: the hostname)
 
-Flags of the same names win over the environment. Until coordinator election lands, the gateway drives the pipeline
-with a fixed fencing token (term 1, holder = hostname); a stage refusing it (FAILED_PRECONDITION) makes it step down.
+Flags of the same names win over the environment. With a Lease, the replica holding it drives the pipeline with the
+fencing token (Lease uid, term) and the others stand by, not ready (/readyz 503); the API server is reached with the
+pod's ServiceAccount, or outside a cluster with the kubeconfig KUBECONFIG names. Without a Lease the gateway is the
+only coordinator, with a fixed token (term 1). Either way a stage refusing the token (FAILED_PRECONDITION) makes it
+step down.
 """
 
 from __future__ import annotations

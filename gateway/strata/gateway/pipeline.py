@@ -8,7 +8,10 @@ the cells in use and ends a generation with finish_reason "length" before a step
 
 Every call carries the coordinator's fencing token. A stage answering FAILED_PRECONDITION means another coordinator
 holds a newer term (or another plan generation is live): this one steps down at once, fails what it was running
-with NotReadyError (503 + Retry-After) and stays down until it is given a new token.
+with NotReadyError (503 + Retry-After) and stays down until it is given a new token. An elected token is only good
+until the renew deadline the coordinator last extended: past it the driver refuses to use it, without a round trip,
+so a gateway that was frozen (or cut off from the API server) never sends a call on a term it may have lost. A
+pipeline built without a token is a standby: not ready until `promote` hands it one.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -92,12 +97,13 @@ class Pipeline:
         first_stage: str,
         slots: int,
         context: int,
-        fence: FencingToken,
+        fence: FencingToken | None,
         plan_generation: int = 0,
         prefill_chunk: int = 256,
         step_timeout_s: float = 120.0,
         probe_interval_s: float = 0.5,
         on_ready_change: Callable[[bool], None] = lambda _ready: None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.first_stage = first_stage
         self.slots = slots
@@ -107,10 +113,16 @@ class Pipeline:
         self.step_timeout_s = step_timeout_s
         self.probe_interval_s = probe_interval_s
         self._fence = fence
+        self._valid_until = math.inf  # a token given at construction (single coordinator) never lapses
+        self._clock = clock
         self._on_ready_change = on_ready_change
         self._ready = False
-        self.deposed = False
-        self.not_ready_reason = f"connecting to the first stage at {first_stage}"
+        self.deposed = fence is None
+        self.not_ready_reason = (
+            f"connecting to the first stage at {first_stage}"
+            if fence is not None
+            else "standby: another gateway replica coordinates the pipeline"
+        )
         self._active: dict[int, Generation] = {}
         self._wake = asyncio.Event()
         self._step_id = 0
@@ -146,14 +158,35 @@ class Pipeline:
             log.info("pipeline %s%s", "ready" if ready else "not ready: ", reason)
             self._on_ready_change(ready)
 
-    def promote(self, fence: FencingToken) -> None:
+    def promote(self, fence: FencingToken, *, valid_until: float = math.inf) -> None:
         """Take a new fencing token (a won election): the driver claims the stages again before serving."""
+        if self._active:  # claiming resets every slot: what ran under the old token cannot go on
+            self._abandon(NotReadyError(f"the coordinator moved to term {fence.term}", retry_after_s=1))
+            self._drop_stream()
         self._fence = fence
+        self._valid_until = valid_until
         self.deposed = False
+        self._set_ready(False, f"claiming the stages with term {fence.term}")
+        self._wake.set()
+
+    def extend(self, *, valid_until: float) -> None:
+        """The coordinator renewed the Lease: the current token may be used until `valid_until` (monotonic)."""
+        self._valid_until = valid_until
+
+    def step_down(self, reason: str) -> None:
+        """Stop coordinating at once (the Lease is lost or was not renewed in time): fail what runs with a 503."""
+        self._valid_until = -math.inf
+        if self.deposed:
+            return
+        self.deposed = True
+        log.warning("stepping down: %s", reason)
+        self._set_ready(False, f"stepped down: {reason}")
+        self._abandon(NotReadyError(f"this gateway no longer coordinates the pipeline: {reason}", retry_after_s=1))
+        self._drop_stream()
         self._wake.set()
 
     @property
-    def fence(self) -> FencingToken:
+    def fence(self) -> FencingToken | None:
         return self._fence
 
     # Requests.
@@ -290,7 +323,10 @@ class Pipeline:
         code = exc.code() if isinstance(exc, aio.AioRpcError) else grpc.StatusCode.UNKNOWN
         details = exc.details() if isinstance(exc, aio.AioRpcError) else str(exc)
         self._drop_stream()
+        if self.deposed:  # step_down() already failed everything and cancelled the stream under this call
+            return
         if code == grpc.StatusCode.FAILED_PRECONDITION:
+            log.warning("a stage refused this coordinator, stepping down: %s", details)
             self.deposed = True
             error: GatewayError = NotReadyError(
                 f"this gateway no longer coordinates the pipeline: {details}", retry_after_s=1
@@ -301,18 +337,26 @@ class Pipeline:
             self._set_ready(False, f"a stage is unavailable: {details}")
         else:
             error = PipelineError(f"the pipeline refused the step ({code.name}): {details}")
+        if self.deposed or not self._ready:
+            self._abandon(error)
+        else:
+            for g in self._active.values():
+                self._finish(g, error)
+
+    def _abandon(self, error: GatewayError) -> None:
+        """End every generation with `error` and free its lane without touching the stages: they either belong to
+        another coordinator now or are reset by the next claim and probe."""
         for g in self._active.values():
             self._finish(g, error)
-        if self.deposed or not self._ready:
-            # The stages either belong to another coordinator now or will be reset by the next claim and probe.
-            for slot in list(self._active):
-                self._release(slot)
+        for slot in list(self._active):
+            self._release(slot)
 
     async def _become_ready(self) -> None:
         """Wait for the stages to load, claim them with our term, and run a one-token probe through all of them."""
         while self.deposed:
             self._wake.clear()
             await self._wake.wait()
+        claiming = self._fence
         try:
             status = await self._unary("GetLoadStatus", stage_pb2.LoadStatusRequest())
             if not status.loaded:
@@ -330,18 +374,27 @@ class Pipeline:
             await self._unary("ResetSlot", stage_pb2.ResetSlotRequest(fence=self._proto_fence(), slot=0))
         except grpc.RpcError as exc:
             self._drop_stream()
+            if self.deposed or self._fence != claiming:  # step_down() or promote() got here first and said why
+                return
             details = exc.details() if isinstance(exc, aio.AioRpcError) else str(exc)
             if isinstance(exc, aio.AioRpcError) and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                log.warning("a stage refused this coordinator's claim, stepping down: %s", details)
                 self.deposed = True
             self._set_ready(False, f"the pipeline at {self.first_stage} is not serving: {details}")
             await asyncio.sleep(self.probe_interval_s)
+            return
+        if self.deposed or self._fence != claiming:  # stepped down or promoted again while claiming: start over
             return
         self._set_ready(True)
 
     # gRPC.
 
     def _proto_fence(self) -> stage_pb2.Fence:
+        """The token for a state-changing call; a missing or lapsed one fails like a stage's refusal would."""
         f = self._fence
+        if f is None or self._clock() >= self._valid_until:
+            why = "no coordinator term" if f is None else f"the lease behind term {f.term} was not renewed in time"
+            raise aio.AioRpcError(grpc.StatusCode.FAILED_PRECONDITION, aio.Metadata(), aio.Metadata(), details=why)
         return stage_pb2.Fence(lease_uid=f.lease_uid, term=f.term, holder=f.holder)
 
     async def _unary(self, method: str, request: object) -> stage_pb2.LoadStatus:

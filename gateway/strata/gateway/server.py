@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Awaitable, Callable
 from pathlib import PurePosixPath
 from urllib.parse import urlsplit
 
@@ -54,7 +55,7 @@ def build(settings: GatewaySettings, *, header: GGUFHeader | None = None) -> tup
         first_stage=settings.first_stage,
         slots=settings.parallel,
         context=settings.context,
-        fence=settings.fence,
+        fence=None if settings.lease_name else settings.fence,
         plan_generation=settings.plan_generation,
         on_ready_change=lambda ready: metrics.ready.set(1 if ready else 0),
     )
@@ -73,8 +74,38 @@ def build(settings: GatewaySettings, *, header: GGUFHeader | None = None) -> tup
         metrics=metrics,
         context=settings.context,
     )
-    app = create_app(serving, api_keys=settings.api_keys, lifespan_hooks=(pipeline.start, pipeline.close))
+    app = create_app(serving, api_keys=settings.api_keys, lifespan_hooks=lifespan_hooks(settings, pipeline))
     return app, serving
+
+
+def lifespan_hooks(
+    settings: GatewaySettings, pipeline: Pipeline
+) -> tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]]:
+    """Start the driver, then the election; on the way out release the Lease before closing the driver."""
+    if not settings.lease_name:
+        return pipeline.start, pipeline.close
+    from strata.gateway.coordination import Coordinator, build_elector
+
+    elector = build_elector(
+        namespace=settings.lease_namespace,
+        name=settings.lease_name,
+        identity=settings.identity(),
+        timing=settings.lease_timing(),
+    )
+    coordinator = Coordinator(elector=elector, pipeline=pipeline)
+    log.info(
+        "electing a coordinator on Lease %s/%s as %s", settings.lease_namespace, settings.lease_name, elector.identity
+    )
+
+    async def start() -> None:
+        await pipeline.start()
+        await coordinator.start()
+
+    async def stop() -> None:
+        await coordinator.close()
+        await pipeline.close()
+
+    return start, stop
 
 
 def bind(listen: str) -> socket.socket:

@@ -1,5 +1,8 @@
 """What one gateway is told to be: the model, the first stage, the lanes and the admission policy.
 
+With a Lease name the replicas elect a coordinator on that Lease (strata.gateway.coordination) and the one that holds
+it drives the pipeline; without one the gateway is the only coordinator and uses a fixed token.
+
 The operator sets these through the gateway container's environment (operator/strata/operator/children.py); the same
 names work as flags of `strata gateway`, and a flag wins over the environment. API keys come from STRATA_API_KEYS
 (comma-separated) or STRATA_API_KEYS_FILE (one per line, typically a mounted Secret); they are never logged.
@@ -9,11 +12,12 @@ from __future__ import annotations
 
 import os
 import socket
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from strata.lease import FencingToken
+from strata.lease import FencingToken, LeaseTiming
 from strata.settings import Option, resolve_options
 
 # Flag, environment variable, type, default (None: required).
@@ -31,6 +35,12 @@ OPTIONS: tuple[Option, ...] = tuple(
         ("--listen", "STRATA_LISTEN", str, "0.0.0.0:8000"),
         ("--plan-generation", "STRATA_PLAN_GENERATION", int, 0),
         ("--api-keys-file", "STRATA_API_KEYS_FILE", str, ""),
+        ("--lease-name", "STRATA_LEASE_NAME", str, ""),
+        ("--lease-namespace", "STRATA_LEASE_NAMESPACE", str, "default"),
+        ("--lease-duration-seconds", "STRATA_LEASE_DURATION_SECONDS", int, 15),
+        ("--renew-deadline-seconds", "STRATA_RENEW_DEADLINE_SECONDS", float, 10.0),
+        ("--retry-period-seconds", "STRATA_RETRY_PERIOD_SECONDS", float, 2.0),
+        ("--pod-name", "STRATA_POD_NAME", str, ""),
     )
 )
 
@@ -53,6 +63,12 @@ class GatewaySettings:
     listen: str = "0.0.0.0:8000"
     plan_generation: int = 0
     api_keys_file: str = ""
+    lease_name: str = ""  # empty: no election, this gateway is the only coordinator
+    lease_namespace: str = "default"
+    lease_duration_seconds: int = 15
+    renew_deadline_seconds: float = 10.0
+    retry_period_seconds: float = 2.0
+    pod_name: str = ""
     api_keys: frozenset[str] = field(default=frozenset(), repr=False)
     model_token: str | None = field(default=None, repr=False)
     fence: FencingToken = field(default_factory=local_fence)
@@ -60,6 +76,20 @@ class GatewaySettings:
     def __post_init__(self) -> None:
         if self.context < 2 or self.parallel < 1:
             raise ValueError(f"context ({self.context}) must be at least 2 and parallel ({self.parallel}) positive")
+        if self.lease_name:
+            self.lease_timing()  # refuses unsafe timings at start-up, not at the first election
+
+    def lease_timing(self) -> LeaseTiming:
+        return LeaseTiming(
+            duration_seconds=self.lease_duration_seconds,
+            renew_deadline_seconds=self.renew_deadline_seconds,
+            retry_period_seconds=self.retry_period_seconds,
+        )
+
+    def identity(self) -> str:
+        """The Lease holder: the pod name and a per-process suffix, so a restarted container takes a new term
+        instead of silently inheriting the term its previous incarnation held."""
+        return f"{self.pod_name or socket.gethostname()}-{uuid.uuid4().hex[:6]}"
 
     @property
     def host_port(self) -> tuple[str, int]:

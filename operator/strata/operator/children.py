@@ -202,6 +202,39 @@ def stages_disruption_budget(owner: Owner) -> Manifest:
     }
 
 
+def gateway_access(owner: Owner) -> list[Manifest]:
+    """The gateway's ServiceAccount and the least it needs: its own coordinator Lease, read and renewed.
+
+    `get` and `update` are limited to the Lease by name; `create` cannot be (the name is not known to RBAC before
+    the object exists), so a gateway may create Leases in its namespace but change only its own.
+    """
+    names = Names(owner.name, owner.namespace)
+
+    def meta() -> Manifest:
+        return _metadata(owner, name=names.gateway_account, labels=labels(owner.name, component="gateway"))
+
+    leases = {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"]}
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta(), "automountServiceAccountToken": False},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": meta(),
+            "rules": [
+                leases | {"verbs": ["get", "update"], "resourceNames": [names.coordinator_lease]},
+                leases | {"verbs": ["create"]},
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": meta(),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": names.gateway_account},
+            "subjects": [{"kind": "ServiceAccount", "name": names.gateway_account, "namespace": owner.namespace}],
+        },
+    ]
+
+
 def gateway_deployment(
     owner: Owner, spec: ModelDeploymentSpec, *, serving: PlanSummary, image: str, model_name: str
 ) -> Manifest:
@@ -221,11 +254,20 @@ def gateway_deployment(
             "STRATA_RETRY_AFTER_SECONDS": spec.admission.retry_after_seconds,
             "STRATA_LISTEN": f"0.0.0.0:{GATEWAY_PORT}",
             "STRATA_PLAN_GENERATION": serving.generation,
+            "STRATA_LEASE_NAME": names.coordinator_lease,
+            "STRATA_LEASE_DURATION_SECONDS": spec.coordination.lease_duration_seconds,
+            "STRATA_RENEW_DEADLINE_SECONDS": spec.coordination.renew_deadline_seconds,
+            "STRATA_RETRY_PERIOD_SECONDS": spec.coordination.retry_period_seconds,
         }
     )
     if spec.gateway.api_key_secret_ref is not None:
         ref = spec.gateway.api_key_secret_ref
         env.append({"name": "STRATA_API_KEYS", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    # The Lease lives beside the gateway; each replica is known in it by its pod name.
+    env += [
+        {"name": "STRATA_LEASE_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "STRATA_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    ]
     http_probe = {"httpGet": {"path": "/readyz", "port": GATEWAY_PORT}, "periodSeconds": 5}
     container = {
         "name": "gateway",
@@ -249,8 +291,10 @@ def gateway_deployment(
             "template": {
                 "metadata": {"labels": pod_labels},
                 "spec": {
-                    # No API access yet; the coordinator Lease will come with its own ServiceAccount and Role.
-                    "automountServiceAccountToken": False,
+                    # The one pod of a deployment with an API token: the gateway elects its coordinator on a Lease.
+                    # The ServiceAccount itself does not automount; stage pods never get a token.
+                    "serviceAccountName": names.gateway_account,
+                    "automountServiceAccountToken": True,
                     "enableServiceLinks": False,
                     "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
                     "containers": [container],
@@ -364,8 +408,8 @@ def render_children(
     children += [
         stage_statefulset(owner, spec, plan, stage, generation=generation, image=image) for stage in plan.stages
     ]
+    children += [stages_disruption_budget(owner), *gateway_access(owner)]
     children += [
-        stages_disruption_budget(owner),
         gateway_deployment(owner, spec, serving=serving, image=image, model_name=model_name),
         gateway_service(owner),
     ]

@@ -109,4 +109,5 @@ def monitor_deployment(
     reconciler.observe(
         namespace=meta["namespace"], name=meta["name"], status=outcome.status, generation=int(meta.get("generation", 1))
     )
+    reconciler.observe_coordinator(namespace=meta["namespace"], name=meta["name"], outcome=outcome)
     _publish(outcome, body=body, patch=patch)

@@ -30,6 +30,7 @@ class Cluster:
         self.configuration = api_client.configuration
         self.core = client.CoreV1Api(api_client)
         self.apps = client.AppsV1Api(api_client)
+        self.coordination = client.CoordinationV1Api(api_client)
         self._dynamic = dynamic.DynamicClient(api_client)
 
     def pool(self) -> tuple[list[Manifest], list[Manifest]]:
@@ -96,6 +97,18 @@ class Cluster:
     def stage_pods(self, *, namespace: str, deployment: str, generation: int) -> list[Any]:
         selector = f"{LABEL_INSTANCE}={fit(deployment)},{LABEL_COMPONENT}=stage,{LABEL_GENERATION}={generation}"
         return list(self.core.list_namespaced_pod(namespace=namespace, label_selector=selector).items)
+
+    def lease_holder(self, *, namespace: str, name: str) -> tuple[str, int] | None:
+        """(holder, term) of a Lease, None while it does not exist or nobody holds it."""
+        try:
+            lease = self.coordination.read_namespaced_lease(name=name, namespace=namespace)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        if not lease.spec.holder_identity:
+            return None
+        return lease.spec.holder_identity, lease.spec.lease_transitions or 0
 
     def gateway_available(self, *, namespace: str, name: str) -> bool:
         try:

@@ -53,6 +53,11 @@ class Names:
         return fit(self.deployment, suffix="-gateway")
 
     @property
+    def gateway_account(self) -> str:
+        """The gateway's ServiceAccount, and the Role and RoleBinding that let it hold its Lease."""
+        return fit(self.deployment, suffix="-gateway")
+
+    @property
     def coordinator_lease(self) -> str:
         return fit(self.deployment, suffix="-coordinator")
 

@@ -22,6 +22,7 @@ from strata.operator.spec import ModelDeploymentSpec
 from strata.operator.status import (
     Condition,
     ConditionType,
+    Coordinator,
     EventReason,
     Excluded,
     ModelDeploymentStatus,
@@ -221,6 +222,7 @@ class Reconciler:
         )
         status.endpoint = Names(name, namespace).gateway_url()
         self.observe(namespace=namespace, name=name, status=status, generation=generation)
+        self.observe_coordinator(namespace=namespace, name=name, outcome=outcome)
         return outcome
 
     def advance(self, body: Manifest) -> Outcome:
@@ -307,6 +309,24 @@ class Reconciler:
             generation=generation,
         )
         status.phase = Phase.READY if all_ok else Phase.LOADING
+
+    def observe_coordinator(self, *, namespace: str, name: str, outcome: Outcome) -> None:
+        """The gateway replica holding the coordinator Lease into status; an Event when the holder or term moves."""
+        held = self.cluster.lease_holder(namespace=namespace, name=Names(name, namespace).coordinator_lease)
+        status = outcome.status
+        current = Coordinator(holder=held[0], term=held[1]) if held is not None else None
+        if current is None or current == status.coordinator:
+            return
+        before = status.coordinator
+        status.coordinator = current
+        moved = f"from {before.holder} (term {before.term})" if before is not None else "as the first coordinator"
+        outcome.events.append(
+            Event(
+                "Normal",
+                EventReason.COORDINATOR_CHANGED,
+                f"gateway replica {current.holder} coordinates the stages with term {current.term}, {moved}",
+            )
+        )
 
     def _token(self, spec: ModelDeploymentSpec, namespace: str) -> str | None:
         ref = spec.model.token_secret_ref

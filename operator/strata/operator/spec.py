@@ -161,6 +161,39 @@ class NetworkPolicy(_Spec):
     )
 
 
+class Coordination(_Spec):
+    """How the gateway replicas elect the coordinator that drives the stages (a coordination.k8s.io Lease).
+
+    A standby takes over at most leaseDurationSeconds after the coordinator stops renewing; a coordinator that
+    cannot renew for renewDeadlineSeconds stops using its term first, so two never act at once.
+    """
+
+    model_config = ConfigDict(
+        extra="forbid",
+        populate_by_name=True,
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.retryPeriodSeconds < self.renewDeadlineSeconds "
+                    "&& self.renewDeadlineSeconds < self.leaseDurationSeconds",
+                    "coordination needs retryPeriodSeconds < renewDeadlineSeconds < leaseDurationSeconds",
+                )
+            ]
+        },
+    )
+
+    lease_duration_seconds: int = Field(default=15, alias="leaseDurationSeconds", ge=3, le=300)
+    renew_deadline_seconds: int = Field(default=10, alias="renewDeadlineSeconds", ge=2, le=299)
+    retry_period_seconds: int = Field(default=2, alias="retryPeriodSeconds", ge=1, le=298)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Coordination:
+        """The CEL rule again, for manifests that reach the handlers without the API server's check."""
+        if not self.retry_period_seconds < self.renew_deadline_seconds < self.lease_duration_seconds:
+            raise ValueError("coordination needs retryPeriodSeconds < renewDeadlineSeconds < leaseDurationSeconds")
+        return self
+
+
 class Stage(_Spec):
     image: str | None = Field(default=None, max_length=512, description="Defaults to the operator's image.")
     resources: Resources = Field(default_factory=Resources)
@@ -204,6 +237,7 @@ class ModelDeploymentSpec(_Spec):
     gateway: Gateway = Field(default_factory=Gateway)
     stage: Stage = Field(default_factory=Stage)
     network_policy: NetworkPolicy = Field(default_factory=NetworkPolicy, alias="networkPolicy")
+    coordination: Coordination = Field(default_factory=Coordination)
 
     @classmethod
     def from_manifest(cls, spec: dict[str, Any]) -> ModelDeploymentSpec:

@@ -27,6 +27,7 @@ class EventReason(StrEnum):
     CUT_OVER = "CutOver"
     INVALID_SPEC = "InvalidSpec"
     MODEL_UNREADABLE = "ModelUnreadable"
+    COORDINATOR_CHANGED = "CoordinatorChanged"
 
 
 class Phase(StrEnum):
@@ -80,6 +81,8 @@ class Excluded(_Status):
 
 
 class Coordinator(_Status):
+    """The gateway replica that holds the coordinator Lease, and its term (the Lease's transitions)."""
+
     holder: str
     term: int = Field(ge=0)
 

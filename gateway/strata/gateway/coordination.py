@@ -1,0 +1,103 @@
+"""The gateway replicas' election: one Lease per deployment, its holder drives the pipeline, the others stand by.
+
+Each round (every retry period) the elector renews or tries to take the Lease; the Kubernetes client blocks, so the
+round runs in a worker thread while the event loop keeps serving. What a round decides goes to the pipeline:
+
+- won with a new token (Lease uid, term): `promote`, and the driver claims the stages with that term;
+- renewed: `extend` the token's validity to the start of this round plus the renew deadline, so a replica frozen
+  or cut off from the API server stops using its term on its own clock, before the Lease expires for the others;
+- lost (another holder, or no renewal within the deadline): `step_down` at once.
+
+The pipeline may also step down by itself, when a stage refuses its term with FAILED_PRECONDITION; the Lease is
+then released so that a replica which can claim the stages (possibly this one, with a higher term) takes over.
+A standby is not ready (/readyz answers 503): only the coordinator can serve, so load balancers and the Service
+send traffic to the coordinator alone. On shutdown the Lease is released so a standby takes over at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+
+from kubernetes import client, config
+from strata.gateway.pipeline import Pipeline
+from strata.lease import FencingToken, LeaseElector, LeaseTiming
+
+log = logging.getLogger(__name__)
+
+
+def kube_client() -> client.ApiClient:
+    """In a pod, its ServiceAccount token; elsewhere (tests, a laptop) the kubeconfig that KUBECONFIG names."""
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        config.load_incluster_config()
+        return client.ApiClient()
+    return config.new_client_from_config()
+
+
+class Coordinator:
+    def __init__(
+        self, *, elector: LeaseElector, pipeline: Pipeline, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.elector = elector
+        self.pipeline = pipeline
+        self._clock = clock
+        self._token: FencingToken | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def token(self) -> FencingToken | None:
+        """The token of the Lease this replica holds, None while it stands by."""
+        return self._token
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="coordinator-election")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._token is not None:
+            self.pipeline.step_down("the gateway is shutting down")
+            self._token = None
+            await asyncio.to_thread(self.elector.release)
+            log.info("released the coordinator Lease")
+
+    async def _run(self) -> None:
+        timing = self.elector.timing
+        while True:
+            await self.round()
+            await asyncio.sleep(timing.retry_period_seconds)
+
+    async def round(self) -> None:
+        """One election round; public so a test can drive rounds without waiting for the period."""
+        if self._token is not None and self.pipeline.deposed and self.pipeline.fence == self._token:
+            # A stage refused our term: someone holds a newer one, or we cannot drive this pipeline. Let go.
+            log.warning("the pipeline refused term %d; releasing the coordinator Lease", self._token.term)
+            self._token = None
+            await asyncio.to_thread(self.elector.release)
+            return
+        started = self._clock()
+        token = await asyncio.to_thread(self.elector.try_acquire_or_renew)
+        valid_until = started + self.elector.timing.renew_deadline_seconds
+        if token is None:
+            if self._token is not None:
+                self._token = None
+                self.pipeline.step_down("lost the coordinator Lease (taken over, or not renewed within the deadline)")
+            return
+        if token != self._token:
+            log.info("elected coordinator: term %d of Lease %s as %s", token.term, token.lease_uid, token.holder)
+            self._token = token
+            self.pipeline.promote(token, valid_until=valid_until)
+            return
+        self.pipeline.extend(valid_until=valid_until)
+
+
+def build_elector(*, namespace: str, name: str, identity: str, timing: LeaseTiming) -> LeaseElector:
+    return LeaseElector(
+        api=client.CoordinationV1Api(kube_client()), namespace=namespace, name=name, identity=identity, timing=timing
+    )

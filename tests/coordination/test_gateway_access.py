@@ -1,0 +1,182 @@
+"""What the operator gives the gateway to elect on its Lease: a ServiceAccount, a Role narrowed to that Lease, the
+token mounted in the gateway pod only, and the Lease's name and timing in its environment; the holder and term
+come back into status, with an Event when they change.
+
+The Role is checked by the real API server's RBAC authorizer (SubjectAccessReview), not by reading the manifest.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kubernetes import client
+from strata.lease import LeaseElector, LeaseTiming
+from strata.operator.children import Owner, gateway_access, gateway_deployment, stage_statefulset
+from strata.operator.kube import Cluster
+from strata.operator.models import ModelCache
+from strata.operator.names import Names
+from strata.operator.reconcile import Outcome, Reconciler
+from strata.operator.spec import ModelDeploymentSpec
+from strata.operator.status import Coordinator, EventReason, ModelDeploymentStatus, PlanSummary, StageSummary
+from strata.plan import Backend, Plan
+from strata.plan import Stage as StagePlan
+
+SPEC = ModelDeploymentSpec.from_manifest(
+    {
+        "model": {"url": "hf://acme/tiny-GGUF/tiny.Q8_0.gguf"},
+        "coordination": {"leaseDurationSeconds": 9, "renewDeadlineSeconds": 6, "retryPeriodSeconds": 1},
+    }
+)
+SERVING = PlanSummary(
+    generation=1,
+    stages=[StageSummary(index=0, node="n0", gpus=1, backend="cuda", layerStart=0, layerEnd=4)],
+    contextLength=4096,
+    parallel=4,
+    cacheTypeK="q8_0",
+    cacheTypeV="q8_0",
+)
+
+
+def _env(manifest: dict[str, Any]) -> dict[str, Any]:
+    container = manifest["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def test_the_gateway_pod_gets_the_token_the_lease_and_the_timing_from_the_spec() -> None:
+    owner = Owner(name="tiny", namespace="models", uid="u")
+    pod = gateway_deployment(owner, SPEC, serving=SERVING, image="strata:dev", model_name="tiny")["spec"]["template"]
+    assert pod["spec"]["serviceAccountName"] == "tiny-gateway"
+    assert pod["spec"]["automountServiceAccountToken"] is True
+    env = _env(gateway_deployment(owner, SPEC, serving=SERVING, image="strata:dev", model_name="tiny"))
+    assert env["STRATA_LEASE_NAME"] == Names("tiny", "models").coordinator_lease
+    assert env["STRATA_LEASE_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert env["STRATA_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    timing = [env[f"STRATA_{k}_SECONDS"] for k in ("LEASE_DURATION", "RENEW_DEADLINE", "RETRY_PERIOD")]
+    assert timing == ["9", "6", "1"]
+
+
+def test_stage_pods_still_get_no_token() -> None:
+    owner = Owner(name="tiny", namespace="models", uid="u")
+    sizes = {k: 0 for k in ("memory_bytes", "usable_bytes", "weight_bytes", "buffer_bytes", "kv_bytes")}
+    stage = StagePlan(
+        index=0,
+        node="n0",
+        resource="nvidia.com/gpu",
+        gpus=(0,),
+        backend=Backend.CUDA,
+        layer_start=0,
+        layer_end=4,
+        embeddings=True,
+        output_head=True,
+        **sizes,
+    )
+    plan = Plan.model_construct(
+        stages=[stage], context_length=4096, parallel=4, cache_type_k="q8_0", cache_type_v="q8_0"
+    )
+    manifest = stage_statefulset(owner, SPEC, plan, stage, generation=1, image="strata:dev")
+    assert manifest["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    assert "serviceAccountName" not in manifest["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize(
+    "coordination",
+    [
+        pytest.param({"retryPeriodSeconds": 10}, id="a retry period as long as the renew deadline is refused"),
+        pytest.param({"renewDeadlineSeconds": 15}, id="a renew deadline as long as the lease is refused"),
+    ],
+)
+def test_unsafe_coordination_timings_are_refused(coordination: dict[str, int]) -> None:
+    with pytest.raises(ValueError, match="retryPeriodSeconds < renewDeadlineSeconds < leaseDurationSeconds"):
+        ModelDeploymentSpec.from_manifest({"model": {"url": "hf://acme/t/t.gguf"}, "coordination": coordination})
+
+
+@pytest.fixture
+def namespace(api_client: client.ApiClient) -> Iterator[str]:
+    core = client.CoreV1Api(api_client)
+    name = f"coord-{uuid.uuid4().hex[:6]}"
+    core.create_namespace({"metadata": {"name": name}})
+    yield name
+    core.delete_namespace(name)
+
+
+@pytest.fixture
+def granted(api_client: client.ApiClient, namespace: str) -> Owner:
+    """The rendered ServiceAccount, Role and RoleBinding, applied to the real API server."""
+    owner = Owner(name="tiny", namespace=namespace, uid=str(uuid.uuid4()))
+    cluster = Cluster(api_client)
+    for manifest in gateway_access(owner):
+        manifest["metadata"].pop("ownerReferences")  # no ModelDeployment here to own them
+        cluster.apply(manifest)
+    return owner
+
+
+def _allowed(api_client: client.ApiClient, *, namespace: str, verb: str, lease: str) -> bool:
+    review = client.AuthorizationV1Api(api_client).create_subject_access_review(
+        {
+            "spec": {
+                "user": f"system:serviceaccount:{namespace}:tiny-gateway",
+                "groups": ["system:serviceaccounts", f"system:serviceaccounts:{namespace}"],
+                "resourceAttributes": {
+                    "namespace": namespace,
+                    "verb": verb,
+                    "group": "coordination.k8s.io",
+                    "resource": "leases",
+                    **({"name": lease} if lease else {}),
+                },
+            }
+        }
+    )
+    return bool(review.status.allowed)
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize(
+    ("verb", "lease", "allowed"),
+    [
+        pytest.param("get", "own", True, id="the gateway reads its own Lease"),
+        pytest.param("update", "own", True, id="the gateway renews its own Lease"),
+        pytest.param("create", "", True, id="the gateway creates Leases (create cannot be narrowed by name)"),
+        pytest.param("update", "tiny-other", False, id="the gateway cannot renew another deployment's Lease"),
+        pytest.param("get", "tiny-other", False, id="the gateway cannot read another deployment's Lease"),
+        pytest.param("delete", "own", False, id="the gateway cannot delete its own Lease"),
+        pytest.param("list", "", False, id="the gateway cannot list Leases"),
+    ],
+)
+def test_the_gateway_role_allows_its_own_lease_and_nothing_else(
+    api_client: client.ApiClient, granted: Owner, verb: str, lease: str, allowed: bool
+) -> None:
+    name = Names(granted.name, granted.namespace).coordinator_lease if lease == "own" else lease
+    assert _allowed(api_client, namespace=granted.namespace, verb=verb, lease=name) is allowed
+
+
+@pytest.mark.cluster
+def test_status_follows_the_lease_holder_with_an_event_when_it_changes(
+    api_client: client.ApiClient, namespace: str
+) -> None:
+    reconciler = Reconciler(cluster=Cluster(api_client), models=ModelCache(), image="strata:dev")
+    lease = Names("tiny", namespace).coordinator_lease
+    timing = LeaseTiming(duration_seconds=3, renew_deadline_seconds=2.0, retry_period_seconds=0.5)
+    api = client.CoordinationV1Api(api_client)
+    a, b = (LeaseElector(api=api, namespace=namespace, name=lease, identity=w, timing=timing) for w in ("a", "b"))
+    outcome = Outcome(status=ModelDeploymentStatus())
+
+    reconciler.observe_coordinator(namespace=namespace, name="tiny", outcome=outcome)
+    assert outcome.status.coordinator is None, "no Lease yet: no coordinator"
+    assert a.try_acquire_or_renew() is not None
+    reconciler.observe_coordinator(namespace=namespace, name="tiny", outcome=outcome)
+    reconciler.observe_coordinator(namespace=namespace, name="tiny", outcome=outcome)
+    assert outcome.status.coordinator == Coordinator(holder="a", term=1)
+    a.release()
+    assert b.try_acquire_or_renew() is not None
+    reconciler.observe_coordinator(namespace=namespace, name="tiny", outcome=outcome)
+    assert outcome.status.coordinator == Coordinator(holder="b", term=2)
+    assert [(e.reason, e.message) for e in outcome.events] == [
+        (
+            EventReason.COORDINATOR_CHANGED,
+            "gateway replica a coordinates the stages with term 1, as the first coordinator",
+        ),
+        (EventReason.COORDINATOR_CHANGED, "gateway replica b coordinates the stages with term 2, from a (term 1)"),
+    ]

@@ -1,0 +1,174 @@
+"""Two real `strata gateway` processes electing on a real Lease in front of one real pipeline of stages.
+
+The leader is frozen with SIGSTOP past the Lease duration: the standby takes the Lease with a higher term, claims
+the stages and becomes ready. Resumed, the old leader finds its term lapsed or refused and steps down (not ready).
+Requests sent to both throughout either complete with the healthy pipeline's output or fail with a retryable
+429/503 carrying Retry-After; none comes back with other output.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+from kubernetes import client
+from strata.stage_worker.server import RunningStage
+from strata_testbed.controlplane import ControlPlane
+from strata_testbed.processes import ManagedProcess
+
+DURATION_S, RENEW_DEADLINE_S, RETRY_PERIOD_S = 3, 2.0, 0.5
+REQUEST = {"model": "qwen2", "prompt": [100, 200, 300, 42], "max_tokens": 8, "temperature": 0}
+
+
+@dataclass
+class Gateway:
+    process: ManagedProcess
+    url: str
+
+    def ready(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+
+@dataclass
+class Outcomes:
+    """What the clients saw: completed texts, and (status, Retry-After) of every refusal."""
+
+    texts: list[str] = field(default_factory=list)
+    refusals: list[tuple[int, str | None]] = field(default_factory=list)
+    other: list[str] = field(default_factory=list)
+
+
+def _start_gateway(
+    *, name: str, model: Path, stages: list[RunningStage], plane: ControlPlane, lease: str, log_dir: Path
+) -> Gateway:
+    settings = stages[0].service.settings
+    env = {
+        "KUBECONFIG": str(plane.kubeconfig),
+        "STRATA_MODEL_URL": str(model),
+        "STRATA_MODEL_NAME": "qwen2",
+        "STRATA_FIRST_STAGE": f"127.0.0.1:{stages[0].port}",
+        "STRATA_CONTEXT": str(settings.context),
+        "STRATA_PARALLEL": str(settings.parallel),
+        "STRATA_LISTEN": "127.0.0.1:0",
+        "STRATA_LEASE_NAME": lease,
+        "STRATA_LEASE_NAMESPACE": "default",
+        "STRATA_LEASE_DURATION_SECONDS": str(DURATION_S),
+        "STRATA_RENEW_DEADLINE_SECONDS": str(RENEW_DEADLINE_S),
+        "STRATA_RETRY_PERIOD_SECONDS": str(RETRY_PERIOD_S),
+        "STRATA_POD_NAME": name,
+    }
+    process = ManagedProcess(name=name, argv=[sys.executable, "-m", "strata.cli", "gateway"], log_dir=log_dir, env=env)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and process.running():
+        found = re.search(r"on (http://[\d.]+:\d+)/v1", process.log_tail(200))
+        if found:
+            return Gateway(process=process, url=found.group(1))
+        time.sleep(0.1)
+    process.stop()
+    raise RuntimeError(f"gateway {name} did not start:\n{process.log_tail()}")
+
+
+def _wait(predicate: object, *, timeout_s: float, what: str) -> float:
+    """Seconds until `predicate()` held."""
+    assert callable(predicate)
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout_s, f"timed out waiting until {what}"
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def _clients(gateways: list[Gateway], outcomes: Outcomes, stop: threading.Event) -> Iterator[threading.Thread]:
+    """One client per gateway, sending the reference request again and again, as a load balancer's targets see."""
+
+    def loop(gateway: Gateway) -> None:
+        with httpx.Client(timeout=60) as http:
+            while not stop.is_set():
+                try:
+                    reply = http.post(f"{gateway.url}/v1/completions", json=REQUEST)
+                except httpx.HTTPError as exc:
+                    outcomes.other.append(f"{gateway.process.name}: {exc!r}")
+                    continue
+                if reply.status_code == 200:
+                    outcomes.texts.append(reply.json()["choices"][0]["text"])
+                elif reply.status_code in (429, 503):
+                    outcomes.refusals.append((reply.status_code, reply.headers.get("retry-after")))
+                    time.sleep(0.1)
+                else:
+                    outcomes.other.append(f"{gateway.process.name}: {reply.status_code} {reply.text}")
+
+    for gateway in gateways:
+        thread = threading.Thread(target=loop, args=(gateway,), daemon=True)
+        thread.start()
+        yield thread
+
+
+@pytest.mark.cluster
+def test_a_frozen_leader_is_replaced_with_a_higher_term_and_steps_down_when_it_wakes(
+    control_plane: ControlPlane, api_client: client.ApiClient, model: Path, stages: list[RunningStage], tmp_path: Path
+) -> None:
+    lease = f"takeover-{uuid.uuid4().hex[:6]}"
+    leases = client.CoordinationV1Api(api_client)
+    common = {"model": model, "stages": stages, "plane": control_plane, "lease": lease, "log_dir": tmp_path}
+    first = _start_gateway(name="gateway-a", **common)  # type: ignore[arg-type]
+    started: list[Gateway] = [first]
+    stop = threading.Event()
+    try:
+        _wait(first.ready, timeout_s=60, what="the first gateway is elected and ready")
+        second = _start_gateway(name="gateway-b", **common)  # type: ignore[arg-type]
+        started.append(second)
+        _wait(lambda: "standby" in httpx.get(f"{second.url}/readyz").text, timeout_s=30, what="the second stands by")
+        assert httpx.get(f"{second.url}/readyz").status_code == 503
+        reference = httpx.post(f"{first.url}/v1/completions", json=REQUEST, timeout=60).json()["choices"][0]["text"]
+        before = leases.read_namespaced_lease(name=lease, namespace="default").spec
+        assert before.holder_identity.startswith("gateway-a-")
+
+        outcomes = Outcomes()
+        threads = list(_clients([first, second], outcomes, stop))
+        time.sleep(1.0)
+        frozen_at = time.monotonic()
+        first.process.pause()
+        takeover_s = _wait(second.ready, timeout_s=DURATION_S + 15, what="the standby takes over and is ready")
+        after = leases.read_namespaced_lease(name=lease, namespace="default").spec
+        assert after.holder_identity.startswith("gateway-b-")
+        assert after.lease_transitions == before.lease_transitions + 1
+        assert [s.service.fence.accepted_term for s in stages] == [after.lease_transitions] * 2
+        time.sleep(1.0)  # the new coordinator serves for a while before the old one wakes
+        first.process.resume()
+        paused_s = time.monotonic() - frozen_at
+        _wait(lambda: not first.ready(), timeout_s=10, what="the old leader steps down")
+        time.sleep(1.0)
+        assert not first.ready(), "the old leader stays down: it no longer holds the Lease"
+        assert second.ready()
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=60)
+
+        assert outcomes.other == [], "every request completed or was refused with a retryable status"
+        assert outcomes.texts, "requests completed during the test"
+        assert set(outcomes.texts) == {reference}, "no request came back with output other than the reference"
+        assert all(retry_after is not None for _status, retry_after in outcomes.refusals)
+        log = first.process.log_tail(400)
+        assert "stepping down" in log or "stepped down" in log, log
+        print(
+            f"takeover {takeover_s:.2f} s after SIGSTOP (lease {DURATION_S} s, retry {RETRY_PERIOD_S} s); "
+            f"old leader paused {paused_s:.2f} s; {len(outcomes.texts)} completed, "
+            f"{len(outcomes.refusals)} refused with Retry-After"
+        )
+        assert takeover_s < DURATION_S + RENEW_DEADLINE_S + 5
+    finally:
+        stop.set()
+        for gateway in started:
+            gateway.process.resume()
+            gateway.process.stop()

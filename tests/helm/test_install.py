@@ -164,7 +164,22 @@ def test_the_notes_tell_the_next_steps(installed: Installed) -> None:
 
 def _can(kubectl: Path, kubeconfig: Path, user: str, verb: str, resource: str, namespace: str | None) -> bool:
     scope = ["--namespace", namespace] if namespace else ["--all-namespaces"]
-    argv = [str(kubectl), "--kubeconfig", str(kubeconfig), "auth", "can-i", verb, resource, "--as", user, *scope]
+    # "serviceaccounts#token" is the token subresource; "serviceaccounts/token" would name an object "token".
+    resource, _, subresource = resource.partition("#")
+    extra = ["--subresource", subresource] if subresource else []
+    argv = [
+        str(kubectl),
+        "--kubeconfig",
+        str(kubeconfig),
+        "auth",
+        "can-i",
+        verb,
+        resource,
+        "--as",
+        user,
+        *scope,
+        *extra,
+    ]
     result = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=30)
     if result.returncode not in (0, 1):
         raise AssertionError(f"kubectl auth can-i failed: {result.stderr}")
@@ -214,7 +229,7 @@ CLUSTER_WIDE = [
     ("patch", "customresourcedefinitions.apiextensions.k8s.io", None, False),
     ("list", "namespaces", None, False),
     ("impersonate", "serviceaccounts", "other", False),
-    ("create", "serviceaccounts/token", "release", False),
+    ("create", "serviceaccounts#token", "release", False),
 ]
 SCOPED = [
     ("watch", "modeldeployments.strata.dev", "watched", True),

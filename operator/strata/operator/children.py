@@ -287,6 +287,9 @@ def gateway_deployment(
         "metadata": _metadata(owner, name=names.gateway, labels=pod_labels),
         "spec": {
             "replicas": spec.gateway.replicas,
+            # Standby replicas are not ready until they win the coordinator Lease, so a rolling update would wait
+            # forever for a new pod to turn ready while an old one holds the Lease: replace them all at once.
+            "strategy": {"type": "Recreate"},
             "selector": {"matchLabels": pod_labels},
             "template": {
                 "metadata": {"labels": pod_labels},

@@ -110,6 +110,22 @@ class Cluster:
             return None
         return lease.spec.holder_identity, lease.spec.lease_transitions or 0
 
+    def gateway_rolled_out(self, *, namespace: str, name: str) -> bool:
+        """The gateway Deployment's current spec is what runs: every replica updated and one available."""
+        try:
+            deployment = self.apps.read_namespaced_deployment(name=name, namespace=namespace)
+        except ApiException as e:
+            if e.status == 404:
+                return False
+            raise
+        status = deployment.status
+        return bool(
+            (status.observed_generation or 0) >= deployment.metadata.generation
+            and (status.updated_replicas or 0) >= (deployment.spec.replicas or 0)
+            and (status.available_replicas or 0) >= 1
+            and (status.replicas or 0) == (status.updated_replicas or 0)
+        )
+
     def gateway_available(self, *, namespace: str, name: str) -> bool:
         try:
             deployment = self.apps.read_namespaced_deployment(name=name, namespace=namespace)

@@ -236,7 +236,13 @@ class Reconciler:
         status = ModelDeploymentStatus.model_validate(body.get("status") or {})
         outcome = Outcome(status=status)
         pending, serving = status.plan, status.serving
-        if pending is None or serving is None or pending.generation == serving.generation:
+        if pending is None or serving is None:
+            return outcome
+        if pending.generation == serving.generation:
+            # The old generation goes only once the gateway pods that drive the new one are up: until then the
+            # gateway that still runs may be driving the old stages.
+            if self.cluster.gateway_rolled_out(namespace=namespace, name=Names(name, namespace).gateway):
+                self.cluster.delete_other_generations(namespace=namespace, deployment=name, keep={serving.generation})
             return outcome
         stages = self.cluster.stage_readiness(namespace=namespace, deployment=name, generation=pending.generation)
         if len(stages) < len(pending.stages) or not all(s.ready for s in stages):
@@ -249,14 +255,13 @@ class Reconciler:
         self.cluster.apply(
             gateway_deployment(owner, spec, serving=pending, image=self.image, model_name=model_name(spec))
         )
-        self.cluster.delete_other_generations(namespace=namespace, deployment=name, keep={pending.generation})
         status.serving = pending
         outcome.events.append(
             Event(
                 "Normal",
                 EventReason.CUT_OVER,
-                f"every stage of generation {pending.generation} is ready: the gateway moved over from generation "
-                f"{serving.generation}, which is removed",
+                f"every stage of generation {pending.generation} is ready: the gateway moves over from generation "
+                f"{serving.generation}, which is removed once the new gateway pods are available",
             )
         )
         return outcome

@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256s
 PROTOS := $(shell find protos -name '*.proto')
 PROTO_OUT := core/strata/rpc/.generated
 
-.PHONY: setup test lint typecheck imports pytest protos binaries crds clean
+.PHONY: setup serve test lint typecheck imports pytest protos binaries crds clean
 
 setup: $(STAMP) $(PROTO_OUT) binaries
 
@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
 	rm -f $(VENV)/.installed-*
 	touch $@
+
+# The main job on an embedded default: a generated demo model served on this machine (SERVE_ARGS to change it).
+serve: $(STAMP) $(PROTO_OUT)
+	$(BIN)/strata serve $(SERVE_ARGS)
 
 protos: $(PROTO_OUT)
 $(PROTO_OUT): $(PROTOS) $(STAMP)

@@ -178,12 +178,27 @@ def test_the_lease_is_narrowed_by_name_for_every_verb_but_create(helm: Helm) -> 
     ]
 
 
-def test_no_rule_uses_a_wildcard_or_touches_rbac(helm: Helm) -> None:
+def test_no_rule_uses_a_wildcard_or_a_privilege_verb(helm: Helm) -> None:
     manifests = helm.manifests(TOKENS)
     for rule in _rules(manifests, "ClusterRole") + _rules(manifests, "Role"):
         assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
-        assert "rbac.authorization.k8s.io" not in rule["apiGroups"]
         assert not {"escalate", "bind", "impersonate", "deletecollection"} & set(rule["verbs"])
+
+
+def test_rbac_is_touched_only_to_write_the_gateways_namespaced_role_and_binding(helm: Helm) -> None:
+    """Each gateway gets a Role for its own Lease; the operator can write Roles and RoleBindings but never read,
+    delete or cluster-scope them, and without `escalate`/`bind` the API server lets it grant only what it holds."""
+    manifests = helm.manifests(TOKENS)
+    rbac_rules = [
+        r
+        for r in _rules(manifests, "ClusterRole") + _rules(manifests, "Role")
+        if "rbac.authorization.k8s.io" in r["apiGroups"]
+    ]
+    assert rbac_rules
+    for rule in rbac_rules:
+        assert rule["apiGroups"] == ["rbac.authorization.k8s.io"]
+        assert sorted(rule["resources"]) == ["rolebindings", "roles"]
+        assert sorted(rule["verbs"]) == ["create", "patch"]
 
 
 REFUSED = [

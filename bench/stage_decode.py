@@ -27,6 +27,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
+from strata.gateway.local import CO_LOCATED_STAGE_ENV
 from strata.gguf.testmodels import SMALL_SHAPES, write_test_model
 from strata.rpc.v1 import stage_pb2
 from strata.stage_worker.client import Pipeline, wait_loaded
@@ -43,6 +44,7 @@ def machine() -> str:
 @contextmanager
 def stage_process(*, model: Path, index: int, span: tuple[int, int], next_port: int | None) -> Iterator[int]:
     env = {
+        **CO_LOCATED_STAGE_ENV,
         **os.environ,
         "STRATA_STAGE_INDEX": str(index),
         "STRATA_LAYER_START": str(span[0]),

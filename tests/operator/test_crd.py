@@ -10,6 +10,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from strata.operator.crd import CRD_PATH, render_crd, render_yaml
+from strata.operator.reference import README, with_reference
 from strata.operator.spec import GROUP, PLURAL, VERSION, ModelDeploymentSpec
 from strata_testbed.waiting import establish_crd
 
@@ -30,6 +31,10 @@ VALID: dict[str, Any] = {
 
 def test_the_committed_crd_is_what_the_spec_generates() -> None:
     assert CRD_PATH.read_text() == render_yaml(), "crds/ is stale: run `python -m strata.operator.crd`"
+
+
+def test_the_readmes_configuration_reference_is_what_the_spec_generates() -> None:
+    assert README.read_text() == with_reference(README.read_text()), "README.md is stale: run `make crds`"
 
 
 def test_the_valid_example_parses_with_the_handlers_model() -> None:
@@ -59,7 +64,7 @@ def _with(path: str, value: Any) -> dict[str, Any]:
 
 INVALID = [
     pytest.param(_with("spec.model.url", "ftp://host/model.gguf"), "spec.model.url", id="an ftp URL is refused"),
-    pytest.param(_with("spec.model.url", "http://host/model.gguf"), "spec.model.url", id="plain http is refused"),
+    pytest.param(_with("spec.model.url", "http://host/model"), "spec.model.url", id="a URL without a file is refused"),
     pytest.param(_with("spec.model.url", "https://host/model.bin"), "spec.model.url", id="a non-GGUF file is refused"),
     pytest.param(_with("spec.context", -1), "spec.context", id="a negative context is refused"),
     pytest.param(_with("spec.context", 5000), "spec.context", id="a context off the 256-cell grid is refused"),
@@ -69,6 +74,11 @@ INVALID = [
         _with("spec.model", {"url": "file:///models/tiny.gguf", "tokenSecretRef": {"name": "hf-token"}}),
         "spec.model.tokenSecretRef",
         id="a token Secret with a local file is contradictory",
+    ),
+    pytest.param(
+        _with("spec.model", {"url": "http://models.svc/tiny.gguf", "tokenSecretRef": {"name": "hf-token"}}),
+        "spec.model.tokenSecretRef",
+        id="a token Secret over plain http is refused",
     ),
     pytest.param(_with("spec.parallel", 32), "spec.context", id="more slots than the context can give 256 cells each"),
     pytest.param(_with("spec.placement.maxStages", 0), "spec.placement.maxStages", id="zero stages are refused"),

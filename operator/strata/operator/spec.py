@@ -21,7 +21,7 @@ PLURAL = "modeldeployments"
 
 # Kubernetes resource quantities ("500m", "16Gi", "2").
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$"
-MODEL_URL_PATTERN = r"^(https://[^/\s]+/|hf://[^/\s]+/[^/\s]+/|file:///)\S*\.gguf(@[^/\s@]+)?$"
+MODEL_URL_PATTERN = r"^(https?://[^/\s]+/|hf://[^/\s]+/[^/\s]+/|file:///)\S*\.gguf(@[^/\s@]+)?$"
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
 Quantity = Annotated[str, Field(pattern=QUANTITY_PATTERN, max_length=64)]
@@ -48,11 +48,21 @@ class ModelSource(_Spec):
     url: str = Field(
         pattern=MODEL_URL_PATTERN,
         max_length=2048,
-        description="GGUF file: https://HOST/PATH.gguf, hf://ORG/REPO/PATH.gguf[@REVISION], or file:///PATH.gguf.",
+        description=(
+            "GGUF file: https://HOST/PATH.gguf, hf://ORG/REPO/PATH.gguf[@REVISION], file:///PATH.gguf, or "
+            "http://HOST/PATH.gguf for a file server inside the cluster (never with a token)."
+        ),
     )
     token_secret_ref: SecretKeyRef | None = Field(
         default=None, alias="tokenSecretRef", description="Bearer token for https:// or hf:// sources."
     )
+
+    @model_validator(mode="after")
+    def _token_only_over_tls(self) -> ModelSource:
+        """The CEL rule again, for manifests that reach the handlers without the API server's check."""
+        if self.token_secret_ref is not None and not self.url.startswith(("https://", "hf://")):
+            raise ValueError("model.tokenSecretRef applies to https:// and hf:// sources only")
+        return self
 
 
 class TolerationOperator(StrEnum):
@@ -67,38 +77,62 @@ class TaintEffect(StrEnum):
 
 
 class Toleration(_Spec):
-    key: str | None = Field(default=None, max_length=316)
-    operator: TolerationOperator = TolerationOperator.EQUAL
-    value: str | None = Field(default=None, max_length=63)
-    effect: TaintEffect | None = None
-    toleration_seconds: int | None = Field(default=None, alias="tolerationSeconds", ge=0)
+    key: str | None = Field(default=None, max_length=316, description="Taint key; empty with Exists matches all.")
+    operator: TolerationOperator = Field(default=TolerationOperator.EQUAL, description="As in a Pod's tolerations.")
+    value: str | None = Field(default=None, max_length=63, description="Taint value, with Equal.")
+    effect: TaintEffect | None = Field(default=None, description="Taint effect to match; empty matches all.")
+    toleration_seconds: int | None = Field(
+        default=None, alias="tolerationSeconds", ge=0, description="How long a NoExecute taint is tolerated."
+    )
 
 
 class Placement(_Spec):
-    node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")
-    tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
-    max_stages: int | None = Field(default=None, alias="maxStages", ge=1, le=64)
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, alias="nodeSelector", description="Only nodes with these labels take stages."
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, max_length=32, description="Taints the stage pods tolerate (a tainted node is out)."
+    )
+    max_stages: int | None = Field(
+        default=None, alias="maxStages", ge=1, le=64, description="At most this many stages (one GPU each)."
+    )
     gpu_memory: Quantity | None = Field(
         default=None, alias="gpuMemory", description="Memory per GPU, overriding the nodes' GPU labels."
     )
-    headroom_percent: int = Field(default=10, alias="headroomPercent", ge=0, le=90)
+    headroom_percent: int = Field(
+        default=10,
+        alias="headroomPercent",
+        ge=0,
+        le=90,
+        description="GPU memory kept free, in percent (at least the backend's runtime overhead).",
+    )
 
 
 class Admission(_Spec):
-    queue_per_lane: int = Field(default=1, alias="queuePerLane", ge=0, le=64)
-    max_wait_seconds: float = Field(default=10.0, alias="maxWaitSeconds", gt=0, le=600)
-    retry_after_seconds: int = Field(default=1, alias="retryAfterSeconds", ge=1, le=3600)
+    queue_per_lane: int = Field(
+        default=1, alias="queuePerLane", ge=0, le=64, description="Requests that may wait per lane when all are busy."
+    )
+    max_wait_seconds: float = Field(
+        default=10.0, alias="maxWaitSeconds", gt=0, le=600, description="Longest wait for a lane before HTTP 429."
+    )
+    retry_after_seconds: int = Field(
+        default=1, alias="retryAfterSeconds", ge=1, le=3600, description="Retry-After sent with HTTP 429."
+    )
 
 
 class Resources(_Spec):
-    requests: dict[str, Quantity] = Field(default_factory=dict)
-    limits: dict[str, Quantity] = Field(default_factory=dict)
+    requests: dict[str, Quantity] = Field(default_factory=dict, description="As in a container's resources.")
+    limits: dict[str, Quantity] = Field(default_factory=dict, description="As in a container's resources.")
 
 
 class Ingress(_Spec):
-    host: str = Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)
-    class_name: str | None = Field(default=None, alias="className", max_length=253)
-    tls_secret_name: str | None = Field(default=None, alias="tlsSecretName", pattern=DNS_SUBDOMAIN_PATTERN)
+    host: str = Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253, description="Host name clients use.")
+    class_name: str | None = Field(
+        default=None, alias="className", max_length=253, description="IngressClass; the cluster default if empty."
+    )
+    tls_secret_name: str | None = Field(
+        default=None, alias="tlsSecretName", pattern=DNS_SUBDOMAIN_PATTERN, description="TLS Secret for the host."
+    )
 
 
 class ApiKeySecretRef(SecretKeyRef):
@@ -108,9 +142,11 @@ class ApiKeySecretRef(SecretKeyRef):
 
 
 class Gateway(_Spec):
-    replicas: int = Field(default=1, ge=1, le=16)
-    resources: Resources = Field(default_factory=Resources)
-    ingress: Ingress | None = None
+    replicas: int = Field(
+        default=1, ge=1, le=16, description="Gateway pods; one coordinates, the others stand by (not ready)."
+    )
+    resources: Resources = Field(default_factory=Resources, description="The gateway container's resources.")
+    ingress: Ingress | None = Field(default=None, description="An Ingress in front of /v1; none if unset.")
     api_key_secret_ref: ApiKeySecretRef | None = Field(
         default=None,
         alias="apiKeySecretRef",
@@ -119,7 +155,9 @@ class Gateway(_Spec):
 
 
 class LabelSelector(_Spec):
-    match_labels: dict[str, str] = Field(default_factory=dict, alias="matchLabels", max_length=32)
+    match_labels: dict[str, str] = Field(
+        default_factory=dict, alias="matchLabels", max_length=32, description="Labels the peers carry."
+    )
 
 
 class MetricsScraper(_Spec):
@@ -138,8 +176,10 @@ class MetricsScraper(_Spec):
         },
     )
 
-    namespace_selector: LabelSelector | None = Field(default=None, alias="namespaceSelector")
-    pod_selector: LabelSelector | None = Field(default=None, alias="podSelector")
+    namespace_selector: LabelSelector | None = Field(
+        default=None, alias="namespaceSelector", description="Namespaces of the scrapers."
+    )
+    pod_selector: LabelSelector | None = Field(default=None, alias="podSelector", description="Pods of the scrapers.")
 
     @model_validator(mode="after")
     def _names_a_peer(self) -> MetricsScraper:
@@ -182,9 +222,19 @@ class Coordination(_Spec):
         },
     )
 
-    lease_duration_seconds: int = Field(default=15, alias="leaseDurationSeconds", ge=3, le=300)
-    renew_deadline_seconds: int = Field(default=10, alias="renewDeadlineSeconds", ge=2, le=299)
-    retry_period_seconds: int = Field(default=2, alias="retryPeriodSeconds", ge=1, le=298)
+    lease_duration_seconds: int = Field(
+        default=15, alias="leaseDurationSeconds", ge=3, le=300, description="How long a silent coordinator is trusted."
+    )
+    renew_deadline_seconds: int = Field(
+        default=10,
+        alias="renewDeadlineSeconds",
+        ge=2,
+        le=299,
+        description="A coordinator unrenewed this long steps down.",
+    )
+    retry_period_seconds: int = Field(
+        default=2, alias="retryPeriodSeconds", ge=1, le=298, description="How often replicas try the Lease."
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> Coordination:
@@ -196,7 +246,9 @@ class Coordination(_Spec):
 
 class Stage(_Spec):
     image: str | None = Field(default=None, max_length=512, description="Defaults to the operator's image.")
-    resources: Resources = Field(default_factory=Resources)
+    resources: Resources = Field(
+        default_factory=Resources, description="Stage container resources; the GPU limit comes from the plan."
+    )
 
 
 class ModelDeploymentSpec(_Spec):
@@ -206,8 +258,10 @@ class ModelDeploymentSpec(_Spec):
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel(
-                    "!has(self.model.tokenSecretRef) || !self.model.url.startsWith('file://')",
-                    "model.tokenSecretRef applies to https:// and hf:// sources, not file://",
+                    "!has(self.model.tokenSecretRef) || self.model.url.startsWith('https://') "
+                    "|| self.model.url.startsWith('hf://')",
+                    "model.tokenSecretRef applies to https:// and hf:// sources only: a token never goes over plain "
+                    "http:// or to a file://",
                     ".model.tokenSecretRef",
                 ),
                 cel(
@@ -224,20 +278,24 @@ class ModelDeploymentSpec(_Spec):
         },
     )
 
-    model: ModelSource
+    model: ModelSource = Field(description="Where the GGUF file is.")
     served_model_name: str | None = Field(
         default=None, alias="servedModelName", min_length=1, max_length=256, description="Model id clients send."
     )
     context: int | None = Field(default=None, ge=512, le=16_777_216, description="Context length override.")
     parallel: int = Field(default=4, ge=1, le=256, description="Parallel slots sharing one KV pool.")
-    cache_type_k: CacheType = Field(default=CacheType.Q8_0, alias="cacheTypeK")
-    cache_type_v: CacheType = Field(default=CacheType.Q8_0, alias="cacheTypeV")
-    placement: Placement = Field(default_factory=Placement)
-    admission: Admission = Field(default_factory=Admission)
-    gateway: Gateway = Field(default_factory=Gateway)
-    stage: Stage = Field(default_factory=Stage)
-    network_policy: NetworkPolicy = Field(default_factory=NetworkPolicy, alias="networkPolicy")
-    coordination: Coordination = Field(default_factory=Coordination)
+    cache_type_k: CacheType = Field(default=CacheType.Q8_0, alias="cacheTypeK", description="K cache element type.")
+    cache_type_v: CacheType = Field(default=CacheType.Q8_0, alias="cacheTypeV", description="V cache element type.")
+    placement: Placement = Field(default_factory=Placement, description="Which nodes and GPUs may take stages.")
+    admission: Admission = Field(default_factory=Admission, description="The gateway's bounded queue.")
+    gateway: Gateway = Field(default_factory=Gateway, description="The OpenAI-compatible gateway.")
+    stage: Stage = Field(default_factory=Stage, description="The stage pods.")
+    network_policy: NetworkPolicy = Field(
+        default_factory=NetworkPolicy, alias="networkPolicy", description="NetworkPolicies around the pipeline."
+    )
+    coordination: Coordination = Field(
+        default_factory=Coordination, description="The Lease the gateway replicas elect a coordinator on."
+    )
 
     @classmethod
     def from_manifest(cls, spec: dict[str, Any]) -> ModelDeploymentSpec:

@@ -215,6 +215,7 @@ CLUSTER_WIDE = [
     # It grants each gateway get/update on its coordinator Lease, so it must hold those itself (RBAC escalation
     # prevention); it never deletes or lists Leases.
     ("update", "leases.coordination.k8s.io/a-gateway-lease", "other", True),
+    ("patch", "leases.coordination.k8s.io/a-gateway-lease", "other", True),
     ("delete", "leases.coordination.k8s.io/LEASE", "release", False),
     ("list", "leases.coordination.k8s.io", "other", False),
     ("create", "serviceaccounts", "other", True),

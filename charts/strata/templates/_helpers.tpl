@@ -112,9 +112,9 @@ would reach every namespace, so none is granted. Extend this list together with 
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["create", "patch"]
-# Each deployment's gateway gets a ServiceAccount and a Role for its coordinator Lease. The API server lets the
-# operator grant only what it holds itself, so it holds get/update/create on leases here; get also reads the
-# coordinator's holder and term into status.
+# Each deployment's gateway gets a ServiceAccount and a Role for its coordinator Lease, which the operator creates
+# (create, then patch: server-side apply). The API server lets the operator grant only what it holds itself, so it
+# holds get/update on leases here too; get also reads the coordinator's holder and term into status.
 - apiGroups: [""]
   resources: ["serviceaccounts"]
   verbs: ["create", "patch"]
@@ -123,7 +123,7 @@ would reach every namespace, so none is granted. Extend this list together with 
   verbs: ["create", "patch"]
 - apiGroups: ["coordination.k8s.io"]
   resources: ["leases"]
-  verbs: ["get", "update", "create"]
+  verbs: ["get", "update", "create", "patch"]
 {{- with .Values.operator.secretNames }}
 - apiGroups: [""]
   resources: ["secrets"]

@@ -205,8 +205,8 @@ def stages_disruption_budget(owner: Owner) -> Manifest:
 def gateway_access(owner: Owner) -> list[Manifest]:
     """The gateway's ServiceAccount and the least it needs: its own coordinator Lease, read and renewed.
 
-    `get` and `update` are limited to the Lease by name; `create` cannot be (the name is not known to RBAC before
-    the object exists), so a gateway may create Leases in its namespace but change only its own.
+    The operator creates that Lease (coordinator_lease), so every verb is narrowed to it by name: a gateway can
+    neither create Leases nor touch another deployment's.
     """
     names = Names(owner.name, owner.namespace)
 
@@ -220,10 +220,7 @@ def gateway_access(owner: Owner) -> list[Manifest]:
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "Role",
             "metadata": meta(),
-            "rules": [
-                leases | {"verbs": ["get", "update"], "resourceNames": [names.coordinator_lease]},
-                leases | {"verbs": ["create"]},
-            ],
+            "rules": [leases | {"verbs": ["get", "update"], "resourceNames": [names.coordinator_lease]}],
         },
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
@@ -233,6 +230,17 @@ def gateway_access(owner: Owner) -> list[Manifest]:
             "subjects": [{"kind": "ServiceAccount", "name": names.gateway_account, "namespace": owner.namespace}],
         },
     ]
+
+
+def coordinator_lease(owner: Owner) -> Manifest:
+    """The Lease the gateway replicas elect their coordinator on, created empty and owned by the deployment, so it
+    goes with it. The gateways write its spec; server-side apply leaves the fields this manifest does not name."""
+    names = Names(owner.name, owner.namespace)
+    return {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": _metadata(owner, name=names.coordinator_lease, labels=labels(owner.name, component="gateway")),
+    }
 
 
 def gateway_deployment(
@@ -411,7 +419,7 @@ def render_children(
     children += [
         stage_statefulset(owner, spec, plan, stage, generation=generation, image=image) for stage in plan.stages
     ]
-    children += [stages_disruption_budget(owner), *gateway_access(owner)]
+    children += [stages_disruption_budget(owner), coordinator_lease(owner), *gateway_access(owner)]
     children += [
         gateway_deployment(owner, spec, serving=serving, image=image, model_name=model_name),
         gateway_service(owner),

@@ -7,6 +7,7 @@ every process; the children also die with their parent, so a killed test run lea
 
 from __future__ import annotations
 
+import copy
 import shutil
 import socket
 import ssl
@@ -28,6 +29,14 @@ from strata_testbed.processes import ManagedProcess
 TESTBED_DIR = Path(__file__).resolve().parent.parent
 SERVICE_CIDR = "10.0.0.0/24"
 KWOK_MANAGED_ANNOTATION = "kwok.x-k8s.io/node"
+
+
+# What kwok's pinned pod-ready template says of readiness, and what a kubelet says before a probe passes.
+_UNREADY = [
+    ('status: "True"\n  type: Ready\n', 'status: "False"\n  type: Ready\n'),
+    ('status: "True"\n  type: ContainersReady\n', 'status: "False"\n  type: ContainersReady\n'),
+    ("name: {{ .name | Quote }}\n  ready: true", "name: {{ .name | Quote }}\n  ready: false"),
+]
 
 
 class ControlPlaneError(RuntimeError):
@@ -67,6 +76,9 @@ class ControlPlane:
 
     work_dir: Path | None = None
     ready_timeout: float = 120.0
+    # kwok reports every pod ready the moment it runs. With this set, Strata's pods start unready and only their
+    # readiness probes, run by the pod runner, make them ready, as a kubelet would (the demo and end-to-end test).
+    probe_readiness: bool = False
     bin_dir: Path = field(init=False)
     kubeconfig: Path = field(init=False)
     server: str = field(init=False)
@@ -239,7 +251,7 @@ class ControlPlane:
             [
                 str(b / "kwok"),
                 f"--kubeconfig={self.kubeconfig}",
-                f"--config={b / 'kwok-stages.yaml'}",
+                f"--config={self._kwok_stages(work)}",
                 "--manage-all-nodes=false",
                 f"--manage-nodes-with-annotation-selector={KWOK_MANAGED_ANNOTATION}=fake",
                 "--node-lease-duration-seconds=40",
@@ -254,6 +266,29 @@ class ControlPlane:
         self._wait(kcm, lambda: _http_ok(f"https://127.0.0.1:{kcm_port}/healthz", tls=insecure))
         self._wait(scheduler, lambda: _http_ok(f"https://127.0.0.1:{scheduler_port}/healthz", tls=insecure))
         self._wait(kwok, lambda: _http_ok(f"http://127.0.0.1:{kwok_port}/healthz"))
+
+    def _kwok_stages(self, work: Path) -> Path:
+        """kwok's lifecycle stages; with probe_readiness, its pod-ready stage skips Strata's pods and a copy of it
+        brings them up Running with an IP but not ready."""
+        pinned = self.bin_dir / "kwok-stages.yaml"
+        if not self.probe_readiness:
+            return pinned
+        stages = [doc for doc in yaml.safe_load_all(pinned.read_text()) if doc]
+        ready = next(doc for doc in stages if doc["metadata"]["name"] == "pod-ready")
+        unready = copy.deepcopy(ready)
+        strata = {"key": '.metadata.labels."app.kubernetes.io/name"', "values": ["strata"]}
+        ready["spec"]["selector"]["matchExpressions"].append(strata | {"operator": "NotIn"})
+        unready["metadata"]["name"] = "strata-pod-running-unready"
+        unready["spec"]["selector"]["matchExpressions"].append(strata | {"operator": "In"})
+        template = unready["spec"]["next"]["statusTemplate"]
+        for before, after in _UNREADY:
+            if before not in template:
+                raise ControlPlaneError(f"kwok's pod-ready template changed: {before!r} not found")
+            template = template.replace(before, after)
+        unready["spec"]["next"]["statusTemplate"] = template
+        path = work / "kwok-stages.yaml"
+        path.write_text(yaml.safe_dump_all([*stages, unready]))
+        return path
 
     def _wait(self, process: ManagedProcess, ready: Callable[[], bool]) -> None:
         deadline = time.monotonic() + self.ready_timeout

@@ -28,7 +28,16 @@ def _die_with_parent() -> None:
 class ManagedProcess:
     """One long-running child with its output in a log file."""
 
-    def __init__(self, *, name: str, argv: Sequence[str], log_dir: Path, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        name: str,
+        argv: Sequence[str],
+        log_dir: Path,
+        env: Mapping[str, str] | None = None,
+        inherit_env: bool = True,
+    ) -> None:
+        """`env` adds to this process's environment, or with `inherit_env=False` is the whole of it."""
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = self.log_path.open("ab")
@@ -37,7 +46,7 @@ class ManagedProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
+            env={**(os.environ if inherit_env else {}), **(env or {})},
             start_new_session=True,
             preexec_fn=_die_with_parent,
         )

@@ -1,7 +1,8 @@
 """A local HTTP file server with byte-range support, for testing and benchmarking header reads over HTTP.
 
 Python's http.server ignores Range, which is exactly the server Strata must refuse; this one honours single
-`bytes=a-b` ranges (206 with Content-Range, 416 past the end) unless started with `ranges=False`. It records every
+`bytes=a-b` ranges (206 with Content-Range, 416 past the end) unless started with `ranges=False`, and answers
+HEAD with the size and an ETag. It records every
 request's headers and the body bytes it sent, so tests can check what a client fetched and which credentials it sent.
 """
 
@@ -36,12 +37,33 @@ def _handler(root: Path, *, ranges: bool, log: ServedLog) -> type[BaseHTTPReques
         def log_message(self, format: str, *args: object) -> None:  # keep test output quiet
             return
 
-        def do_GET(self) -> None:
+        def _file(self) -> Path | None:
             with log.lock:
-                log.requests.append({"path": self.path, **{k.lower(): v for k, v in self.headers.items()}})
+                log.requests.append(
+                    {"method": self.command, "path": self.path, **{k.lower(): v for k, v in self.headers.items()}}
+                )
             path = (root / self.path.lstrip("/")).resolve()
             if not path.is_relative_to(root.resolve()) or not path.is_file():
                 self.send_error(404)
+                return None
+            return path
+
+        def do_HEAD(self) -> None:
+            """Size and validator only, as a model server answers the operator's cache check."""
+            path = self._file()
+            if path is None:
+                return
+            stat = path.stat()
+            self.send_response(200)
+            self.send_header("Content-Length", str(stat.st_size))
+            self.send_header("ETag", f'"{stat.st_size:x}-{stat.st_mtime_ns:x}"')
+            if ranges:
+                self.send_header("Accept-Ranges", "bytes")
+            self.end_headers()
+
+        def do_GET(self) -> None:
+            path = self._file()
+            if path is None:
                 return
             size = path.stat().st_size
             match = _RANGE.fullmatch(self.headers.get("Range", "")) if ranges else None

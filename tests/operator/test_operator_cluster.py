@@ -192,11 +192,17 @@ def test_an_example_runs_its_stage_pods_on_the_planned_nodes_with_their_gpus(
 
 @pytest.mark.usefixtures("operator")
 def test_status_shows_each_stage_loading_its_bytes_from_the_real_stage_process(
-    cluster: client.ApiClient, namespace: str, tmp_path: Path
+    control_plane: ControlPlane, cluster: client.ApiClient, namespace: str, tmp_path: Path
 ) -> None:
     tiny = write_test_model(tmp_path / "tiny.gguf", architecture="llama").path
     create(cluster, namespace, deployment("tiny", tiny, context=512, parallel=2))
-    with PodRunner(core=client.CoreV1Api(cluster), namespace=namespace, log_dir=tmp_path / "pods") as runner:
+    with PodRunner(
+        core=client.CoreV1Api(cluster),
+        namespaces=[namespace],
+        log_dir=tmp_path / "pods",
+        api_server=control_plane.server,
+        ca=control_plane.pki.ca.cert,
+    ) as runner:
 
         def loaded() -> list[dict[str, Any]] | None:
             progress = (read(cluster, namespace, "tiny").get("status") or {}).get("loadProgress") or []

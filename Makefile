@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256s
 PROTOS := $(shell find protos -name '*.proto')
 PROTO_OUT := core/strata/rpc/.generated
 
-.PHONY: setup serve test lint typecheck imports pytest protos binaries crds clean
+.PHONY: setup demo serve test lint typecheck imports pytest protos binaries crds clean
 
 setup: $(STAMP) $(PROTO_OUT) binaries
 
@@ -19,7 +19,12 @@ $(STAMP): pyproject.toml constraints.txt
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-# The main job on an embedded default: a generated demo model served on this machine (SERVE_ARGS to change it).
+# The main job: the control plane with the fake GPU pool, the chart, a generated model applied from examples/, every
+# Strata pod run as a local process, until Ctrl-C (DEMO_ARGS=--keep-logs keeps the cluster and pod logs).
+demo: setup
+	$(BIN)/python -m strata_testbed.demo $(DEMO_ARGS)
+
+# The data plane alone: a generated demo model served on this machine (SERVE_ARGS to change it).
 serve: $(STAMP) $(PROTO_OUT)
 	$(BIN)/strata serve $(SERVE_ARGS)
 
@@ -32,6 +37,7 @@ $(PROTO_OUT): $(PROTOS) $(STAMP)
 crds: $(STAMP)
 	$(BIN)/python -m strata.operator.crd
 	$(BIN)/python -m strata.operator.chart_values
+	$(BIN)/python -m strata.operator.reference
 
 binaries:
 	testbed/build-binaries.sh >/dev/null

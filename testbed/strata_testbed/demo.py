@@ -163,7 +163,8 @@ class Demo:
                 self.say(f"{planned.get('reason')}: {planned.get('message')}", topic="plan")
             if status.get("shortfall"):
                 self.say(f"shortfall: {status['shortfall']}", topic="shortfall")
-            for stage in status.get("loadProgress", []):
+            # A stage reports its total once it has read the model's header.
+            for stage in (s for s in status.get("loadProgress", []) if s["bytesTotal"]):
                 done, total = stage["bytesLoaded"], stage["bytesTotal"]
                 self.say(
                     f"stage {stage['stage']}: {_megabytes(done)} of {_megabytes(total)} loaded",

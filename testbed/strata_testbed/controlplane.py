@@ -8,6 +8,7 @@ every process; the children also die with their parent, so a killed test run lea
 from __future__ import annotations
 
 import copy
+import secrets
 import shutil
 import socket
 import ssl
@@ -255,8 +256,10 @@ class ControlPlane:
                 "--manage-all-nodes=false",
                 f"--manage-nodes-with-annotation-selector={KWOK_MANAGED_ANNOTATION}=fake",
                 "--node-lease-duration-seconds=40",
-                # Pod IPs on 127.0.0.0/8 are local addresses here: the pod runner's processes serve on them.
-                "--cidr=127.1.0.0/16",
+                # Pod IPs on 127.0.0.0/8 are local addresses here: the pod runner's processes serve on them. Each
+                # control plane takes its own /16, so two on one machine (a test session and the demo it runs)
+                # never hand out the same pod IP and never reach each other's pods.
+                f"--cidr=127.{secrets.choice(range(16, 255))}.0.0/16",
                 "--node-ip=10.1.0.1",
                 f"--server-address=127.0.0.1:{kwok_port}",
             ],

@@ -116,3 +116,55 @@ def test_bad_input_exits_1_naming_what_is_wrong(
     model = tmp_path / model_name if model_name else llama70b
     assert main(["plan", str(model), "--nodes", str(nodes)]) == 1
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        pytest.param(
+            ["--parallel", "abc"],
+            "argument --parallel: invalid int value: 'abc'",
+            id="a lane count that is not a number",
+        ),
+        pytest.param(
+            ["--context", "4k"], "argument --context: invalid int value: '4k'", id="a context that is not a number"
+        ),
+        pytest.param(
+            ["--cache-type-k", "bogus"], "argument --cache-type-k: invalid choice: 'bogus'", id="an unknown cache type"
+        ),
+    ],
+)
+def test_a_command_line_that_does_not_parse_exits_1_not_the_shortfall_status(
+    llama70b: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", str(llama70b), "--nodes", str(POOL_FILE), *flags])
+    assert exited.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("usage: strata plan")
+    assert f"strata plan: error: {message}" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        pytest.param(
+            ["plan", "model.gguf"], "the following arguments are required: --nodes", id="plan without --nodes"
+        ),
+        pytest.param(
+            ["plan", "--nodes", "nodes.yaml"], "the following arguments are required: MODEL", id="plan without a model"
+        ),
+        pytest.param(["inspect"], "the following arguments are required: MODEL", id="inspect without a model"),
+        pytest.param(
+            ["inspect", "model.gguf", "--yaml"], "unrecognized arguments: --yaml", id="inspect with an unknown flag"
+        ),
+        pytest.param(["plans"], "invalid choice: 'plans'", id="a misspelt subcommand"),
+    ],
+)
+def test_a_missing_argument_or_unknown_command_exits_1(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 1
+    assert message in capsys.readouterr().err

@@ -13,6 +13,32 @@ from strata.gguf.testmodels import write_header_only_model
 from strata_testbed.cluster_objects import gpu_node, gpu_pod
 from strata_testbed.gpu_pool import POOL_FILE
 
+# The JSON fields `strata plan --json` documents; scripts read them, so each must stay present.
+PLAN_KEYS = {
+    "feasible",
+    "stages",
+    "context_length",
+    "parallel",
+    "cache_type_k",
+    "cache_type_v",
+    "kv_bytes_per_token",
+    "excluded",
+    "shortfall",
+}
+STAGE_KEYS = {
+    "index",
+    "node",
+    "gpus",
+    "backend",
+    "layer_start",
+    "layer_end",
+    "weight_bytes",
+    "kv_bytes",
+    "usable_bytes",
+}
+EXCLUDED_KEYS = {"node", "reason"}
+SHORTFALL_KEYS = {"required_bytes", "available_bytes", "short_by_bytes", "message"}
+
 
 @pytest.fixture(scope="module")
 def llama70b(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -45,7 +71,10 @@ def test_the_json_plan_on_the_testbed_pool_names_stages_and_excluded_nodes(
     assert (plan["parallel"], plan["cache_type_k"], plan["cache_type_v"]) == (4, "q8_0", "q8_0")
     assert plan["stages"][0]["layer_start"] == 0
     assert plan["stages"][-1]["layer_end"] == 80
-    assert set(plan["stages"][0]) >= {"index", "node", "gpus", "backend", "weight_bytes", "kv_bytes", "usable_bytes"}
+    assert set(plan) >= PLAN_KEYS
+    assert plan["stages"]
+    assert all(set(stage) >= STAGE_KEYS for stage in plan["stages"])
+    assert all(set(excluded) >= EXCLUDED_KEYS for excluded in plan["excluded"])
     assert {e["node"] for e in plan["excluded"]} == {"gpu-cordoned-0", "gpu-notready-0", "gpu-tainted-0"}
 
 
@@ -77,6 +106,8 @@ def test_a_pool_too_small_exits_2_with_the_shortfall(
     nodes = _write(tmp_path, {"apiVersion": "v1", "kind": "List", "items": items})
     assert main(["plan", str(llama70b), "--nodes", str(nodes), "--json"]) == 2
     plan = json.loads(capsys.readouterr().out)
+    assert set(plan) >= PLAN_KEYS
+    assert set(plan["shortfall"]) >= SHORTFALL_KEYS
     assert plan["feasible"] is False
     assert plan["stages"] == []
     assert "across 1 GPU, short by" in plan["shortfall"]["message"]

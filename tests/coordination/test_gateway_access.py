@@ -156,7 +156,9 @@ def test_the_gateway_role_allows_its_own_lease_and_nothing_else(
 def test_status_follows_the_lease_holder_with_an_event_when_it_changes(
     api_client: client.ApiClient, namespace: str
 ) -> None:
-    reconciler = Reconciler(cluster=Cluster(api_client), models=ModelCache(), image="strata:dev")
+    reconciler = Reconciler(
+        cluster=Cluster(api_client), models=ModelCache(), image="strata:dev", operator_namespace="strata-system"
+    )
     lease = Names("tiny", namespace).coordinator_lease
     timing = LeaseTiming(duration_seconds=3, renew_deadline_seconds=2.0, retry_period_seconds=0.5)
     api = client.CoordinationV1Api(api_client)

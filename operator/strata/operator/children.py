@@ -13,10 +13,12 @@ from typing import Any
 
 from strata.operator.names import (
     GATEWAY_PORT,
+    LABEL_NAMESPACE_NAME,
     LABEL_STAGE,
     STAGE_PORT,
     Names,
     labels,
+    operator_labels,
     stage_labels,
 )
 from strata.operator.spec import GROUP, KIND, VERSION, ModelDeploymentSpec, Resources
@@ -369,8 +371,9 @@ def _network_policy(owner: Owner, *, name: str, selected: dict[str, str], ingres
     }
 
 
-def stage_network_policy(owner: Owner, spec: ModelDeploymentSpec, *, index: int) -> Manifest:
-    """Stage `index` accepts gRPC only from its predecessor: the gateway for stage 0, stage index-1 otherwise.
+def stage_network_policy(owner: Owner, spec: ModelDeploymentSpec, *, index: int, operator_namespace: str) -> Manifest:
+    """Stage `index` accepts gRPC from its predecessor (the gateway for stage 0, stage index-1 otherwise) and from
+    the operator, which asks each stage for its load progress; the operator may run in another namespace.
 
     A NetworkPolicy has one pod selector, so each stage gets its own; it selects by stage index, not plan
     generation, so the new generation of a re-plan is covered the moment its pods start.
@@ -378,12 +381,17 @@ def stage_network_policy(owner: Owner, spec: ModelDeploymentSpec, *, index: int)
     names = Names(owner.name, owner.namespace)
     stage = labels(owner.name, component="stage")
     predecessor = labels(owner.name, component="gateway") if index == 0 else stage | {LABEL_STAGE: str(index - 1)}
-    grpc = {"from": [{"podSelector": {"matchLabels": predecessor}}], "ports": [{"protocol": "TCP", "port": STAGE_PORT}]}
+    port = [{"protocol": "TCP", "port": STAGE_PORT}]
+    grpc = {"from": [{"podSelector": {"matchLabels": predecessor}}], "ports": port}
+    operator = {
+        "namespaceSelector": {"matchLabels": {LABEL_NAMESPACE_NAME: operator_namespace}},
+        "podSelector": {"matchLabels": operator_labels()},
+    }
     return _network_policy(
         owner,
         name=names.stage_policy(index=index),
         selected=stage | {LABEL_STAGE: str(index)},
-        ingress=[grpc, *_scrapers(spec)],
+        ingress=[grpc, {"from": [operator], "ports": port}, *_scrapers(spec)],
     )
 
 
@@ -405,8 +413,12 @@ def render_children(
     serving: PlanSummary,
     image: str,
     model_name: str,
+    operator_namespace: str,
 ) -> list[Manifest]:
-    """Every child for plan `generation`, in the order they should be applied; the gateway stays on `serving`."""
+    """Every child for plan `generation`, in the order they should be applied; the gateway stays on `serving`.
+
+    `operator_namespace` is where the operator's own pods run: stage NetworkPolicies admit them.
+    """
     children = [plan_configmap(owner, plan, generation=generation), stages_service(owner)]
     children += [
         stage_statefulset(owner, spec, plan, stage, generation=generation, image=image) for stage in plan.stages
@@ -420,6 +432,9 @@ def render_children(
     if ingress is not None:
         children.append(ingress)
     if spec.network_policy.enabled:
-        children += [stage_network_policy(owner, spec, index=stage.index) for stage in plan.stages]
+        children += [
+            stage_network_policy(owner, spec, index=stage.index, operator_namespace=operator_namespace)
+            for stage in plan.stages
+        ]
         children.append(gateway_network_policy(owner, spec))
     return children

@@ -205,10 +205,11 @@ def stages_disruption_budget(owner: Owner) -> Manifest:
 
 
 def gateway_access(owner: Owner) -> list[Manifest]:
-    """The gateway's ServiceAccount and the least it needs: its own coordinator Lease, read and renewed.
+    """The gateway's ServiceAccount and the least it needs: its own coordinator Lease, read and renewed, and
+    Events, to record a stage refusing its term on the ModelDeployment.
 
     `get` and `update` are limited to the Lease by name; `create` cannot be (the name is not known to RBAC before
-    the object exists), so a gateway may create Leases in its namespace but change only its own.
+    the object exists), so a gateway may create Leases and Events in its namespace but change only its own Lease.
     """
     names = Names(owner.name, owner.namespace)
 
@@ -225,6 +226,7 @@ def gateway_access(owner: Owner) -> list[Manifest]:
             "rules": [
                 leases | {"verbs": ["get", "update"], "resourceNames": [names.coordinator_lease]},
                 leases | {"verbs": ["create"]},
+                {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
             ],
         },
         {
@@ -257,6 +259,9 @@ def gateway_deployment(
             "STRATA_LISTEN": f"0.0.0.0:{GATEWAY_PORT}",
             "STRATA_PLAN_GENERATION": serving.generation,
             "STRATA_LEASE_NAME": names.coordinator_lease,
+            # The gateway records a stage refusing its term as an Event on this ModelDeployment.
+            "STRATA_DEPLOYMENT_NAME": owner.name,
+            "STRATA_DEPLOYMENT_UID": owner.uid,
             "STRATA_LEASE_DURATION_SECONDS": spec.coordination.lease_duration_seconds,
             "STRATA_RENEW_DEADLINE_SECONDS": spec.coordination.renew_deadline_seconds,
             "STRATA_RETRY_PERIOD_SECONDS": spec.coordination.retry_period_seconds,

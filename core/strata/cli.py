@@ -11,6 +11,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 from importlib.metadata import version
+from typing import NoReturn
 
 # (subcommand, module that implements it); the module's register() adds the parser and sets `run`.
 SUBCOMMANDS: tuple[tuple[str, str], ...] = (
@@ -22,9 +23,21 @@ SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("serve", "strata.gateway.serve_command"),
 )
 
+# A command line that does not parse is bad input. argparse exits 2 for it, the status `strata plan` gives a model
+# that does not fit, so a script could not tell a typo from a shortfall.
+EXIT_USAGE = 1
+
+
+class StrataArgumentParser(argparse.ArgumentParser):
+    """argparse with usage errors exiting EXIT_USAGE; subparsers inherit the class, so every subcommand does too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="strata", description="Serve GGUF models split across a GPU node pool.")
+    parser = StrataArgumentParser(prog="strata", description="Serve GGUF models split across a GPU node pool.")
     parser.add_argument("--version", action="version", version=f"strata {version('strata')}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for _name, module in SUBCOMMANDS:

@@ -1,4 +1,8 @@
-"""`strata serve` as a test sees it: a real process tree on loopback, ready when it says so, stopped with Ctrl-C."""
+"""`strata serve` as a test sees it: a real process tree on loopback, ready when it says so, stopped with Ctrl-C.
+
+A serve that does not exit on Ctrl-C within the stop timeout is a failure, not something to clean up quietly: its
+process group is killed so the run goes on, and the context raises ServeDidNotStop.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,13 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+
+PROC = Path("/proc")
+
+
+class ServeDidNotStop(RuntimeError):
+    """`strata serve` was still running when the stop timeout after SIGINT ran out."""
 
 
 @dataclass(frozen=True)
@@ -25,7 +36,7 @@ class Served:
 
 
 @contextlib.contextmanager
-def strata_serve(*args: str, timeout_s: float = 90.0) -> Iterator[Served]:
+def strata_serve(*args: str, timeout_s: float = 90.0, stop_timeout_s: float = 20.0) -> Iterator[Served]:
     """Run `strata serve ARGS --port 0` until it prints "ready"; SIGINT it afterwards, as a person would."""
     process = subprocess.Popen(
         [sys.executable, "-m", "strata.cli", "serve", *args, "--port", "0"],
@@ -56,8 +67,44 @@ def strata_serve(*args: str, timeout_s: float = 90.0) -> Iterator[Served]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(process.pid, signal.SIGINT)
         try:
-            process.wait(timeout=20)
+            process.wait(timeout=stop_timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-        process.stdout.close()
+            raise ServeDidNotStop(f"strata serve was still running {stop_timeout_s:.0f} s after SIGINT") from None
+        finally:
+            process.stdout.close()
+
+
+def process_tree(pid: int) -> dict[int, int]:
+    """`pid` and every descendant now running, each with its process group (from /proc: the test bed is Linux)."""
+    parents: dict[int, int] = {}
+    groups: dict[int, int] = {}
+    for entry in PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            # Fields after the command name, which is in parentheses and may hold spaces: state, ppid, pgrp, ...
+            fields = (entry / "stat").read_text().rpartition(")")[2].split()
+            if fields[0] != "Z":
+                parents[int(entry.name)], groups[int(entry.name)] = int(fields[1]), int(fields[2])
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [child for child, ppid in parents.items() if ppid == parent and child not in tree]
+        tree.update(children)
+        frontier += children
+    return {member: groups[member] for member in tree if member in groups}
+
+
+def living(*, pids: set[int], groups: set[int]) -> set[int]:
+    """Those of `pids`, and any process in one of `groups`, that still run (zombies count as gone)."""
+    found = set()
+    for entry in PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            fields = (entry / "stat").read_text().rpartition(")")[2].split()
+            if fields[0] != "Z" and (int(entry.name) in pids or int(fields[2]) in groups):
+                found.add(int(entry.name))
+    return found

@@ -1,7 +1,8 @@
 """Term fencing end to end, in process: two pipeline drivers (the gateway's) against one real pipeline of stages.
 
 Whoever claims the stages with a newer term wins; the other learns it on its next call (FAILED_PRECONDITION), fails
-what it was running with a retryable 503 and stays down. A token whose Lease was not renewed in time is never sent.
+what it was running with a retryable 503, stays down, and reports the refusal (the gateway records it as an Event).
+A token whose Lease was not renewed in time is never sent, and nothing is reported: no stage refused it.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from strata.lease import FencingToken
 from strata.stage_worker.server import RunningStage
 
 PROMPT = (11, 22, 33, 44, 55)
+Refusals = list[tuple[FencingToken, str]]
 
 
-def _driver(stages: list[RunningStage], fence: FencingToken | None) -> Pipeline:
+def _driver(stages: list[RunningStage], fence: FencingToken | None, refusals: Refusals | None = None) -> Pipeline:
+    """A pipeline driver; what it hands to on_fenced goes into `refusals`."""
     settings = stages[0].service.settings
     return Pipeline(
         first_stage=f"127.0.0.1:{stages[0].port}",
@@ -27,6 +30,7 @@ def _driver(stages: list[RunningStage], fence: FencingToken | None) -> Pipeline:
         context=settings.context,
         fence=fence,
         probe_interval_s=0.1,
+        on_fenced=lambda refused, details: (refusals if refusals is not None else []).append((refused, details)),
     )
 
 
@@ -78,8 +82,9 @@ async def _generate(pipeline: Pipeline) -> list[int] | GatewayError:
 )
 def test_the_stages_follow_one_coordinator(stages: list[RunningStage], second: FencingToken, winner: str) -> None:
     async def scenario() -> None:
-        first = _driver(stages, FencingToken(lease_uid="lease-1", term=1, holder="a"))
-        other = _driver(stages, second)
+        refusals: dict[str, Refusals] = {"first": [], "second": []}
+        first = _driver(stages, FencingToken(lease_uid="lease-1", term=1, holder="a"), refusals["first"])
+        other = _driver(stages, second, refusals["second"])
         await first.start()
         try:
             await _settled(first)
@@ -104,6 +109,10 @@ def test_the_stages_follow_one_coordinator(stages: list[RunningStage], second: F
                 assert "older than the accepted term 2" in losing.not_ready_reason
             else:
                 assert "cannot use it" in losing.not_ready_reason
+            loser = "first" if winner == "second" else "second"
+            assert refusals[winner] == []
+            assert [fence for fence, _details in refusals[loser]] == [losing.fence], "one report, of the losing term"
+            assert refusals[loser][0][1].startswith("stage 0: "), "the report names the stage that refused"
         finally:
             await first.close()
             await other.close()
@@ -113,7 +122,8 @@ def test_the_stages_follow_one_coordinator(stages: list[RunningStage], second: F
 
 def test_a_lapsed_token_is_never_sent_to_the_stages(stages: list[RunningStage]) -> None:
     async def scenario() -> None:
-        standby = _driver(stages, None)
+        refusals: Refusals = []
+        standby = _driver(stages, None, refusals)
         await standby.start()
         try:
             assert not standby.ready
@@ -123,6 +133,7 @@ def test_a_lapsed_token_is_never_sent_to_the_stages(stages: list[RunningStage]) 
             assert standby.deposed
             assert "not renewed in time" in standby.not_ready_reason
             assert [s.service.fence.accepted_term for s in stages] == [0, 0]
+            assert refusals == [], "a token that lapsed here was refused by no stage"
         finally:
             await standby.close()
 

@@ -1,6 +1,6 @@
-"""What the operator gives the gateway to elect on its Lease: a ServiceAccount, a Role narrowed to that Lease, the
-token mounted in the gateway pod only, and the Lease's name and timing in its environment; the holder and term
-come back into status, with an Event when they change.
+"""What the operator gives the gateway to elect on its Lease: a ServiceAccount, a Role narrowed to that Lease (and
+Events, to record a stage refusing its term), the token mounted in the gateway pod only, and the Lease's name and
+timing in its environment; the holder and term come back into status, with an Event when they change.
 
 The Role is checked by the real API server's RBAC authorizer (SubjectAccessReview), not by reading the manifest.
 """
@@ -54,6 +54,7 @@ def test_the_gateway_pod_gets_the_token_the_lease_and_the_timing_from_the_spec()
     assert env["STRATA_LEASE_NAME"] == Names("tiny", "models").coordinator_lease
     assert env["STRATA_LEASE_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
     assert env["STRATA_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert (env["STRATA_DEPLOYMENT_NAME"], env["STRATA_DEPLOYMENT_UID"]) == ("tiny", "u"), "the object Events name"
     timing = [env[f"STRATA_{k}_SECONDS"] for k in ("LEASE_DURATION", "RENEW_DEADLINE", "RETRY_PERIOD")]
     assert timing == ["9", "6", "1"]
 
@@ -113,7 +114,15 @@ def granted(api_client: client.ApiClient, namespace: str) -> Owner:
     return owner
 
 
-def _allowed(api_client: client.ApiClient, *, namespace: str, verb: str, lease: str) -> bool:
+def _allowed(
+    api_client: client.ApiClient,
+    *,
+    namespace: str,
+    verb: str,
+    name: str,
+    group: str = "coordination.k8s.io",
+    resource: str = "leases",
+) -> bool:
     review = client.AuthorizationV1Api(api_client).create_subject_access_review(
         {
             "spec": {
@@ -122,9 +131,9 @@ def _allowed(api_client: client.ApiClient, *, namespace: str, verb: str, lease: 
                 "resourceAttributes": {
                     "namespace": namespace,
                     "verb": verb,
-                    "group": "coordination.k8s.io",
-                    "resource": "leases",
-                    **({"name": lease} if lease else {}),
+                    "group": group,
+                    "resource": resource,
+                    **({"name": name} if name else {}),
                 },
             }
         }
@@ -149,14 +158,34 @@ def test_the_gateway_role_allows_its_own_lease_and_nothing_else(
     api_client: client.ApiClient, granted: Owner, verb: str, lease: str, allowed: bool
 ) -> None:
     name = Names(granted.name, granted.namespace).coordinator_lease if lease == "own" else lease
-    assert _allowed(api_client, namespace=granted.namespace, verb=verb, lease=name) is allowed
+    assert _allowed(api_client, namespace=granted.namespace, verb=verb, name=name) is allowed
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize(
+    ("verb", "group", "allowed"),
+    [
+        pytest.param("create", "", True, id="the gateway records Events on its deployment"),
+        pytest.param("patch", "", False, id="the gateway cannot change Events"),
+        pytest.param("list", "", False, id="the gateway cannot read Events"),
+        pytest.param("delete", "", False, id="the gateway cannot delete Events"),
+        pytest.param("create", "events.k8s.io", False, id="the gateway records through the core API only"),
+    ],
+)
+def test_the_gateway_role_allows_creating_events_and_nothing_more(
+    api_client: client.ApiClient, granted: Owner, verb: str, group: str, allowed: bool
+) -> None:
+    checked = _allowed(api_client, namespace=granted.namespace, verb=verb, name="", group=group, resource="events")
+    assert checked is allowed
 
 
 @pytest.mark.cluster
 def test_status_follows_the_lease_holder_with_an_event_when_it_changes(
     api_client: client.ApiClient, namespace: str
 ) -> None:
-    reconciler = Reconciler(cluster=Cluster(api_client), models=ModelCache(), image="strata:dev")
+    reconciler = Reconciler(
+        cluster=Cluster(api_client), models=ModelCache(), image="strata:dev", operator_namespace="strata-system"
+    )
     lease = Names("tiny", namespace).coordinator_lease
     timing = LeaseTiming(duration_seconds=3, renew_deadline_seconds=2.0, retry_period_seconds=0.5)
     api = client.CoordinationV1Api(api_client)

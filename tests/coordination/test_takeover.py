@@ -4,6 +4,9 @@ The leader is frozen with SIGSTOP past the Lease duration: the standby takes the
 the stages and becomes ready. Resumed, the old leader finds its term lapsed or refused and steps down (not ready).
 Requests sent to both throughout either complete with the healthy pipeline's output or fail with a retryable
 429/503 carrying Retry-After; none comes back with other output.
+
+A gateway whose term a stage refuses records a CoordinatorFenced Event on its ModelDeployment, naming the term and the
+stage, and climbs to a term the stages accept.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 from kubernetes import client
+from strata.modeldeployment import API_VERSION, COORDINATOR_FENCED, KIND
+from strata.stage_worker.fencing import Holder
 from strata.stage_worker.server import RunningStage
 from strata_testbed.controlplane import ControlPlane
 from strata_testbed.processes import ManagedProcess
@@ -50,10 +55,17 @@ class Outcomes:
 
 
 def _start_gateway(
-    *, name: str, model: Path, stages: list[RunningStage], plane: ControlPlane, lease: str, log_dir: Path
+    *,
+    name: str,
+    model: Path,
+    stages: list[RunningStage],
+    plane: ControlPlane,
+    lease: str,
+    log_dir: Path,
+    extra_env: dict[str, str] | None = None,
 ) -> Gateway:
     settings = stages[0].service.settings
-    env = {
+    env = (extra_env or {}) | {
         "KUBECONFIG": str(plane.kubeconfig),
         "STRATA_MODEL_URL": str(model),
         "STRATA_MODEL_NAME": "qwen2",
@@ -172,3 +184,45 @@ def test_a_frozen_leader_is_replaced_with_a_higher_term_and_steps_down_when_it_w
         for gateway in started:
             gateway.process.resume()
             gateway.process.stop()
+
+
+@pytest.mark.cluster
+def test_a_gateway_refused_by_a_stage_records_an_event_naming_the_term_and_the_stage(
+    control_plane: ControlPlane, api_client: client.ApiClient, model: Path, stages: list[RunningStage], tmp_path: Path
+) -> None:
+    # Another coordinator already holds term 2 on the last stage: the new gateway's terms 1 and 2 are refused there.
+    stages[1].service.fence.admit(Holder(term=2, holder="another-gateway", lease_uid="another-lease"))
+    deployment, uid = f"fenced-{uuid.uuid4().hex[:6]}", str(uuid.uuid4())
+    gateway = _start_gateway(
+        name="gateway-c",
+        model=model,
+        stages=stages,
+        plane=control_plane,
+        lease=f"{deployment}-coordinator",
+        log_dir=tmp_path,
+        extra_env={"STRATA_DEPLOYMENT_NAME": deployment, "STRATA_DEPLOYMENT_UID": uid},
+    )
+    core = client.CoreV1Api(api_client)
+
+    def fenced() -> list[client.CoreV1Event]:
+        selector = f"involvedObject.name={deployment},reason={COORDINATOR_FENCED}"
+        return list(core.list_namespaced_event(namespace="default", field_selector=selector).items)
+
+    try:
+        _wait(gateway.ready, timeout_s=30, what="the gateway climbs to a term every stage accepts")
+        assert [s.service.fence.accepted_term for s in stages] == [3, 3]
+        _wait(lambda: len(fenced()) == 2, timeout_s=10, what="an Event for each refused term")
+    finally:
+        gateway.process.stop()
+    events = sorted(fenced(), key=lambda e: e.message)
+    for term, event in zip((1, 2), events, strict=True):
+        involved = event.involved_object
+        assert (involved.api_version, involved.kind, involved.name, involved.uid) == (
+            API_VERSION,
+            KIND,
+            deployment,
+            uid,
+        )
+        assert event.type == "Warning"
+        assert event.message.startswith(f"a stage refused coordinator term {term} held by gateway-c-"), event.message
+        assert ": stage 1: " in event.message, "the Event names the stage that refused"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,17 +20,26 @@ from strata.gateway.settings import GatewaySettings
 from strata.gguf.header import GGUFHeader
 
 KEY = "sk-test-key"
+# TARGET becomes a path under the test's tmp_path: in a plain (unsandboxed) Jinja environment each payload that
+# names it creates that file, so its absence shows the payload ran nothing.
 SSTI_PAYLOADS = [
     pytest.param("{{ ''.__class__.__mro__[1].__subclasses__() }}", id="walking from a string to every class"),
+    pytest.param("{{ cycler.__init__.__globals__.os.popen('touch TARGET').read() }}", id="the cycler globals trick"),
+    pytest.param("{{ joiner.__init__.__globals__['os'].system('touch TARGET') }}", id="the joiner globals trick"),
+    pytest.param("{{ lipsum.__globals__['os'].system('touch TARGET') }}", id="the lipsum globals trick"),
     pytest.param(
-        "{{ cycler.__init__.__globals__.os.popen('touch /tmp/pwned').read() }}", id="the cycler globals trick"
+        "{{ cycler.__init__.__globals__.__builtins__.open('TARGET', 'w').write('x') }}", id="writing through open"
     ),
-    pytest.param("{{ joiner.__init__.__globals__['os'] }}", id="the joiner globals trick"),
-    pytest.param("{{ lipsum.__globals__['os'].system('id') }}", id="the lipsum globals trick"),
     pytest.param("{{ messages.__class__.__base__.__subclasses__() }}", id="walking from the messages list"),
     pytest.param("{% set x = messages.append({'role': 'system'}) %}{{ x }}", id="mutating the messages"),
     pytest.param("{{ raise_exception('no') }}", id="the template raising on purpose"),
 ]
+
+
+def aimed(payload: str, tmp_path: Path) -> tuple[str, Path]:
+    """The payload aimed at a file under tmp_path, and that file."""
+    target = tmp_path / "pwned"
+    return payload.replace("TARGET", str(target)), target
 
 
 def call(
@@ -96,24 +106,27 @@ def test_errors_are_openai_shaped(
 
 @pytest.mark.parametrize("payload", SSTI_PAYLOADS)
 def test_a_chat_template_reaching_for_python_fails_the_request_cleanly(
-    qwen2_header: GGUFHeader, payload: str, tmp_path: object
+    qwen2_header: GGUFHeader, payload: str, tmp_path: Path
 ) -> None:
+    payload, target = aimed(payload, tmp_path)
     metadata = dict(qwen2_header.metadata) | {"tokenizer.chat_template": payload}
     header = dataclasses.replace(qwen2_header, metadata=metadata)
     response = call(header, "POST", "/v1/chat/completions", json=chat())
     assert response.status_code == 500
     assert response.json()["error"]["code"] == "chat_template_error"
     assert "<class" not in response.text
-    assert "uid=" not in response.text
+    assert not target.exists(), "the payload's command ran"
 
 
 @pytest.mark.parametrize("payload", SSTI_PAYLOADS)
-def test_the_sandbox_runs_nothing_a_payload_asks_for(payload: str) -> None:
+def test_the_sandbox_runs_nothing_a_payload_asks_for(payload: str, tmp_path: Path) -> None:
+    payload, target = aimed(payload, tmp_path)
     template = ChatTemplate(payload, bos_token="<s>", eos_token="</s>")
     messages = [{"role": "user", "content": "hi"}]
     with pytest.raises(ChatTemplateError):
         template.render(messages)
     assert messages == [{"role": "user", "content": "hi"}]
+    assert not target.exists(), "the payload's command ran"
 
 
 def test_the_models_own_template_renders_a_conversation(qwen2_header: GGUFHeader) -> None:

@@ -13,6 +13,26 @@ from strata.cli import main
 from strata.gguf import CacheType, MetadataError, inspect_model
 from strata.gguf.testmodels import LARGE_SHAPES, WrittenModel, write_header_only_model, write_test_model
 
+# The fields `strata inspect --json` documents; scripts read them, so each must stay present.
+INSPECT_FIELDS = {
+    "architecture",
+    "block_count",
+    "embedding_length",
+    "head_count",
+    "head_count_kv",
+    "key_length",
+    "value_length",
+    "context_length",
+    "vocab_size",
+    "layer_bytes",
+    "non_layer_bytes",
+    "total_bytes",
+    "kv_bytes_per_token",
+    "sliding_window",
+    "header_bytes_read",
+    "executable",
+}
+
 
 def expected_non_layer_bytes(written: WrittenModel) -> dict[str, int]:
     roles = {"token_embd": "token_embd.weight", "output_norm": "output_norm.weight", "output": "output.weight"}
@@ -157,6 +177,20 @@ def test_the_command_prints_json_with_the_documented_fields(tmp_path: Path, caps
     written = write_test_model(tmp_path / "q.gguf", architecture="qwen2", seed=1)
     assert main(["inspect", str(written.path), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
+    assert set(report) >= INSPECT_FIELDS
+    shape = written.shape
+    assert (report["architecture"], report["block_count"], report["embedding_length"]) == (
+        "qwen2",
+        shape.block_count,
+        shape.embedding_length,
+    )
+    assert (report["head_count"], report["head_count_kv"]) == (
+        shape.head_count,
+        [shape.head_count_kv] * shape.block_count,
+    )
+    assert (report["key_length"], report["value_length"]) == (shape.head_dim, shape.head_dim)
+    assert (report["context_length"], report["vocab_size"]) == (shape.context_length, written.vocab_size)
+    assert set(report["kv_bytes_per_token"]) == {t.value for t in CacheType}
     assert report["layer_bytes"] == written.layer_bytes()
     assert report["non_layer_bytes"] == expected_non_layer_bytes(written)
     assert report["total_bytes"] == sum(t.nbytes for t in written.tensors)

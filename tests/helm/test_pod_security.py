@@ -63,7 +63,14 @@ def _workload_templates() -> dict[str, Manifest]:
     owner = Owner(name="llama", namespace="unused", uid="0f0e0d0c-0000-4000-8000-000000000002")
     plan = _plan()
     children = render_children(
-        owner, spec, plan, generation=1, serving=summarize(plan, generation=1), image="strata:test", model_name="m"
+        owner,
+        spec,
+        plan,
+        generation=1,
+        serving=summarize(plan, generation=1),
+        image="strata:test",
+        model_name="m",
+        operator_namespace="strata-system",
     )
     templates = {c["kind"]: c["spec"]["template"] for c in children if c["kind"] in ("StatefulSet", "Deployment")}
     (operator,) = find(Helm.pinned().manifests(), "Deployment")

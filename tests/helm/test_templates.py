@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from strata.cli import build_parser
 from strata.operator import command as operator_command
+from strata.operator.names import operator_labels
 from strata_testbed.helm import Helm, HelmFailed, Manifest, find
 
 NAMESPACED = {"operator": {"watchNamespaces": ["team-a", "team-b"]}}
@@ -97,6 +98,12 @@ def test_the_operator_pod_is_locked_down_and_elects_through_the_downward_api(hel
     env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
     assert env == {"STRATA_OPERATOR_NAMESPACE": "metadata.namespace", "POD_NAME": "metadata.name"}
     assert "--lease-name=strata-operator" in container["args"]
+
+
+def test_the_operator_pod_carries_the_labels_stage_network_policies_admit(helm: Helm) -> None:
+    # Stage NetworkPolicies admit the operator's load-progress polls by these labels (strata.operator.children).
+    (deployment,) = find(helm.manifests(release="team-strata"), "Deployment")
+    assert deployment["spec"]["template"]["metadata"]["labels"].items() >= operator_labels().items()
 
 
 def test_namespace_scoped_mode_grants_workloads_only_in_the_watched_namespaces(helm: Helm) -> None:

@@ -1,7 +1,9 @@
-"""Every pod the operator starts is locked down, and each stage accepts traffic only from its predecessor.
+"""Every pod the operator starts is locked down, and each stage accepts traffic only from its predecessor and the
+operator (which polls load progress).
 
 The manifests come from strata.operator.children exactly as the reconciler applies them; a NetworkPolicy is read
-as the API server's network plugin would: which pods it selects and which peers its ingress rules admit.
+as the API server's network plugin would: which pods it selects and which peers, in which namespaces, its ingress
+rules admit.
 """
 
 from __future__ import annotations
@@ -17,13 +19,21 @@ from strata.operator.children import (
     Owner,
     render_children,
 )
-from strata.operator.names import GATEWAY_PORT, LABEL_COMPONENT, LABEL_STAGE, STAGE_PORT, labels
+from strata.operator.names import (
+    GATEWAY_PORT,
+    LABEL_COMPONENT,
+    LABEL_NAMESPACE_NAME,
+    LABEL_STAGE,
+    STAGE_PORT,
+    labels,
+)
 from strata.operator.reconcile import summarize
 from strata.operator.spec import ModelDeploymentSpec
 from strata.plan import Backend, Plan, Stage
 
 Manifest = dict[str, Any]
 OWNER = Owner(name="llama", namespace="team-a", uid="0f0e0d0c-0000-4000-8000-000000000001")
+OPERATOR_NAMESPACE = "strata-system"
 
 
 def _plan(stages: int) -> Plan:
@@ -55,7 +65,7 @@ def _plan(stages: int) -> Plan:
     )
 
 
-def _children(stages: int = 3, **spec: Any) -> list[Manifest]:
+def _children(stages: int = 3, operator_namespace: str = OPERATOR_NAMESPACE, **spec: Any) -> list[Manifest]:
     parsed = ModelDeploymentSpec.from_manifest({"model": {"url": "https://models.example/m.gguf"}, **spec})
     return render_children(
         OWNER,
@@ -65,6 +75,7 @@ def _children(stages: int = 3, **spec: Any) -> list[Manifest]:
         serving=summarize(plan, generation=1),
         image="strata:test",
         model_name="m",
+        operator_namespace=operator_namespace,
     )
 
 
@@ -72,8 +83,24 @@ def _matches(selector: Manifest, labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
 
 
-def _admitted(policies: list[Manifest], *, source: dict[str, str], target: dict[str, str], port: int | str) -> bool:
-    """Whether a pod labelled `source` (same namespace) may open `port` on a pod labelled `target`."""
+def _peer_matches(peer: Manifest, *, source: dict[str, str], namespace: str, policy_namespace: str) -> bool:
+    """A peer without a namespaceSelector means the policy's own namespace; without a podSelector, every pod."""
+    if "namespaceSelector" in peer:
+        namespace_ok = _matches(peer["namespaceSelector"], {LABEL_NAMESPACE_NAME: namespace})
+    else:
+        namespace_ok = namespace == policy_namespace
+    return namespace_ok and _matches(peer.get("podSelector", {}), source)
+
+
+def _admitted(
+    policies: list[Manifest],
+    *,
+    source: dict[str, str],
+    target: dict[str, str],
+    port: int | str,
+    namespace: str = OWNER.namespace,
+) -> bool:
+    """Whether a pod labelled `source` in `namespace` may open `port` on a pod labelled `target`."""
     selecting = [p for p in policies if _matches(p["spec"]["podSelector"], target)]
     if not selecting:
         return True  # no policy selects the pod: Kubernetes leaves it open
@@ -82,7 +109,10 @@ def _admitted(policies: list[Manifest], *, source: dict[str, str], target: dict[
             ports_ok = not rule.get("ports") or any(p["port"] == port for p in rule["ports"])
             peers = rule.get("from")
             peers_ok = peers is None or any(
-                "namespaceSelector" not in peer and _matches(peer.get("podSelector", {}), source) for peer in peers
+                _peer_matches(
+                    peer, source=source, namespace=namespace, policy_namespace=policy["metadata"]["namespace"]
+                )
+                for peer in peers
             )
             if ports_ok and peers_ok:
                 return True
@@ -202,6 +232,50 @@ def test_network_policies_admit_only_the_pipeline_order(
 ) -> None:
     policies = [c for c in _children() if c["kind"] == "NetworkPolicy"]
     assert _admitted(policies, source=source, target=target, port=port) is admitted
+
+
+# The chart's operator pod: its selector labels plus the release's; it runs in the operator's namespace.
+OPERATOR = {
+    "app.kubernetes.io/name": "strata",
+    "app.kubernetes.io/instance": "strata",
+    "app.kubernetes.io/component": "operator",
+    "app.kubernetes.io/part-of": "strata",
+}
+
+OPERATOR_CASES = [
+    pytest.param(OPERATOR, OPERATOR_NAMESPACE, _stage(0), STAGE_PORT, True, id="the operator reaches stage 0"),
+    pytest.param(OPERATOR, OPERATOR_NAMESPACE, _stage(1), STAGE_PORT, True, id="the operator reaches a middle stage"),
+    pytest.param(OPERATOR, OPERATOR_NAMESPACE, _stage(2), STAGE_PORT, True, id="the operator reaches the last stage"),
+    pytest.param(OPERATOR, OPERATOR_NAMESPACE, _stage(1), 22, False, id="the operator reaches the gRPC port only"),
+    pytest.param(
+        OPERATOR, OWNER.namespace, _stage(1), STAGE_PORT, False, id="an operator-labelled pod elsewhere is refused"
+    ),
+    pytest.param(
+        CLIENT,
+        OPERATOR_NAMESPACE,
+        _stage(1),
+        STAGE_PORT,
+        False,
+        id="other pods of the operator's namespace are refused",
+    ),
+    pytest.param(
+        GATEWAY, OPERATOR_NAMESPACE, _stage(1), STAGE_PORT, False, id="a gateway in the operator's namespace is refused"
+    ),
+]
+
+
+@pytest.mark.parametrize(("source", "namespace", "target", "port", "admitted"), OPERATOR_CASES)
+def test_the_operator_reaches_every_stage_to_poll_its_load_progress(
+    source: dict[str, str], namespace: str, target: dict[str, str], port: int, admitted: bool
+) -> None:
+    policies = [c for c in _children() if c["kind"] == "NetworkPolicy"]
+    assert _admitted(policies, source=source, target=target, port=port, namespace=namespace) is admitted
+
+
+def test_an_operator_in_the_deployments_own_namespace_reaches_every_stage() -> None:
+    policies = [c for c in _children(operator_namespace=OWNER.namespace) if c["kind"] == "NetworkPolicy"]
+    for index in range(3):
+        assert _admitted(policies, source=OPERATOR, target=_stage(index), port=STAGE_PORT, namespace=OWNER.namespace)
 
 
 SCRAPER = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}

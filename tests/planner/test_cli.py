@@ -13,6 +13,32 @@ from strata.gguf.testmodels import write_header_only_model
 from strata_testbed.cluster_objects import gpu_node, gpu_pod
 from strata_testbed.gpu_pool import POOL_FILE
 
+# The JSON fields `strata plan --json` documents; scripts read them, so each must stay present.
+PLAN_KEYS = {
+    "feasible",
+    "stages",
+    "context_length",
+    "parallel",
+    "cache_type_k",
+    "cache_type_v",
+    "kv_bytes_per_token",
+    "excluded",
+    "shortfall",
+}
+STAGE_KEYS = {
+    "index",
+    "node",
+    "gpus",
+    "backend",
+    "layer_start",
+    "layer_end",
+    "weight_bytes",
+    "kv_bytes",
+    "usable_bytes",
+}
+EXCLUDED_KEYS = {"node", "reason"}
+SHORTFALL_KEYS = {"required_bytes", "available_bytes", "short_by_bytes", "message"}
+
 
 @pytest.fixture(scope="module")
 def llama70b(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -45,7 +71,10 @@ def test_the_json_plan_on_the_testbed_pool_names_stages_and_excluded_nodes(
     assert (plan["parallel"], plan["cache_type_k"], plan["cache_type_v"]) == (4, "q8_0", "q8_0")
     assert plan["stages"][0]["layer_start"] == 0
     assert plan["stages"][-1]["layer_end"] == 80
-    assert set(plan["stages"][0]) >= {"index", "node", "gpus", "backend", "weight_bytes", "kv_bytes", "usable_bytes"}
+    assert set(plan) >= PLAN_KEYS
+    assert plan["stages"]
+    assert all(set(stage) >= STAGE_KEYS for stage in plan["stages"])
+    assert all(set(excluded) >= EXCLUDED_KEYS for excluded in plan["excluded"])
     assert {e["node"] for e in plan["excluded"]} == {"gpu-cordoned-0", "gpu-notready-0", "gpu-tainted-0"}
 
 
@@ -77,6 +106,8 @@ def test_a_pool_too_small_exits_2_with_the_shortfall(
     nodes = _write(tmp_path, {"apiVersion": "v1", "kind": "List", "items": items})
     assert main(["plan", str(llama70b), "--nodes", str(nodes), "--json"]) == 2
     plan = json.loads(capsys.readouterr().out)
+    assert set(plan) >= PLAN_KEYS
+    assert set(plan["shortfall"]) >= SHORTFALL_KEYS
     assert plan["feasible"] is False
     assert plan["stages"] == []
     assert "across 1 GPU, short by" in plan["shortfall"]["message"]
@@ -115,4 +146,56 @@ def test_bad_input_exits_1_naming_what_is_wrong(
     nodes.write_text(nodes_text or POOL_FILE.read_text())
     model = tmp_path / model_name if model_name else llama70b
     assert main(["plan", str(model), "--nodes", str(nodes)]) == 1
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        pytest.param(
+            ["--parallel", "abc"],
+            "argument --parallel: invalid int value: 'abc'",
+            id="a lane count that is not a number",
+        ),
+        pytest.param(
+            ["--context", "4k"], "argument --context: invalid int value: '4k'", id="a context that is not a number"
+        ),
+        pytest.param(
+            ["--cache-type-k", "bogus"], "argument --cache-type-k: invalid choice: 'bogus'", id="an unknown cache type"
+        ),
+    ],
+)
+def test_a_command_line_that_does_not_parse_exits_1_not_the_shortfall_status(
+    llama70b: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", str(llama70b), "--nodes", str(POOL_FILE), *flags])
+    assert exited.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("usage: strata plan")
+    assert f"strata plan: error: {message}" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        pytest.param(
+            ["plan", "model.gguf"], "the following arguments are required: --nodes", id="plan without --nodes"
+        ),
+        pytest.param(
+            ["plan", "--nodes", "nodes.yaml"], "the following arguments are required: MODEL", id="plan without a model"
+        ),
+        pytest.param(["inspect"], "the following arguments are required: MODEL", id="inspect without a model"),
+        pytest.param(
+            ["inspect", "model.gguf", "--yaml"], "unrecognized arguments: --yaml", id="inspect with an unknown flag"
+        ),
+        pytest.param(["plans"], "invalid choice: 'plans'", id="a misspelt subcommand"),
+    ],
+)
+def test_a_missing_argument_or_unknown_command_exits_1(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 1
     assert message in capsys.readouterr().err

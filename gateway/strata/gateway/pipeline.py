@@ -11,7 +11,8 @@ holds a newer term (or another plan generation is live): this one steps down at 
 with NotReadyError (503 + Retry-After) and stays down until it is given a new token. An elected token is only good
 until the renew deadline the coordinator last extended: past it the driver refuses to use it, without a round trip,
 so a gateway that was frozen (or cut off from the API server) never sends a call on a term it may have lost. A
-pipeline built without a token is a standby: not ready until `promote` hands it one.
+pipeline built without a token is a standby: not ready until `promote` hands it one. A refusal from a stage (not a
+token that lapsed here) is handed to `on_fenced`, which records it where a person looks (strata.gateway.events).
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ log = logging.getLogger(__name__)
 
 CHANNEL_OPTIONS = GRPC_OPTIONS
 UNARY_TIMEOUT_S = 10.0
+
+
+class LapsedTermError(aio.AioRpcError):  # type: ignore[misc]  # grpc is untyped
+    """The token is missing or lapsed, so no call was sent: it fails as a stage's refusal would, but no stage
+    refused it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +109,7 @@ class Pipeline:
         step_timeout_s: float = 120.0,
         probe_interval_s: float = 0.5,
         on_ready_change: Callable[[bool], None] = lambda _ready: None,
+        on_fenced: Callable[[FencingToken, str], None] = lambda _fence, _details: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.first_stage = first_stage
@@ -116,6 +123,7 @@ class Pipeline:
         self._valid_until = math.inf  # a token given at construction (single coordinator) never lapses
         self._clock = clock
         self._on_ready_change = on_ready_change
+        self._on_fenced = on_fenced  # must return at once: it runs on the driver's path
         self._ready = False
         self.deposed = fence is None
         self.not_ready_reason = (
@@ -328,6 +336,8 @@ class Pipeline:
         if code == grpc.StatusCode.FAILED_PRECONDITION:
             log.warning("a stage refused this coordinator, stepping down: %s", details)
             self.deposed = True
+            if self._fence is not None and not isinstance(exc, LapsedTermError):
+                self._on_fenced(self._fence, details)
             error: GatewayError = NotReadyError(
                 f"this gateway no longer coordinates the pipeline: {details}", retry_after_s=1
             )
@@ -380,6 +390,8 @@ class Pipeline:
             if isinstance(exc, aio.AioRpcError) and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 log.warning("a stage refused this coordinator's claim, stepping down: %s", details)
                 self.deposed = True
+                if claiming is not None and not isinstance(exc, LapsedTermError):
+                    self._on_fenced(claiming, details)
             self._set_ready(False, f"the pipeline at {self.first_stage} is not serving: {details}")
             await asyncio.sleep(self.probe_interval_s)
             return
@@ -394,7 +406,7 @@ class Pipeline:
         f = self._fence
         if f is None or self._clock() >= self._valid_until:
             why = "no coordinator term" if f is None else f"the lease behind term {f.term} was not renewed in time"
-            raise aio.AioRpcError(grpc.StatusCode.FAILED_PRECONDITION, aio.Metadata(), aio.Metadata(), details=why)
+            raise LapsedTermError(grpc.StatusCode.FAILED_PRECONDITION, aio.Metadata(), aio.Metadata(), details=why)
         return stage_pb2.Fence(lease_uid=f.lease_uid, term=f.term, holder=f.holder)
 
     async def _unary(self, method: str, request: object) -> stage_pb2.LoadStatus:

@@ -1,11 +1,12 @@
 """`strata serve [MODEL]`: the whole thing on one machine — stage workers as local processes, the gateway in front.
 
 The layers are split evenly over `--stages` stage workers (the cluster planner's search is for GPU pools; one machine
-has nothing to choose between), each started as `strata stage-worker` with the STRATA_* environment the operator
-would give a stage pod, on loopback. The gateway runs in this process with a fixed fencing token and prints its
-endpoint; Ctrl-C (or SIGTERM) stops the gateway and every stage, and the stages die with this process even when it is
-killed outright. Without MODEL it generates a small demo model (random weights, a real tokenizer and chat template):
-the output is gibberish, but every part of the path is the real one.
+has nothing to choose between) and fitted to the device's free memory by the planner's rules: the largest context that
+fits, or a refusal saying what is missing (strata.gateway.local_plan). Each stage is started as `strata stage-worker`
+with the STRATA_* environment the operator would give a stage pod, on loopback. The gateway runs in this process with
+a fixed fencing token and prints its endpoint; Ctrl-C (or SIGTERM) stops the gateway and every stage, and the stages
+die with this process even when it is killed outright. Without MODEL it generates a small demo model (random weights,
+a real tokenizer and chat template): the output is gibberish, but every part of the path is the real one.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from strata.gguf.model import CacheType
 
 if TYPE_CHECKING:
     from strata.gateway.serving import Serving
@@ -34,14 +37,21 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("model", nargs="?", default="", help="GGUF path or URL; omitted: a generated demo model")
     parser.add_argument("--stages", type=int, default=1, help="stage worker processes (default 1)")
     parser.add_argument("--parallel", type=int, default=4, help="lanes: requests generating at once (default 4)")
-    parser.add_argument("--context", type=int, default=0, help="KV cells the lanes share (default min(native, 4096))")
+    parser.add_argument(
+        "--context", type=int, default=0, help="KV cells the lanes share (default: the most that fit, up to 4096)"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port; 0 picks a free one (default 8000)")
     parser.add_argument("--model-name", default="", help="the id clients use (default: the file's general.name)")
     parser.add_argument("--queue-per-lane", type=int, default=1, help="waiting requests per lane (default 1)")
     parser.add_argument("--max-wait-seconds", type=float, default=10.0, help="longest wait for a lane (default 10)")
     parser.add_argument("--retry-after-seconds", type=int, default=1, help="Retry-After on 429 (default 1)")
-    parser.add_argument("--cache-type", default="f16", help="KV cache type of the stages (default f16)")
+    parser.add_argument(
+        "--cache-type",
+        default=CacheType.F16.value,
+        choices=[t.value for t in CacheType],
+        help="KV cache type of the stages (default f16)",
+    )
     parser.add_argument("--device", default="cpu", help="torch device of the stages (default cpu)")
     parser.add_argument("--api-keys-file", default="", help="accepted API keys, one per line (or STRATA_API_KEYS)")
     parser.set_defaults(run=run)
@@ -50,21 +60,38 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    from strata.gateway.local import StageProcess, even_spans
+    from strata.gateway.local import StageProcess
+    from strata.gateway.local_plan import available_memory_bytes, plan_local
     from strata.gateway.server import bind, build, serve
     from strata.gateway.settings import GatewaySettings, api_keys
     from strata.gguf import describe, read_model_header
+    from strata.plan import GB
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     workdir = Path(tempfile.mkdtemp(prefix="strata-serve-"))
     model = args.model or str(_demo_model(workdir))
     header, size = read_model_header(model)
     info = describe(header, file_bytes=size)
-    context = args.context or min(info.context_length, 4096)
     try:
-        spans = even_spans(info.block_count, args.stages)
-    except ValueError as exc:
+        local = plan_local(
+            model=info,
+            stages=args.stages,
+            parallel=args.parallel,
+            cache_type=CacheType(args.cache_type),
+            available_bytes=available_memory_bytes(args.device),
+            context=args.context,
+        )
+    except ValueError as exc:  # more stages than layers, or it does not fit (LocalFitError)
         raise SystemExit(f"strata serve: {exc}") from exc
+    spans, context = local.spans, local.context
+    if local.usable_bytes is None:
+        print(f"plan: the memory of {args.device} is unknown; not checked", flush=True)
+    else:
+        print(
+            f"plan: {local.weight_bytes / GB:.2f} GB of weights and {local.kv_bytes / GB:.2f} GB of KV "
+            f"of {local.usable_bytes / GB:.1f} GB usable on {args.device}",
+            flush=True,
+        )
     stages: list[StageProcess] = []
     try:
         next_stage = ""

@@ -11,6 +11,7 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 from pathlib import PurePosixPath
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import uvicorn
@@ -25,6 +26,9 @@ from strata.gateway.settings import GatewaySettings
 from strata.gateway.tokenizer import GGUFTokenizer, TokenizerSpec
 from strata.gguf import read_model_header
 from strata.gguf.header import GGUFHeader
+
+if TYPE_CHECKING:
+    from strata.gateway.events import EventRecorder
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +55,7 @@ def build(settings: GatewaySettings, *, header: GGUFHeader | None = None) -> tup
         else None
     )
     metrics = GatewayMetrics()
+    events = event_recorder(settings)
     pipeline = Pipeline(
         first_stage=settings.first_stage,
         slots=settings.parallel,
@@ -58,6 +63,7 @@ def build(settings: GatewaySettings, *, header: GGUFHeader | None = None) -> tup
         fence=None if settings.lease_name else settings.fence,
         plan_generation=settings.plan_generation,
         on_ready_change=lambda ready: metrics.ready.set(1 if ready else 0),
+        on_fenced=events.fenced if events is not None else lambda _fence, _details: None,
     )
     policy = AdmissionPolicy(
         lanes=settings.parallel,
@@ -74,12 +80,28 @@ def build(settings: GatewaySettings, *, header: GGUFHeader | None = None) -> tup
         metrics=metrics,
         context=settings.context,
     )
-    app = create_app(serving, api_keys=settings.api_keys, lifespan_hooks=lifespan_hooks(settings, pipeline))
+    app = create_app(
+        serving, api_keys=settings.api_keys, lifespan_hooks=lifespan_hooks(settings, pipeline, events=events)
+    )
     return app, serving
 
 
+def event_recorder(settings: GatewaySettings) -> EventRecorder | None:
+    """Events go to the API server, which only an electing gateway talks to, about the deployment it is told of."""
+    if not (settings.lease_name and settings.deployment_name):
+        return None
+    from strata.gateway.events import deployment_recorder
+
+    return deployment_recorder(
+        namespace=settings.lease_namespace,
+        name=settings.deployment_name,
+        uid=settings.deployment_uid,
+        reporter=settings.pod_name or socket.gethostname(),
+    )
+
+
 def lifespan_hooks(
-    settings: GatewaySettings, pipeline: Pipeline
+    settings: GatewaySettings, pipeline: Pipeline, *, events: EventRecorder | None = None
 ) -> tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]]:
     """Start the driver, then the election; on the way out release the Lease before closing the driver."""
     if not settings.lease_name:
@@ -104,6 +126,8 @@ def lifespan_hooks(
     async def stop() -> None:
         await coordinator.close()
         await pipeline.close()
+        if events is not None:
+            events.close()
 
     return start, stop
 

@@ -1,7 +1,8 @@
 """What one gateway is told to be: the model, the first stage, the lanes and the admission policy.
 
 With a Lease name the replicas elect a coordinator on that Lease (strata.gateway.coordination) and the one that holds
-it drives the pipeline; without one the gateway is the only coordinator and uses a fixed token.
+it drives the pipeline; without one the gateway is the only coordinator and uses a fixed token. With a deployment
+name as well, a stage refusing the coordinator's term is recorded as an Event on that ModelDeployment.
 
 The operator sets these through the gateway container's environment (operator/strata/operator/children.py); the same
 names work as flags of `strata gateway`, and a flag wins over the environment. API keys come from STRATA_API_KEYS
@@ -41,6 +42,8 @@ OPTIONS: tuple[Option, ...] = tuple(
         ("--renew-deadline-seconds", "STRATA_RENEW_DEADLINE_SECONDS", float, 10.0),
         ("--retry-period-seconds", "STRATA_RETRY_PERIOD_SECONDS", float, 2.0),
         ("--pod-name", "STRATA_POD_NAME", str, ""),
+        ("--deployment-name", "STRATA_DEPLOYMENT_NAME", str, ""),
+        ("--deployment-uid", "STRATA_DEPLOYMENT_UID", str, ""),
     )
 )
 
@@ -69,6 +72,8 @@ class GatewaySettings:
     renew_deadline_seconds: float = 10.0
     retry_period_seconds: float = 2.0
     pod_name: str = ""
+    deployment_name: str = ""  # the ModelDeployment that Events name (in lease_namespace); empty: no Events
+    deployment_uid: str = ""
     api_keys: frozenset[str] = field(default=frozenset(), repr=False)
     model_token: str | None = field(default=None, repr=False)
     fence: FencingToken = field(default_factory=local_fence)

@@ -13,10 +13,12 @@ from typing import Any
 
 from strata.operator.names import (
     GATEWAY_PORT,
+    LABEL_NAMESPACE_NAME,
     LABEL_STAGE,
     STAGE_PORT,
     Names,
     labels,
+    operator_labels,
     stage_labels,
 )
 from strata.operator.spec import GROUP, KIND, VERSION, ModelDeploymentSpec, Resources
@@ -203,10 +205,12 @@ def stages_disruption_budget(owner: Owner) -> Manifest:
 
 
 def gateway_access(owner: Owner) -> list[Manifest]:
-    """The gateway's ServiceAccount and the least it needs: its own coordinator Lease, read and renewed.
+    """The gateway's ServiceAccount and the least it needs: its own coordinator Lease, read and renewed, and
+    Events, to record a stage refusing its term on the ModelDeployment.
 
-    The operator creates that Lease (coordinator_lease), so every verb is narrowed to it by name: a gateway can
-    neither create Leases nor touch another deployment's.
+    The operator creates that Lease (coordinator_lease), so every Lease verb is narrowed to it by name: a gateway
+    can neither create Leases nor touch another deployment's. It may create Events in its namespace, to record a
+    term the stages refused.
     """
     names = Names(owner.name, owner.namespace)
 
@@ -220,7 +224,10 @@ def gateway_access(owner: Owner) -> list[Manifest]:
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "Role",
             "metadata": meta(),
-            "rules": [leases | {"verbs": ["get", "update"], "resourceNames": [names.coordinator_lease]}],
+            "rules": [
+                leases | {"verbs": ["get", "update"], "resourceNames": [names.coordinator_lease]},
+                {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+            ],
         },
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
@@ -263,6 +270,9 @@ def gateway_deployment(
             "STRATA_LISTEN": f"0.0.0.0:{GATEWAY_PORT}",
             "STRATA_PLAN_GENERATION": serving.generation,
             "STRATA_LEASE_NAME": names.coordinator_lease,
+            # The gateway records a stage refusing its term as an Event on this ModelDeployment.
+            "STRATA_DEPLOYMENT_NAME": owner.name,
+            "STRATA_DEPLOYMENT_UID": owner.uid,
             "STRATA_LEASE_DURATION_SECONDS": spec.coordination.lease_duration_seconds,
             "STRATA_RENEW_DEADLINE_SECONDS": spec.coordination.renew_deadline_seconds,
             "STRATA_RETRY_PERIOD_SECONDS": spec.coordination.retry_period_seconds,
@@ -377,8 +387,9 @@ def _network_policy(owner: Owner, *, name: str, selected: dict[str, str], ingres
     }
 
 
-def stage_network_policy(owner: Owner, spec: ModelDeploymentSpec, *, index: int) -> Manifest:
-    """Stage `index` accepts gRPC only from its predecessor: the gateway for stage 0, stage index-1 otherwise.
+def stage_network_policy(owner: Owner, spec: ModelDeploymentSpec, *, index: int, operator_namespace: str) -> Manifest:
+    """Stage `index` accepts gRPC from its predecessor (the gateway for stage 0, stage index-1 otherwise) and from
+    the operator, which asks each stage for its load progress; the operator may run in another namespace.
 
     A NetworkPolicy has one pod selector, so each stage gets its own; it selects by stage index, not plan
     generation, so the new generation of a re-plan is covered the moment its pods start.
@@ -386,12 +397,17 @@ def stage_network_policy(owner: Owner, spec: ModelDeploymentSpec, *, index: int)
     names = Names(owner.name, owner.namespace)
     stage = labels(owner.name, component="stage")
     predecessor = labels(owner.name, component="gateway") if index == 0 else stage | {LABEL_STAGE: str(index - 1)}
-    grpc = {"from": [{"podSelector": {"matchLabels": predecessor}}], "ports": [{"protocol": "TCP", "port": STAGE_PORT}]}
+    port = [{"protocol": "TCP", "port": STAGE_PORT}]
+    grpc = {"from": [{"podSelector": {"matchLabels": predecessor}}], "ports": port}
+    operator = {
+        "namespaceSelector": {"matchLabels": {LABEL_NAMESPACE_NAME: operator_namespace}},
+        "podSelector": {"matchLabels": operator_labels()},
+    }
     return _network_policy(
         owner,
         name=names.stage_policy(index=index),
         selected=stage | {LABEL_STAGE: str(index)},
-        ingress=[grpc, *_scrapers(spec)],
+        ingress=[grpc, {"from": [operator], "ports": port}, *_scrapers(spec)],
     )
 
 
@@ -413,8 +429,12 @@ def render_children(
     serving: PlanSummary,
     image: str,
     model_name: str,
+    operator_namespace: str,
 ) -> list[Manifest]:
-    """Every child for plan `generation`, in the order they should be applied; the gateway stays on `serving`."""
+    """Every child for plan `generation`, in the order they should be applied; the gateway stays on `serving`.
+
+    `operator_namespace` is where the operator's own pods run: stage NetworkPolicies admit them.
+    """
     children = [plan_configmap(owner, plan, generation=generation), stages_service(owner)]
     children += [
         stage_statefulset(owner, spec, plan, stage, generation=generation, image=image) for stage in plan.stages
@@ -428,6 +448,9 @@ def render_children(
     if ingress is not None:
         children.append(ingress)
     if spec.network_policy.enabled:
-        children += [stage_network_policy(owner, spec, index=stage.index) for stage in plan.stages]
+        children += [
+            stage_network_policy(owner, spec, index=stage.index, operator_namespace=operator_namespace)
+            for stage in plan.stages
+        ]
         children.append(gateway_network_policy(owner, spec))
     return children

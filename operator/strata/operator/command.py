@@ -90,7 +90,12 @@ def run(args: argparse.Namespace) -> int:
     kopf.configure(log_format=kopf.LogFormat.JSON if args.json_logs else kopf.LogFormat.PLAIN)
     log = logging.getLogger("strata.operator")
     api_client = _api_client(args.kubeconfig)
-    handlers.install(Reconciler(cluster=Cluster(api_client), models=ModelCache(), image=args.image))
+    # The operator's Lease lives in the operator's own namespace (the chart sets STRATA_OPERATOR_NAMESPACE from the
+    # pod), which is also where stage NetworkPolicies must admit it from.
+    reconciler = Reconciler(
+        cluster=Cluster(api_client), models=ModelCache(), image=args.image, operator_namespace=args.lease_namespace
+    )
+    handlers.install(reconciler)
 
     timing = LeaseTiming()
     elector = LeaseElector(

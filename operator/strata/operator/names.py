@@ -21,6 +21,8 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_GENERATION = "strata.dev/plan-generation"
 LABEL_STAGE = "strata.dev/stage"
 FIELD_MANAGER = "strata-operator"
+# The namespace label the API server sets on every namespace, so a NetworkPolicy can select one by name.
+LABEL_NAMESPACE_NAME = "kubernetes.io/metadata.name"
 
 
 def fit(name: str, *, suffix: str = "", limit: int = MAX_NAME) -> str:
@@ -89,6 +91,11 @@ def labels(deployment: str, *, component: str) -> dict[str, str]:
         LABEL_COMPONENT: component,
         LABEL_MANAGED_BY: FIELD_MANAGER,
     }
+
+
+def operator_labels() -> dict[str, str]:
+    """The labels the chart puts on the operator's pods that say what they are (not which release)."""
+    return {LABEL_NAME: "strata", LABEL_COMPONENT: "operator"}
 
 
 def stage_labels(deployment: str, *, generation: int, index: int) -> dict[str, str]:

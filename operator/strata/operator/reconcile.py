@@ -119,10 +119,11 @@ def model_name(spec: ModelDeploymentSpec) -> str:
 
 
 class Reconciler:
-    def __init__(self, *, cluster: Cluster, models: ModelCache, image: str) -> None:
+    def __init__(self, *, cluster: Cluster, models: ModelCache, image: str, operator_namespace: str) -> None:
         self.cluster = cluster
         self.models = models
         self.image = image
+        self.operator_namespace = operator_namespace  # where the operator's pods run; stage policies admit them
 
     def reconcile(self, body: Manifest) -> Outcome:
         meta = body["metadata"]
@@ -199,6 +200,7 @@ class Reconciler:
             serving=serving,
             image=self.image,
             model_name=status.model_name,
+            operator_namespace=self.operator_namespace,
         ):
             self.cluster.apply(child)
         self.cluster.delete_other_generations(

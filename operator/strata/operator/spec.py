@@ -13,11 +13,10 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.config import JsonDict
 from strata.gguf.model import CacheType
-
-GROUP = "strata.dev"
-VERSION = "v1alpha1"
-KIND = "ModelDeployment"
-PLURAL = "modeldeployments"
+from strata.modeldeployment import GROUP as GROUP
+from strata.modeldeployment import KIND as KIND
+from strata.modeldeployment import PLURAL as PLURAL
+from strata.modeldeployment import VERSION as VERSION
 
 # Kubernetes resource quantities ("500m", "16Gi", "2").
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$"

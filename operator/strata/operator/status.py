@@ -9,6 +9,7 @@ from __future__ import annotations
 from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
+from strata.modeldeployment import COORDINATOR_FENCED
 
 
 class ConditionType(StrEnum):
@@ -28,6 +29,7 @@ class EventReason(StrEnum):
     INVALID_SPEC = "InvalidSpec"
     MODEL_UNREADABLE = "ModelUnreadable"
     COORDINATOR_CHANGED = "CoordinatorChanged"
+    COORDINATOR_FENCED = COORDINATOR_FENCED  # recorded by the gateway, listed here with the others
 
 
 class Phase(StrEnum):

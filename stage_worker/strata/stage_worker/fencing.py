@@ -20,7 +20,11 @@ class Holder:
 
 
 class TermFence:
-    def __init__(self) -> None:
+    """The fence of stage `stage`. Its refusals name the stage: they travel back through every earlier stage to
+    the coordinator, which reports which stage fenced it."""
+
+    def __init__(self, *, stage: int) -> None:
+        self.stage = stage
         self._lock = threading.Lock()
         self._accepted = Holder(term=0, holder="", lease_uid="")
 
@@ -34,16 +38,17 @@ class TermFence:
             current = self._accepted
             if caller.term < 1:
                 raise StaleTermError(
-                    f"the call carries no coordinator term (holder {caller.holder!r}); terms start at 1"
+                    f"stage {self.stage}: the call carries no coordinator term (holder {caller.holder!r}); "
+                    "terms start at 1"
                 )
             if caller.term < current.term:
                 raise StaleTermError(
-                    f"term {caller.term} (holder {caller.holder!r}) is older than the accepted term {current.term} "
-                    f"(holder {current.holder!r})"
+                    f"stage {self.stage}: term {caller.term} (holder {caller.holder!r}) is older than the accepted "
+                    f"term {current.term} (holder {current.holder!r})"
                 )
             if caller.term == current.term and (caller.holder, caller.lease_uid) != (current.holder, current.lease_uid):
                 raise StaleTermError(
-                    f"term {caller.term} is held by {current.holder!r} (lease {current.lease_uid!r}); "
-                    f"{caller.holder!r} (lease {caller.lease_uid!r}) cannot use it"
+                    f"stage {self.stage}: term {caller.term} is held by {current.holder!r} "
+                    f"(lease {current.lease_uid!r}); {caller.holder!r} (lease {caller.lease_uid!r}) cannot use it"
                 )
             self._accepted = caller

@@ -68,7 +68,7 @@ class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # gener
     def __init__(self, settings: StageSettings, *, health_servicer: health.HealthServicer) -> None:
         self.settings = settings
         self.progress = LoadProgress()
-        self.fence = TermFence()
+        self.fence = TermFence(stage=settings.stage_index)
         self._health = health_servicer
         self._engine: Engine | None = None
         self._engine_lock = threading.Lock()
@@ -142,8 +142,8 @@ class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # gener
     def _admit(self, fence: stage_pb2.Fence, plan_generation: int | None = None) -> None:
         if plan_generation is not None and plan_generation != self.settings.plan_generation:
             raise WrongGenerationError(
-                f"the call is for plan generation {plan_generation}; this stage serves generation "
-                f"{self.settings.plan_generation}"
+                f"stage {self.settings.stage_index}: the call is for plan generation {plan_generation}; "
+                f"this stage serves generation {self.settings.plan_generation}"
             )
         self.fence.admit(Holder(term=fence.term, holder=fence.holder, lease_uid=fence.lease_uid))
 

@@ -1,0 +1,125 @@
+"""`strata serve` plans for this machine: the largest context that fits beside the weights, or a refusal saying why.
+
+Models are generated GGUF headers (a Llama-3-8B-like shape, so the byte counts are a real model's); the machine's
+memory is given, so each case states exactly how much room there is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from strata.cli import main
+from strata.gateway.local_plan import (
+    DEFAULT_CONTEXT_CAP,
+    HEADROOM_FRACTION,
+    KV_BUDGET_PERCENT,
+    LocalFitError,
+    plan_local,
+)
+from strata.gguf import inspect_model
+from strata.gguf.model import CacheType, ModelInfo
+from strata.gguf.testmodels import write_header_only_model, write_test_model
+
+TB = 10**12
+CACHE = CacheType.Q8_0
+LANES = 4
+
+
+@pytest.fixture(scope="module")
+def llama8b(tmp_path_factory: pytest.TempPathFactory) -> ModelInfo:
+    path = tmp_path_factory.mktemp("local-plan") / "llama3-8b.gguf"
+    write_header_only_model(path, shape="llama3-8b")
+    return inspect_model(str(path))
+
+
+def _kv(model: ModelInfo, cells: int) -> int:
+    return model.kv_bytes(n_ctx=cells, type_k=CACHE, type_v=CACHE, n_seq=LANES)
+
+
+def room_for(model: ModelInfo, cells: int, *, stages: int = 1) -> int:
+    """Free memory in which the weights and exactly `cells` KV cells fit, by the headroom and 85% rules."""
+    weights = plan_local(model=model, stages=stages, parallel=LANES, cache_type=CACHE, available_bytes=TB).weight_bytes
+    usable = weights + -(-_kv(model, cells) * 100 // KV_BUDGET_PERCENT) + 1
+    return int(usable / (1 - HEADROOM_FRACTION)) + 2
+
+
+@pytest.mark.parametrize(
+    ("room_cells", "asked", "stages", "context"),
+    [
+        pytest.param(None, 0, 1, DEFAULT_CONTEXT_CAP, id="plenty of memory takes the default cap"),
+        pytest.param(1000, 0, 1, 768, id="room for 1000 cells snaps down to 768"),
+        pytest.param(512, 0, 2, 512, id="room for the floor alone gets the floor, over two stages too"),
+        pytest.param(2000, 1000, 1, 1000, id="an asked context that fits is kept exactly"),
+        pytest.param(None, 8192, 1, 8192, id="an asked context above the cap is honoured when it fits"),
+    ],
+)
+def test_the_context_is_the_largest_that_fits_or_the_one_asked_for(
+    llama8b: ModelInfo, room_cells: int | None, asked: int, stages: int, context: int
+) -> None:
+    available = TB if room_cells is None else room_for(llama8b, room_cells, stages=stages)
+    plan = plan_local(
+        model=llama8b, stages=stages, parallel=LANES, cache_type=CACHE, available_bytes=available, context=asked
+    )
+    assert plan.context == context
+    assert plan.kv_bytes == _kv(llama8b, context)
+    assert plan.usable_bytes is not None
+    assert plan.weight_bytes + plan.kv_bytes * 100 // KV_BUDGET_PERCENT <= plan.usable_bytes
+    assert [end - start for start, end in plan.spans] == [32 // stages] * stages
+
+
+@pytest.mark.parametrize(
+    ("available", "asked", "stages", "error", "message"),
+    [
+        pytest.param(
+            4 * 10**9, 0, 1, LocalFitError, r"requires .* GB at context 512, .* short by",
+            id="weights beyond the memory are refused with the shortfall",
+        ),
+        pytest.param(
+            "room-1000", 4096, 1, LocalFitError, "the largest context that fits is 768",
+            id="an asked context that does not fit names the largest that does",
+        ),
+        pytest.param(
+            TB, 16384, 1, LocalFitError, "exceeds the model's native context 8192",
+            id="an asked context beyond the native one is refused",
+        ),
+        pytest.param(
+            TB, 0, 33, ValueError, "cannot split 32 layers into 33 stages", id="more stages than layers are refused"
+        ),
+    ],
+)  # fmt: skip
+def test_what_does_not_fit_is_refused_saying_why(
+    llama8b: ModelInfo, available: int | str, asked: int, stages: int, error: type[Exception], message: str
+) -> None:
+    free = room_for(llama8b, 1000) if available == "room-1000" else available
+    assert isinstance(free, int)
+    with pytest.raises(error, match=message):
+        plan_local(model=llama8b, stages=stages, parallel=LANES, cache_type=CACHE, available_bytes=free, context=asked)
+
+
+def test_unknown_memory_checks_nothing_and_keeps_the_default_context(llama8b: ModelInfo) -> None:
+    plan = plan_local(model=llama8b, stages=2, parallel=LANES, cache_type=CACHE, available_bytes=None)
+    assert (plan.context, plan.usable_bytes) == (DEFAULT_CONTEXT_CAP, None)
+
+
+@pytest.mark.parametrize(
+    ("architecture", "stages", "extra"),
+    [
+        pytest.param("qwen2", 1, "", id="one stage holds each tensor once"),
+        pytest.param("qwen2", 2, "", id="two stages of an untied model hold each tensor once"),
+        pytest.param("qwen3", 1, "", id="one stage of a tied model holds token_embd once"),
+        pytest.param("qwen3", 2, "token_embd", id="two stages of a tied model both hold token_embd"),
+    ],
+)
+def test_weights_count_what_each_stage_loads(tmp_path: Path, architecture: str, stages: int, extra: str) -> None:
+    written = write_test_model(tmp_path / f"{architecture}.gguf", architecture=architecture, block_count=2)
+    model = inspect_model(str(written.path))
+    plan = plan_local(model=model, stages=stages, parallel=LANES, cache_type=CACHE, available_bytes=TB)
+    assert plan.weight_bytes == model.total_bytes + (written.tensor_bytes(f"{extra}.weight") if extra else 0)
+
+
+def test_serve_refuses_a_context_beyond_the_models_before_starting_anything(tmp_path: Path) -> None:
+    written = write_test_model(tmp_path / "qwen2.gguf", architecture="qwen2")
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", str(written.path), "--context", "1000000", "--port", "0"])
+    assert str(exited.value.code).startswith("strata serve: context 1000000 exceeds the model's native context")

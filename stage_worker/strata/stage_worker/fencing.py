@@ -28,8 +28,11 @@ class TermFence:
     def accepted_term(self) -> int:
         return self._accepted.term
 
-    def admit(self, caller: Holder) -> None:
-        """Accept `caller` if its term is newer, or the same term from the same holder; raise otherwise."""
+    def admit(self, caller: Holder) -> bool:
+        """Accept `caller` if its term is newer, or the same term from the same holder; raise otherwise.
+
+        True when `caller` is a new holder (a newer term): what the stage kept for the previous one must go.
+        """
         with self._lock:
             current = self._accepted
             if caller.term < 1:
@@ -46,4 +49,6 @@ class TermFence:
                     f"term {caller.term} is held by {current.holder!r} (lease {current.lease_uid!r}); "
                     f"{caller.holder!r} (lease {caller.lease_uid!r}) cannot use it"
                 )
+            changed = caller != current
             self._accepted = caller
+            return changed

@@ -41,6 +41,7 @@ OPTIONS: tuple[Option, ...] = tuple(
         ("--renew-deadline-seconds", "STRATA_RENEW_DEADLINE_SECONDS", float, 10.0),
         ("--retry-period-seconds", "STRATA_RETRY_PERIOD_SECONDS", float, 2.0),
         ("--pod-name", "STRATA_POD_NAME", str, ""),
+        ("--prefix-cache-chunk", "STRATA_PREFIX_CACHE_CHUNK", int, 256),
     )
 )
 
@@ -69,6 +70,7 @@ class GatewaySettings:
     renew_deadline_seconds: float = 10.0
     retry_period_seconds: float = 2.0
     pod_name: str = ""
+    prefix_cache_chunk: int = 256  # tokens per prefix-cache chunk (snapshots are taken at multiples); 0: off
     api_keys: frozenset[str] = field(default=frozenset(), repr=False)
     model_token: str | None = field(default=None, repr=False)
     fence: FencingToken = field(default_factory=local_fence)
@@ -76,6 +78,8 @@ class GatewaySettings:
     def __post_init__(self) -> None:
         if self.context < 2 or self.parallel < 1:
             raise ValueError(f"context ({self.context}) must be at least 2 and parallel ({self.parallel}) positive")
+        if self.prefix_cache_chunk < 0:
+            raise ValueError(f"the prefix cache chunk must not be negative, not {self.prefix_cache_chunk}")
         if self.lease_name:
             self.lease_timing()  # refuses unsafe timings at start-up, not at the first election
 

@@ -44,11 +44,12 @@ class Stage(_Frozen):
     weight_bytes: int = Field(ge=0)  # its layers, plus embeddings and head where it carries them
     buffer_bytes: int = Field(ge=0)  # fixed compute buffers
     kv_bytes: int = Field(ge=0)  # its layers' KV cache at the plan's context
+    prefix_cache_bytes: int = Field(default=0, ge=0)  # reserved for prefix snapshots of its layers' KV
 
     @property
     def spare_bytes(self) -> int:
-        """Usable memory left once weights, buffers and KV are in place."""
-        return self.usable_bytes - self.weight_bytes - self.buffer_bytes - self.kv_bytes
+        """Usable memory left once weights, buffers, KV and the prefix cache are in place."""
+        return self.usable_bytes - self.weight_bytes - self.buffer_bytes - self.kv_bytes - self.prefix_cache_bytes
 
 
 class Excluded(_Frozen):

@@ -20,6 +20,8 @@ def local_pipeline(
     context: int = 128,
     parallel: int = 2,
     cache_type: CacheType = CacheType.F32,
+    prefix_cache_bytes: int = 0,
+    plan_generation: int = 0,
     load_timeout_s: float = 60.0,
 ) -> Iterator[list[RunningStage]]:
     """Start one stage per span; yields them first to last once all have loaded."""
@@ -39,6 +41,8 @@ def local_pipeline(
                 cache_type_v=cache_type,
                 next_stage=next_stage,
                 listen="127.0.0.1:0",
+                prefix_cache_bytes=prefix_cache_bytes,
+                plan_generation=plan_generation,
             )
             stage = RunningStage(settings)
             stages.insert(0, stage)

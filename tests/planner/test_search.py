@@ -10,7 +10,7 @@ from strata.operator.planner import PlanOptions, plan_placement
 from strata.operator.planner.errors import InvalidOptionError, OverrideDoesNotFitError
 from strata.operator.planner.profile import ModelProfile
 from strata.operator.planner.scheduling import Toleration
-from strata.operator.planner.split import fill
+from strata.operator.planner.split import Span, fill
 from strata.plan import Backend, Plan
 from strata_testbed.cluster_objects import gpu_node
 from strata_testbed.model_shapes import Q8_0_BITS, dense_model, llama3_8b, llama3_70b
@@ -63,7 +63,7 @@ def test_a_single_stage_with_a_tied_head_loads_token_embd_once() -> None:
             _pool(("a100", 8, A100, "nvidia.com/gpu")), 2, 131072, id="two A100s hold a Q8 70B at full context"
         ),
         pytest.param(
-            _pool(("a10g", 4, A10G, "nvidia.com/gpu")), 4, 71168, id="four 24 GB GPUs hold it at a shorter context"
+            _pool(("a10g", 4, A10G, "nvidia.com/gpu")), 4, 67584, id="four 24 GB GPUs hold it at a shorter context"
         ),
         pytest.param(
             _pool(("a10g", 8, A10G, "nvidia.com/gpu")),
@@ -81,17 +81,20 @@ def test_context_comes_first_then_the_fewest_stages(nodes: list[dict[str, Any]],
 def test_ties_in_context_and_stages_go_to_the_split_with_the_most_spare_memory() -> None:
     model = SEVENTY_B
     plan = _plan(model, _pool(("a10g", 8, A10G, "nvidia.com/gpu")))
-    profile = ModelProfile.of(model, type_k=CacheType.Q8_0, type_v=CacheType.Q8_0, parallel=4)
+    share = PlanOptions().prefix_cache_fraction
+    profile = ModelProfile.of(
+        model, type_k=CacheType.Q8_0, type_v=CacheType.Q8_0, parallel=4, prefix_cache_fraction=share
+    )
     usable = [s.usable_bytes for s in plan.stages]
     packed = fill(profile, usable=usable, context=plan.context_length)
     assert packed is not None
-    packed_spare = min(
-        u
-        - profile.weight_bytes(p.start, p.end, first=p.start == 0, last=p.end == 80)
-        - profile.buffer_bytes(last=p.end == 80)
-        - profile.kv_bytes(p.start, p.end, plan.context_length)
-        for u, p in zip(usable, packed, strict=True)
-    )
+
+    def spare(u: int, p: Span) -> int:
+        last = p.end == 80
+        free = u - profile.weight_bytes(p.start, p.end, first=p.start == 0, last=last) - profile.buffer_bytes(last=last)
+        return free - profile.prefix_cache_bytes(free) - profile.kv_bytes(p.start, p.end, plan.context_length)
+
+    packed_spare = min(spare(u, p) for u, p in zip(usable, packed, strict=True))
     # The plain greedy fill packs the first stages full; the chosen split moves layers until every stage has room.
     assert min(s.spare_bytes for s in plan.stages) > packed_spare + GIB
 
@@ -117,7 +120,7 @@ def test_a_pipeline_may_mix_nvidia_and_amd_stages() -> None:
         ),
         pytest.param(
             {"max_stages": 4},
-            lambda p: (len(p.stages), p.context_length) == (4, 71168),
+            lambda p: (len(p.stages), p.context_length) == (4, 67584),
             id="a max stages override caps the stages even at a shorter context",
         ),
         pytest.param(
@@ -147,8 +150,8 @@ def test_an_override_that_fits_wins(options: dict[str, Any], check: Any) -> None
     [
         pytest.param(
             {"context_length": 131072},
-            r"^context 131072 needs 5\.4 GB of KV on stage 0 \(a10g\) which has 3\.9 GB free; "
-            r"the largest context that fits is 71168$",
+            r"^context 131072 needs 5\.4 GB of KV on stage 0 \(a10g\) which has 3\.7 GB free; "
+            r"the largest context that fits is 67584$",
             id="a context that does not fit names the stage and the largest context that does",
         ),
         pytest.param(
@@ -163,7 +166,7 @@ def test_an_override_that_fits_wins(options: dict[str, Any], check: Any) -> None
         ),
         pytest.param(
             {"context_length": 131072, "max_stages": 4},
-            "the largest context that fits with at most 4 stages is 71168",
+            "the largest context that fits with at most 4 stages is 67584",
             id="a context error under max stages says so",
         ),
     ],

@@ -15,6 +15,7 @@
     STRATA_LEASE_NAMESPACE       its namespace (default "default")
     STRATA_LEASE_DURATION_SECONDS, STRATA_RENEW_DEADLINE_SECONDS, STRATA_RETRY_PERIOD_SECONDS  (default 15, 10, 2)
     STRATA_POD_NAME              this replica's name in the Lease (default: the hostname)
+    STRATA_PREFIX_CACHE_CHUNK    prefix snapshots are taken every N prompt tokens (default 256; 0: no prefix cache)
 
 Flags of the same names win over the environment. With a Lease, the replica holding it drives the pipeline with the
 fencing token (Lease uid, term) and the others stand by, not ready (/readyz 503); the API server is reached with the

@@ -1,8 +1,14 @@
-"""Prometheus metrics of one gateway, in its own registry (no process-wide globals, so tests can run several)."""
+"""Prometheus metrics of one gateway, in its own registry (no process-wide globals, so tests can run several).
+
+The prefix cache's hits, misses and cached tokens are the coordinator's own counts (one per request); snapshots,
+bytes held and evictions are the stages' figures, summed over the stages, as the last SavePrefix or RestorePrefix
+reply carried them.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from strata.rpc.v1 import stage_pb2
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -32,3 +38,34 @@ class GatewayMetrics:
         self.tokens_generated = Counter("strata_gateway_tokens_generated", "Tokens sampled for clients", registry=r)
         self.prompt_tokens = Counter("strata_gateway_prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.ready = Gauge("strata_gateway_ready", "1 while the pipeline accepts requests", registry=r)
+        self.prefix_cache_hits = Counter(
+            "strata_gateway_prefix_cache_hits", "Requests whose prompt prefix every stage restored", registry=r
+        )
+        self.prefix_cache_misses = Counter(
+            "strata_gateway_prefix_cache_misses",
+            "Requests long enough to share a chunk whose prefix no snapshot served (none known, or a stage lost it)",
+            registry=r,
+        )
+        self.prefix_cache_cached_tokens = Counter(
+            "strata_gateway_prefix_cache_cached_tokens", "Prompt tokens restored instead of prefilled", registry=r
+        )
+        self.prefix_cache_evictions = Counter(
+            "strata_gateway_prefix_cache_evictions",
+            "Snapshots the stages dropped to stay within their budgets, summed over the stages",
+            registry=r,
+        )
+        self.prefix_cache_bytes = Gauge(
+            "strata_gateway_prefix_cache_bytes", "Bytes of prefix snapshots held, summed over the stages", registry=r
+        )
+        self.prefix_cache_snapshots = Gauge(
+            "strata_gateway_prefix_cache_snapshots", "Prefix snapshots held, summed over the stages", registry=r
+        )
+        self._stage_evictions = 0
+
+    def observe_prefix_stages(self, stats: stage_pb2.PrefixCacheStats) -> None:
+        """Take the stages' summed figures; their eviction count only grows, unless a stage restarted."""
+        self.prefix_cache_bytes.set(stats.bytes_held)
+        self.prefix_cache_snapshots.set(stats.snapshots)
+        if stats.evictions > self._stage_evictions:
+            self.prefix_cache_evictions.inc(stats.evictions - self._stage_evictions)
+        self._stage_evictions = stats.evictions

@@ -13,6 +13,15 @@ until the renew deadline the coordinator last extended: past it the driver refus
 so a gateway that was frozen (or cut off from the API server) never sends a call on a term it may have lost. A
 pipeline built without a token is a standby: not ready until `promote` hands it one. A refusal from a stage (not a
 token that lapsed here) is handed to `on_fenced`, which records it where a person looks (strata.gateway.events).
+
+With a prefix chunk set, the driver also runs the prefix cache (strata.gateway.prefix_index). Before a new
+generation's first prefill chunk it looks up the longest chunk-aligned prefix of the prompt that it asked the
+stages to keep, and asks every stage to restore it into the slot (RestorePrefix); only when every stage has it does
+prefill start after it, otherwise the slot is reset and prefilled from position 0, so a lost snapshot costs time and
+never changes the output. After a prompt's prefill completes it asks every stage to keep the prompt's longest
+chunk-aligned prefix (SavePrefix). Both calls run in the driver between steps, in order with the steps on the same
+stages: a snapshot is taken before anything can reset or reuse the slot, and a restore lands before the slot's first
+step. They cost one unary call through the stages each, small beside the prefill they save.
 """
 
 from __future__ import annotations
@@ -24,10 +33,13 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc import aio
 from strata.gateway.errors import GatewayError, NotReadyError, PipelineError
+from strata.gateway.metrics import GatewayMetrics
+from strata.gateway.prefix_index import PrefixIndex
 from strata.lease import FencingToken
 from strata.rpc.v1 import stage_pb2, stage_pb2_grpc
 from strata.settings import GRPC_OPTIONS
@@ -80,6 +92,8 @@ class Generation:
     on_freed: Callable[[], None]
     events: asyncio.Queue[Token | Finished | GatewayError] = field(default_factory=asyncio.Queue)
     fed: int = 0
+    cached: int = 0  # prompt tokens restored from a prefix snapshot instead of prefilled
+    looked_up: bool = False  # the prefix cache was asked for this prompt
     produced: int = 0
     last_token: int = -1
     cancelled: bool = False
@@ -106,6 +120,8 @@ class Pipeline:
         fence: FencingToken | None,
         plan_generation: int = 0,
         prefill_chunk: int = 256,
+        prefix_chunk: int = 0,  # tokens per prefix-cache chunk; 0: no prefix cache
+        metrics: GatewayMetrics | None = None,  # None: figures of its own, unread
         step_timeout_s: float = 120.0,
         probe_interval_s: float = 0.5,
         on_ready_change: Callable[[bool], None] = lambda _ready: None,
@@ -117,6 +133,8 @@ class Pipeline:
         self.context = context
         self.plan_generation = plan_generation
         self.prefill_chunk = prefill_chunk
+        self.prefixes = PrefixIndex(chunk=prefix_chunk) if prefix_chunk > 0 else None
+        self.metrics = metrics or GatewayMetrics()
         self.step_timeout_s = step_timeout_s
         self.probe_interval_s = probe_interval_s
         self._fence = fence
@@ -174,6 +192,8 @@ class Pipeline:
         self._fence = fence
         self._valid_until = valid_until
         self.deposed = False
+        if self.prefixes is not None:
+            self.prefixes.clear()  # the stages drop their snapshots when they accept the new term
         self._set_ready(False, f"claiming the stages with term {fence.term}")
         self._wake.set()
 
@@ -239,22 +259,31 @@ class Pipeline:
             await self._free_cancelled()
             if not self._active:
                 continue
+            try:
+                await self._restore_prefixes()
+            except grpc.RpcError as exc:
+                await self._fail_all(exc)
+                continue
             chunks = self._chunks()
             if not chunks:
                 continue
             try:
                 reply = await self._step(chunks)
+                self._dispatch(chunks, reply)
+                await self._save_prefixes(chunks)
             except grpc.RpcError as exc:
                 await self._fail_all(exc)
                 continue
-            self._dispatch(chunks, reply)
 
     def _chunks(self) -> list[stage_pb2.SlotChunk]:
         used = sum(g.fed for g in self._active.values())
         chunks = []
         for slot, g in sorted(self._active.items()):
             if g.fed < len(g.prompt):
-                ids = g.prompt[g.fed : g.fed + self.prefill_chunk]
+                # Chunks end on multiples of prefill_chunk even after a restored prefix, so a restored request
+                # prefills the same spans of positions as a full prefill would.
+                end = (g.fed // self.prefill_chunk + 1) * self.prefill_chunk
+                ids = g.prompt[g.fed : end]
                 chunk = stage_pb2.SlotChunk(
                     slot=slot,
                     start_position=g.fed,
@@ -304,6 +333,60 @@ class Pipeline:
                 self._finish(g, Finished("stop"))
             elif g.produced >= g.max_tokens:
                 self._finish(g, Finished("length"))
+
+    async def _restore_prefixes(self) -> None:
+        """Restore the longest known prefix into each new generation's slot, on every stage or not at all."""
+        if self.prefixes is None:
+            return
+        for slot, g in sorted(self._active.items()):
+            if g.looked_up or g.cancelled:
+                continue
+            g.looked_up = True
+            if len(g.prompt) <= self.prefixes.chunk:
+                continue  # too short to share a whole chunk: never a hit, so not a miss either
+            match = self.prefixes.longest(g.prompt)
+            if match is None:
+                self.metrics.prefix_cache_misses.inc()
+                continue
+            request = stage_pb2.RestorePrefixRequest(
+                fence=self._proto_fence(),
+                plan_generation=self.plan_generation,
+                slot=slot,
+                key=match.key,
+                length=match.length,
+            )
+            reply = await self._unary("RestorePrefix", request)
+            self.metrics.observe_prefix_stages(reply.stats)
+            if reply.restored:
+                g.fed = g.cached = match.length
+                self.metrics.prefix_cache_hits.inc()
+                self.metrics.prefix_cache_cached_tokens.inc(match.length)
+                continue
+            # Some stage lost the snapshot (evicted, restarted): the others restored it, so clear the slot everywhere
+            # and prefill it whole.
+            self.metrics.prefix_cache_misses.inc()
+            self.prefixes.forget(match.key)
+            await self._unary("ResetSlot", stage_pb2.ResetSlotRequest(fence=self._proto_fence(), slot=slot))
+
+    async def _save_prefixes(self, chunks: list[stage_pb2.SlotChunk]) -> None:
+        """Ask every stage to keep the longest chunk-aligned prefix of each prompt whose prefill just completed."""
+        if self.prefixes is None:
+            return
+        for chunk in chunks:
+            g = self._active.get(chunk.slot)
+            if g is None or chunk.start_position + chunk.length != len(g.prompt):
+                continue
+            wanted = self.prefixes.to_save(g.prompt)
+            if wanted is None:
+                continue
+            key, length = wanted
+            request = stage_pb2.SavePrefixRequest(
+                fence=self._proto_fence(), plan_generation=self.plan_generation, slot=chunk.slot, key=key, length=length
+            )
+            reply = await self._unary("SavePrefix", request)
+            self.metrics.observe_prefix_stages(reply.stats)
+            if reply.kept:
+                self.prefixes.add(g.prompt, key=key, length=length)
 
     def _finish(self, g: Generation, event: Finished | GatewayError) -> None:
         if not g.finished and not g.cancelled:
@@ -409,11 +492,10 @@ class Pipeline:
             raise LapsedTermError(grpc.StatusCode.FAILED_PRECONDITION, aio.Metadata(), aio.Metadata(), details=why)
         return stage_pb2.Fence(lease_uid=f.lease_uid, term=f.term, holder=f.holder)
 
-    async def _unary(self, method: str, request: object) -> stage_pb2.LoadStatus:
+    async def _unary(self, method: str, request: object) -> Any:
         assert self._stub is not None, "start() opens the channel"
         call = getattr(self._stub, method)
-        reply: stage_pb2.LoadStatus = await call(request, timeout=UNARY_TIMEOUT_S)
-        return reply
+        return await call(request, timeout=UNARY_TIMEOUT_S)
 
     async def _step(self, chunks: list[stage_pb2.SlotChunk]) -> stage_pb2.ForwardReply:
         assert self._stub is not None, "start() opens the channel"

@@ -62,6 +62,8 @@ def build(settings: GatewaySettings, *, header: GGUFHeader | None = None) -> tup
         context=settings.context,
         fence=None if settings.lease_name else settings.fence,
         plan_generation=settings.plan_generation,
+        prefix_chunk=settings.prefix_cache_chunk,
+        metrics=metrics,
         on_ready_change=lambda ready: metrics.ready.set(1 if ready else 0),
         on_fenced=events.fenced if events is not None else lambda _fence, _details: None,
     )

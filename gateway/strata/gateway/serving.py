@@ -48,6 +48,7 @@ class _Run:
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
             total_tokens=self.prompt_tokens + self.completion_tokens,
+            prompt_tokens_details=p.PromptTokensDetails(cached_tokens=self.generation.cached),
         )
 
 

@@ -44,6 +44,7 @@ OPTIONS: tuple[Option, ...] = tuple(
         ("--pod-name", "STRATA_POD_NAME", str, ""),
         ("--deployment-name", "STRATA_DEPLOYMENT_NAME", str, ""),
         ("--deployment-uid", "STRATA_DEPLOYMENT_UID", str, ""),
+        ("--prefix-cache-chunk", "STRATA_PREFIX_CACHE_CHUNK", int, 256),
     )
 )
 
@@ -74,6 +75,7 @@ class GatewaySettings:
     pod_name: str = ""
     deployment_name: str = ""  # the ModelDeployment that Events name (in lease_namespace); empty: no Events
     deployment_uid: str = ""
+    prefix_cache_chunk: int = 256  # tokens per prefix-cache chunk (snapshots are taken at multiples); 0: off
     api_keys: frozenset[str] = field(default=frozenset(), repr=False)
     model_token: str | None = field(default=None, repr=False)
     fence: FencingToken = field(default_factory=local_fence)
@@ -81,6 +83,8 @@ class GatewaySettings:
     def __post_init__(self) -> None:
         if self.context < 2 or self.parallel < 1:
             raise ValueError(f"context ({self.context}) must be at least 2 and parallel ({self.parallel}) positive")
+        if self.prefix_cache_chunk < 0:
+            raise ValueError(f"the prefix cache chunk must not be negative, not {self.prefix_cache_chunk}")
         if self.lease_name:
             self.lease_timing()  # refuses unsafe timings at start-up, not at the first election
 

@@ -135,6 +135,7 @@ def stage_statefulset(
             "STRATA_LISTEN": f"$(POD_IP):{STAGE_PORT}",
             "STRATA_DEVICE": TORCH_DEVICE[stage.backend],
             "STRATA_PLAN_GENERATION": generation,
+            "STRATA_PREFIX_CACHE_BYTES": stage.prefix_cache_bytes,
         }
     )
     env.insert(0, {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})

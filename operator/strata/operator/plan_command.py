@@ -32,6 +32,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--cache-type-k", choices=cache_types, help="KV cache type for keys (default q8_0)")
     parser.add_argument("--cache-type-v", choices=cache_types, help="KV cache type for values (default q8_0)")
     parser.add_argument("--max-stages", type=int, help="at most this many stages (GPUs)")
+    parser.add_argument(
+        "--prefix-cache-percent",
+        type=float,
+        help="share of what weights and buffers leave that each stage keeps for prefix snapshots (default 5; 0: none)",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     parser.set_defaults(run=run)
 
@@ -50,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
             "cache_type_k": None if args.cache_type_k is None else CacheType(args.cache_type_k),
             "cache_type_v": None if args.cache_type_v is None else CacheType(args.cache_type_v),
             "max_stages": args.max_stages,
+            "prefix_cache_fraction": None if args.prefix_cache_percent is None else args.prefix_cache_percent / 100,
         }
         options = PlanOptions(**{name: value for name, value in given.items() if value is not None})
         plan = plan_placement(model=model, nodes=nodes, pods=pods, options=options)
@@ -114,6 +120,7 @@ def to_table(plan: Plan) -> str:
             "LAYERS",
             "WEIGHTS GB",
             "KV GB",
+            "PREFIX GB",
             "BUFFERS GB",
             "USABLE GB",
             "SPARE GB",
@@ -129,6 +136,7 @@ def to_table(plan: Plan) -> str:
                 + (" +head" if s.output_head else ""),
                 gb(s.weight_bytes),
                 gb(s.kv_bytes),
+                gb(s.prefix_cache_bytes),
                 gb(s.buffer_bytes),
                 gb(s.usable_bytes),
                 gb(s.spare_bytes),

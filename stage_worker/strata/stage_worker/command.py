@@ -16,6 +16,7 @@ the command line wins over the environment.
     STRATA_DEVICE            torch device: cpu, cuda, cuda:N (default cpu)
     STRATA_DTYPE             compute dtype: float32, float16, bfloat16 (default float32 on CPU, bfloat16 on GPUs)
     STRATA_PLAN_GENERATION   the plan generation this stage belongs to (default 0)
+    STRATA_PREFIX_CACHE_BYTES  device bytes for prefix snapshots, reserved by the plan (default 0: keep none)
 
 torch is imported only when the command runs, so `strata --help` stays fast.
 """
@@ -47,6 +48,7 @@ OPTIONS: tuple[Option, ...] = tuple(
         ("--device", "STRATA_DEVICE", str, "cpu"),
         ("--dtype", "STRATA_DTYPE", str, ""),
         ("--plan-generation", "STRATA_PLAN_GENERATION", int, 0),
+        ("--prefix-cache-bytes", "STRATA_PREFIX_CACHE_BYTES", int, 0),
     )
 )
 

@@ -32,8 +32,11 @@ class TermFence:
     def accepted_term(self) -> int:
         return self._accepted.term
 
-    def admit(self, caller: Holder) -> None:
-        """Accept `caller` if its term is newer, or the same term from the same holder; raise otherwise."""
+    def admit(self, caller: Holder) -> bool:
+        """Accept `caller` if its term is newer, or the same term from the same holder; raise otherwise.
+
+        True when `caller` is a new holder (a newer term): what the stage kept for the previous one must go.
+        """
         with self._lock:
             current = self._accepted
             if caller.term < 1:
@@ -51,4 +54,6 @@ class TermFence:
                     f"stage {self.stage}: term {caller.term} is held by {current.holder!r} "
                     f"(lease {current.lease_uid!r}); {caller.holder!r} (lease {caller.lease_uid!r}) cannot use it"
                 )
+            changed = caller != current
             self._accepted = caller
+            return changed

@@ -8,6 +8,8 @@ arrays) and dequantise to the compute dtype when attention reads them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from strata.gguf.model import CacheType
 from strata.stage_worker.errors import ContextExceededError, PoolExhaustedError, UnknownSlotError
@@ -20,6 +22,23 @@ PLAIN_DTYPES: dict[CacheType, torch.dtype] = {
     CacheType.F16: torch.float16,
     CacheType.BF16: torch.bfloat16,
 }
+
+
+@dataclass(frozen=True)
+class RawRows:
+    """Rows of a store exactly as stored (q8_0: the int8 values and their f16 scales), so a copy put back is
+    bit-identical to what the forward pass wrote."""
+
+    values: Tensor  # [N, width]
+    scales: Tensor | None  # [N, width / 32] for q8_0
+
+    @property
+    def nbytes(self) -> int:
+        scales = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
+        return self.values.numel() * self.values.element_size() + scales
+
+    def head(self, rows: int) -> RawRows:
+        return RawRows(values=self.values[:rows], scales=None if self.scales is None else self.scales[:rows])
 
 
 class Store:
@@ -42,6 +61,20 @@ class Store:
     def nbytes(self) -> int:
         scales = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
         return self.values.numel() * self.values.element_size() + scales
+
+    @property
+    def row_bytes(self) -> int:
+        scales = 0 if self.scales is None else self.scales.shape[1] * self.scales.element_size()
+        return self.values.shape[1] * self.values.element_size() + scales
+
+    def raw(self, cells: Tensor) -> RawRows:
+        """A copy of the rows at `cells` as stored (indexing with a tensor gathers into new memory)."""
+        return RawRows(values=self.values[cells], scales=None if self.scales is None else self.scales[cells])
+
+    def put(self, cells: Tensor, rows: RawRows) -> None:
+        self.values[cells] = rows.values
+        if self.scales is not None and rows.scales is not None:
+            self.scales[cells] = rows.scales
 
     def write(self, cells: Tensor, rows: Tensor) -> None:
         # cells: [N], rows: [N, width]
@@ -120,6 +153,11 @@ class KVPool:
         return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers)
 
     @property
+    def cell_bytes(self) -> int:
+        """Bytes of one position over every layer this pool holds, K and V, as stored."""
+        return sum(layer.keys.row_bytes + layer.values.row_bytes for layer in self.layers)
+
+    @property
     def free_cells(self) -> int:
         return len(self._free)
 
@@ -166,6 +204,13 @@ class KVPool:
         cell = self._free.pop()
         cells.append(cell)
         return cell
+
+    def prefix_cells(self, *, slot: int, length: int) -> Tensor:
+        """The cells of positions 0..length-1 of `slot`, which must hold at least that many."""
+        cells = self._slot(slot)
+        if not 1 <= length <= len(cells):
+            raise ContextExceededError(f"slot {slot} holds {len(cells)} positions; a prefix of {length} is not there")
+        return torch.tensor(cells[:length], dtype=torch.long, device=self.device)
 
     def reset(self, slot: int) -> None:
         cells = self._slot(slot)

@@ -89,6 +89,20 @@ class NextStage:
         except grpc.RpcError as exc:
             raise self._translate(exc) from exc
 
+    def save_prefix(self, request: stage_pb2.SavePrefixRequest) -> stage_pb2.SavePrefixReply:
+        try:
+            reply: stage_pb2.SavePrefixReply = self._stub.SavePrefix(request, timeout=UNARY_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            raise self._translate(exc) from exc
+        return reply
+
+    def restore_prefix(self, request: stage_pb2.RestorePrefixRequest) -> stage_pb2.RestorePrefixReply:
+        try:
+            reply: stage_pb2.RestorePrefixReply = self._stub.RestorePrefix(request, timeout=UNARY_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            raise self._translate(exc) from exc
+        return reply
+
     def claim(self, request: stage_pb2.ClaimRequest) -> None:
         try:
             self._stub.Claim(request, timeout=UNARY_TIMEOUT_S)

@@ -1,8 +1,9 @@
 """The gRPC edge of a stage: service Stage, the standard health service, and the one place errors become codes.
 
 The server answers at once and loads the weights in the background, so the operator can read load progress while
-the stage fills. The coordinator talks to the first stage only: Forward, ResetSlot and Claim run here and are passed
-on to the next stage, and the last stage's sampled tokens travel back up the same streams. A step that cannot reach
+the stage fills. The coordinator talks to the first stage only: Forward, ResetSlot, Claim, SavePrefix and
+RestorePrefix run here and are passed on to the next stage, and the last stage's sampled tokens (and the prefix
+cache's answers, summed over the stages) travel back up the same calls. A step that cannot reach
 the next stage frees the slots it touched and fails with UNAVAILABLE, which the coordinator may retry.
 """
 
@@ -33,11 +34,20 @@ from strata.stage_worker.fencing import Holder, TermFence
 from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.loader import LoadProgress, load_stage
 from strata.stage_worker.next_stage import CHANNEL_OPTIONS, NextStage, RemoteStageError
+from strata.stage_worker.prefix_cache import PrefixCache
 from strata.stage_worker.settings import StageSettings
-from strata.stage_worker.wire import chunk_from_proto, reply_from_result, tensor_from_proto, tensor_to_proto
+from strata.stage_worker.wire import (
+    chunk_from_proto,
+    reply_from_result,
+    stats_to_proto,
+    summed_stats,
+    tensor_from_proto,
+    tensor_to_proto,
+)
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "strata.rpc.v1.Stage"
+MAX_PREFIX_KEY_BYTES = 64  # a sha256 is 32
 T = TypeVar("T")
 
 STATUS_CODES: tuple[tuple[type[StageError], grpc.StatusCode], ...] = (
@@ -69,6 +79,7 @@ class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # gener
         self.settings = settings
         self.progress = LoadProgress()
         self.fence = TermFence(stage=settings.stage_index)
+        self.prefix_cache = PrefixCache(budget_bytes=settings.prefix_cache_bytes)
         self._health = health_servicer
         self._engine: Engine | None = None
         self._engine_lock = threading.Lock()
@@ -145,7 +156,8 @@ class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # gener
                 f"stage {self.settings.stage_index}: the call is for plan generation {plan_generation}; "
                 f"this stage serves generation {self.settings.plan_generation}"
             )
-        self.fence.admit(Holder(term=fence.term, holder=fence.holder, lease_uid=fence.lease_uid))
+        if self.fence.admit(Holder(term=fence.term, holder=fence.holder, lease_uid=fence.lease_uid)):
+            self.prefix_cache.clear()  # snapshots never cross coordinator terms
 
     def GetLoadStatus(
         self, request: stage_pb2.LoadStatusRequest, context: grpc.ServicerContext
@@ -182,6 +194,59 @@ class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # gener
             return stage_pb2.ResetSlotReply()
 
         return self._guard(context, reset)
+
+    def SavePrefix(
+        self, request: stage_pb2.SavePrefixRequest, context: grpc.ServicerContext
+    ) -> stage_pb2.SavePrefixReply:
+        def save() -> stage_pb2.SavePrefixReply:
+            self._admit(request.fence, request.plan_generation)
+            self._check_key(request.key)
+            with self._engine_lock:
+                kept = self.prefix_cache.save(
+                    pool=self.engine.pool,
+                    slot=request.slot,
+                    generation=request.plan_generation,
+                    key=request.key,
+                    length=request.length,
+                )
+            own = stats_to_proto(self.prefix_cache.stats())
+            if self.next_stage is None:
+                return stage_pb2.SavePrefixReply(kept=kept, stats=own)
+            onward = self.next_stage.save_prefix(request)
+            return stage_pb2.SavePrefixReply(kept=kept and onward.kept, stats=summed_stats(own, onward.stats))
+
+        return self._guard(context, save)
+
+    def RestorePrefix(
+        self, request: stage_pb2.RestorePrefixRequest, context: grpc.ServicerContext
+    ) -> stage_pb2.RestorePrefixReply:
+        def restore() -> stage_pb2.RestorePrefixReply:
+            self._admit(request.fence, request.plan_generation)
+            self._check_key(request.key)
+            with self._engine_lock:
+                restored = self.prefix_cache.restore(
+                    pool=self.engine.pool,
+                    slot=request.slot,
+                    generation=request.plan_generation,
+                    key=request.key,
+                    length=request.length,
+                )
+            own = stats_to_proto(self.prefix_cache.stats())
+            if self.next_stage is None:
+                return stage_pb2.RestorePrefixReply(restored=restored, stats=own)
+            # Passed on even after a miss here, so every stage's figures come back; the coordinator then resets
+            # the slot everywhere and prefills from position 0.
+            onward = self.next_stage.restore_prefix(request)
+            return stage_pb2.RestorePrefixReply(
+                restored=restored and onward.restored, stats=summed_stats(own, onward.stats)
+            )
+
+        return self._guard(context, restore)
+
+    @staticmethod
+    def _check_key(key: bytes) -> None:
+        if not 1 <= len(key) <= MAX_PREFIX_KEY_BYTES:
+            raise InvalidRequestError(f"a prefix key is 1 to {MAX_PREFIX_KEY_BYTES} bytes, not {len(key)}")
 
     def Forward(
         self, request_iterator: Iterator[stage_pb2.ForwardRequest], context: grpc.ServicerContext

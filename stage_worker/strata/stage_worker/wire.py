@@ -6,6 +6,7 @@ import torch
 from strata.rpc.v1 import stage_pb2
 from strata.stage_worker.engine import Chunk, StepResult
 from strata.stage_worker.errors import InvalidRequestError
+from strata.stage_worker.prefix_cache import PrefixCacheStats
 from strata.stage_worker.sampling import Sampling
 from torch import Tensor
 
@@ -63,3 +64,20 @@ def reply_from_result(step_id: int, result: StepResult) -> stage_pb2.ForwardRepl
     ]
     logits = [stage_pb2.ChunkLogits(slot=slot, logits=tensor_to_proto(v)) for slot, v in result.logits.items()]
     return stage_pb2.ForwardReply(step_id=step_id, tokens=tokens, logits=logits)
+
+
+def stats_to_proto(stats: PrefixCacheStats) -> stage_pb2.PrefixCacheStats:
+    return stage_pb2.PrefixCacheStats(
+        snapshots=stats.snapshots,
+        bytes_held=stats.bytes_held,
+        budget_bytes=stats.budget_bytes,
+        hits=stats.hits,
+        misses=stats.misses,
+        evictions=stats.evictions,
+    )
+
+
+def summed_stats(*parts: stage_pb2.PrefixCacheStats) -> stage_pb2.PrefixCacheStats:
+    """One figure for the pipeline: each stage adds its own to what the stages after it reported."""
+    fields = ("snapshots", "bytes_held", "budget_bytes", "hits", "misses", "evictions")
+    return stage_pb2.PrefixCacheStats(**{name: sum(getattr(part, name) for part in parts) for name in fields})

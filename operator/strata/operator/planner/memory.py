@@ -2,8 +2,10 @@
 
 Usable memory is the GPU's memory minus headroom: a share of it (10% by default) but never less than what the
 backend's runtime itself takes (context, library workspaces), which no setting can give back. Each stage also
-needs fixed compute buffers: activations for one micro-batch, and on the last stage the logits. What is left
-after weights and buffers is shared out to the KV cache at 85%, so allocator slack never meets a full cache.
+needs fixed compute buffers: activations for one micro-batch, and on the last stage the logits. Of what is left
+after weights and buffers, a share (5% by default) is reserved for prefix snapshots (restored by command so a resent
+prompt is not prefilled again; strata.stage_worker.prefix_cache), and the rest goes to the KV cache at 85%, so
+allocator slack never meets a full cache. A prefix cache share of 0 gives the KV cache what it had without one.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ RUNTIME_OVERHEAD_BYTES: dict[Backend, int] = {
     Backend.ROCM: 3 * GIB // 2,
     Backend.XPU: 1 * GIB,
 }
-KV_BUDGET_PERCENT = 85  # kv_budget = (usable - weights - buffers) * 0.85
+KV_BUDGET_PERCENT = 85  # kv_budget = (usable - weights - buffers - prefix cache) * 0.85
+DEFAULT_PREFIX_CACHE_FRACTION = 0.05  # prefix cache = (usable - weights - buffers) * 0.05
 UBATCH_TOKENS = 512  # tokens per micro-batch: sizes the activation and logits buffers
 ACTIVATION_BUFFERS = 16  # hidden-state-sized f32 tensors alive at once in one layer's graph (flash attention)
 F32_BYTES = 4
@@ -42,6 +45,12 @@ def buffer_bytes(*, model: ModelInfo, output_head: bool) -> int:
     return activations + logits
 
 
-def kv_budget_bytes(*, usable: int, weights: int, buffers: int) -> int:
-    """KV bytes a stage may hold: 85% of what weights and buffers leave; zero when they do not fit."""
-    return max(0, usable - weights - buffers) * KV_BUDGET_PERCENT // 100
+def prefix_cache_bytes(*, free: int, fraction: float) -> int:
+    """Bytes a stage reserves for prefix snapshots: `fraction` of what its weights and buffers leave (`free`)."""
+    return int(max(0, free) * fraction)
+
+
+def kv_budget_bytes(*, usable: int, weights: int, buffers: int, prefix_cache_fraction: float = 0.0) -> int:
+    """KV bytes a stage may hold: 85% of what weights, buffers and the prefix cache leave; zero when they do not fit."""
+    free = max(0, usable - weights - buffers)
+    return (free - prefix_cache_bytes(free=free, fraction=prefix_cache_fraction)) * KV_BUDGET_PERCENT // 100

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from strata.gguf.model import CacheType
 from strata.operator.planner.context import ContextSnap
 from strata.operator.planner.errors import InvalidOptionError
-from strata.operator.planner.memory import DEFAULT_HEADROOM_FRACTION
+from strata.operator.planner.memory import DEFAULT_HEADROOM_FRACTION, DEFAULT_PREFIX_CACHE_FRACTION
 from strata.operator.planner.scheduling import Toleration
 
 DEFAULT_PARALLEL = 4  # lanes sharing the KV pool
@@ -23,6 +23,7 @@ class PlanOptions:
     cache_type_v: CacheType = DEFAULT_CACHE_TYPE
     max_stages: int | None = None
     headroom_fraction: float = DEFAULT_HEADROOM_FRACTION
+    prefix_cache_fraction: float = DEFAULT_PREFIX_CACHE_FRACTION  # of what weights and buffers leave; 0: none
     context_snap: ContextSnap = ContextSnap.STEP
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Toleration, ...] = ()
@@ -37,5 +38,7 @@ class PlanOptions:
             raise InvalidOptionError(f"max stages must be at least 1, not {self.max_stages}")
         if not 0 <= self.headroom_fraction < 1:
             raise InvalidOptionError(f"headroom must be a fraction in [0, 1), not {self.headroom_fraction}")
+        if not 0 <= self.prefix_cache_fraction < 1:
+            raise InvalidOptionError(f"the prefix cache share must be in [0, 1), not {self.prefix_cache_fraction}")
         if self.gpu_memory_bytes is not None and self.gpu_memory_bytes < 1:
             raise InvalidOptionError(f"GPU memory must be positive, not {self.gpu_memory_bytes} bytes")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from strata.gguf.model import CacheType, ModelInfo
-from strata.operator.planner.memory import UBATCH_TOKENS, buffer_bytes
+from strata.operator.planner.memory import KV_BUDGET_PERCENT, UBATCH_TOKENS, buffer_bytes, prefix_cache_bytes
 
 
 @dataclass(frozen=True)
@@ -28,9 +28,18 @@ class ModelProfile:
     full_kv_prefix: tuple[int, ...]  # bytes per cell, full-attention layers
     window_kv_prefix: tuple[int, ...]  # bytes per cell, sliding-window layers
     window_cells: int  # cells a sliding-window layer holds at most
+    prefix_cache_fraction: float  # of what weights and buffers leave, reserved for prefix snapshots
 
     @classmethod
-    def of(cls, model: ModelInfo, *, type_k: CacheType, type_v: CacheType, parallel: int) -> ModelProfile:
+    def of(
+        cls,
+        model: ModelInfo,
+        *,
+        type_k: CacheType,
+        type_v: CacheType,
+        parallel: int,
+        prefix_cache_fraction: float = 0.0,
+    ) -> ModelProfile:
         cells = [model.kv_bytes_per_cell(il, type_k=type_k, type_v=type_v) for il in range(model.block_count)]
         sliding = [model.is_sliding(il) for il in range(model.block_count)]
         window = model.sliding_window
@@ -48,6 +57,7 @@ class ModelProfile:
             full_kv_prefix=(0, *accumulate(c * (not s) for c, s in zip(cells, sliding, strict=True))),
             window_kv_prefix=(0, *accumulate(c * s for c, s in zip(cells, sliding, strict=True))),
             window_cells=window_cells,
+            prefix_cache_fraction=prefix_cache_fraction,
         )
 
     def weight_bytes(self, start: int, end: int, *, first: bool, last: bool) -> int:
@@ -61,6 +71,14 @@ class ModelProfile:
 
     def buffer_bytes(self, *, last: bool) -> int:
         return self.last_buffer_bytes if last else self.middle_buffer_bytes
+
+    def prefix_cache_bytes(self, free: int) -> int:
+        """The prefix cache a stage reserves when weights and buffers leave it `free` bytes."""
+        return prefix_cache_bytes(free=free, fraction=self.prefix_cache_fraction)
+
+    def kv_free_bytes(self, free: int) -> int:
+        """What the KV cache may use of `free`: 85% of it once the prefix cache has its share."""
+        return max(0, free - self.prefix_cache_bytes(free)) * KV_BUDGET_PERCENT // 100
 
     def kv_bytes(self, start: int, end: int, context: int) -> int:
         """KV bytes of layers [start, end) for one unified pool of `context` cells (lanes share it)."""

@@ -18,7 +18,7 @@ from strata.gguf.model import ModelInfo
 from strata.operator.planner.context import candidate_contexts
 from strata.operator.planner.errors import OverrideDoesNotFitError
 from strata.operator.planner.inventory import Inventory
-from strata.operator.planner.memory import KV_BUDGET_PERCENT, UBATCH_TOKENS
+from strata.operator.planner.memory import UBATCH_TOKENS
 from strata.operator.planner.options import PlanOptions
 from strata.operator.planner.profile import ModelProfile
 from strata.operator.planner.shortfall import MAX_LISTED_PARTICIPANTS, explain_shortfall, gigabytes
@@ -74,7 +74,11 @@ def balanced_split(profile: ModelProfile, usable: Sequence[int], context: int) -
 def plan_on_inventory(*, model: ModelInfo, inventory: Inventory, options: PlanOptions) -> Plan:
     """The plan for `model` on `inventory`, honouring `options`; a Plan with a shortfall when nothing fits."""
     profile = ModelProfile.of(
-        model, type_k=options.cache_type_k, type_v=options.cache_type_v, parallel=options.parallel
+        model,
+        type_k=options.cache_type_k,
+        type_v=options.cache_type_v,
+        parallel=options.parallel,
+        prefix_cache_fraction=options.prefix_cache_fraction,
     )
     slots = ordered_slots(inventory, headroom_fraction=options.headroom_fraction, limit=model.block_count)
     allowed = [slot.usable_bytes for slot in slots[: options.max_stages or model.block_count]]
@@ -115,7 +119,7 @@ def _check_context(
         usable = allowed[span.slot]
         last = span.end == profile.layers
         held = profile.weight_bytes(span.start, span.end, first=span.start == 0, last=last)
-        free = max(0, usable - held - profile.buffer_bytes(last=last)) * KV_BUDGET_PERCENT // 100
+        free = profile.kv_free_bytes(usable - held - profile.buffer_bytes(last=last))
         needed = profile.kv_bytes(span.start, span.end, wanted)
         if needed > free:
             raise OverrideDoesNotFitError(
@@ -185,6 +189,8 @@ def _plan(
         ordinal = ordinals.get((slot.node, slot.resource), 0)
         ordinals[(slot.node, slot.resource)] = ordinal + 1
         first, last = span.start == 0, span.end == model.block_count
+        weights = profile.weight_bytes(span.start, span.end, first=first, last=last)
+        buffers = profile.buffer_bytes(last=last)
         stages.append(
             Stage(
                 index=index,
@@ -198,8 +204,9 @@ def _plan(
                 output_head=last,
                 memory_bytes=slot.memory_bytes,
                 usable_bytes=slot.usable_bytes,
-                weight_bytes=profile.weight_bytes(span.start, span.end, first=first, last=last),
-                buffer_bytes=profile.buffer_bytes(last=last),
+                weight_bytes=weights,
+                buffer_bytes=buffers,
+                prefix_cache_bytes=profile.prefix_cache_bytes(slot.usable_bytes - weights - buffers),
                 kv_bytes=model.kv_bytes(
                     n_ctx=context,
                     layers=range(span.start, span.end),

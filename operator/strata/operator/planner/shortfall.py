@@ -24,16 +24,17 @@ def gigabytes(count: int) -> str:
     return f"{count / GB:.1f} GB"
 
 
-def _reserved_kv(kv: int) -> int:
-    """KV bytes scaled up by the share the planner keeps spare (kv fits in 85% of what is free)."""
-    return math.ceil(kv * 100 / KV_BUDGET_PERCENT)
+def _reserved_kv(kv: int, profile: ModelProfile) -> int:
+    """KV bytes scaled up by the shares the planner keeps beside it: kv fits in 85% of what is free once the prefix
+    cache has taken its fraction."""
+    return math.ceil(kv * 100 / KV_BUDGET_PERCENT / (1 - profile.prefix_cache_fraction))
 
 
 def _span_need(profile: ModelProfile, start: int, end: int, context: int) -> int:
     """Usable bytes one GPU needs for layers [start, end) at `context`."""
     last = end == profile.layers
     weights = profile.weight_bytes(start, end, first=start == 0, last=last)
-    return weights + profile.buffer_bytes(last=last) + _reserved_kv(profile.kv_bytes(start, end, context))
+    return weights + profile.buffer_bytes(last=last) + _reserved_kv(profile.kv_bytes(start, end, context), profile)
 
 
 def explain_shortfall(
@@ -45,7 +46,7 @@ def explain_shortfall(
     weights = profile.weight_prefix[layers] + profile.embedding_bytes
     weights += profile.head_bytes if stages > 1 else profile.head_bytes_beside_embeddings
     buffers = profile.last_buffer_bytes + (stages - 1) * profile.middle_buffer_bytes
-    required = weights + buffers + _reserved_kv(profile.kv_bytes(0, layers, context))
+    required = weights + buffers + _reserved_kv(profile.kv_bytes(0, layers, context), profile)
     short_by = required - available
     gpus = f"{gpu_count} GPU" if gpu_count == 1 else f"{gpu_count} GPUs"
     message = f"requires {gigabytes(required)}, pool has {gigabytes(available)} across {gpus}"

@@ -1,7 +1,8 @@
 """Splitting the layers into contiguous spans over an ordered list of GPUs, at a given context.
 
 The rule for one stage: its weights (plus embeddings if first, head if last) and fixed buffers fit in its usable
-memory, its KV at the context fits in 85% of what remains, and at least `margin` bytes stay spare. The split is a
+memory, the prefix cache takes its share of what remains, its KV at the context fits in 85% of the rest, and at
+least `margin` bytes stay spare. The split is a
 greedy fill: each GPU in turn takes the longest span that fits. For a fixed GPU order that is optimal (no split
 covers more layers with the first i GPUs), which makes "does context c fit on these GPUs?" one linear pass, and
 because the fill only ever looks at a prefix of the order, more GPUs never make it fail.
@@ -37,6 +38,7 @@ def stage_fits(
     free = usable - profile.weight_bytes(start, end, first=first, last=last) - profile.buffer_bytes(last=last)
     if free < 0:
         return False
+    free -= profile.prefix_cache_bytes(free)
     kv = profile.kv_bytes(start, end, context)
     return kv * 100 <= free * KV_BUDGET_PERCENT and free - kv >= margin
 

@@ -1,0 +1,195 @@
+"""The coordinator's prefix cache on real stage servers: the same greedy tokens and log-probabilities with the cache
+on as off, across 1, 2 and 3 stages and a q8_0 cache; restored prefixes counted as cached tokens; and a snapshot lost
+or evicted on any stage costs a full prefill, never a different output."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from strata.gateway.metrics import GatewayMetrics
+from strata.gateway.pipeline import Pipeline, Sampling, Token
+from strata.gguf.model import CacheType
+from strata.lease import FencingToken
+from strata.stage_worker.server import RunningStage
+from strata_testbed.pipelines import local_pipeline
+
+CHUNK = 16  # prefix chunk and prefill chunk alike, so a restored prefix ends where a prefill chunk would
+SYSTEM = tuple(range(40, 80))  # 40 tokens every conversation starts with: two whole chunks
+NEW_TOKENS = 8
+SPANS = {1: [(0, 3)], 2: [(0, 2), (2, 3)], 3: [(0, 1), (1, 2), (2, 3)]}
+BUDGET = 1 << 20
+FENCE = FencingToken(lease_uid="lease", term=1, holder="prefix-test")
+
+
+@dataclass(frozen=True)
+class Turn:
+    prompt: tuple[int, ...]
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    cached: int
+
+
+def conversation(previous: list[Turn]) -> tuple[int, ...] | None:
+    """Four prompts: a question, another question on the same system prompt, a follow-up that resends the whole
+    first exchange, and the first question again."""
+    first = (*SYSTEM, 5, 6, 7, 8, 9, 10, 11)
+    match len(previous):
+        case 0:
+            return first
+        case 1:
+            return (*SYSTEM, 200, 201, 202)
+        case 2:
+            return first + previous[0].tokens + (300, 301, 302, 303)
+        case 3:
+            return first
+    return None
+
+
+Prompts = Callable[[list[Turn]], tuple[int, ...] | None]
+
+
+async def _run(port: int, *, prefix_chunk: int, metrics: GatewayMetrics, prompts: Prompts) -> list[Turn]:
+    ready = asyncio.Event()
+    pipeline = Pipeline(
+        first_stage=f"127.0.0.1:{port}",
+        slots=2,
+        context=256,
+        fence=FENCE,
+        prefill_chunk=CHUNK,
+        prefix_chunk=prefix_chunk,
+        metrics=metrics,
+        probe_interval_s=0.05,
+        on_ready_change=lambda now: ready.set() if now else None,
+    )
+    await pipeline.start()
+    turns: list[Turn] = []
+    try:
+        await asyncio.wait_for(ready.wait(), timeout=30)
+        while (prompt := prompts(turns)) is not None:
+            freed = asyncio.Event()
+            generation = pipeline.submit(
+                slot=len(turns) % 2,
+                prompt=prompt,
+                max_tokens=NEW_TOKENS,
+                sampling=Sampling(temperature=0.0),
+                stop_ids=frozenset(),
+                on_freed=freed.set,
+            )
+            events = [event async for event in generation.stream() if isinstance(event, Token)]
+            await freed.wait()
+            turns.append(
+                Turn(
+                    prompt=prompt,
+                    tokens=tuple(e.token_id for e in events),
+                    logprobs=tuple(e.logprob for e in events),
+                    cached=generation.cached,
+                )
+            )
+    finally:
+        await pipeline.close()
+    return turns
+
+
+def run(
+    stages: list[RunningStage], *, prefix_chunk: int, metrics: GatewayMetrics | None = None, prompts: Prompts
+) -> list[Turn]:
+    return asyncio.run(
+        _run(stages[0].port, prefix_chunk=prefix_chunk, metrics=metrics or GatewayMetrics(), prompts=prompts)
+    )
+
+
+def figure(metrics: GatewayMetrics, name: str) -> float:
+    value = metrics.registry.get_sample_value(f"strata_gateway_prefix_cache_{name}")
+    assert value is not None, f"{name} is not exported"
+    return value
+
+
+@pytest.mark.parametrize(
+    ("stage_count", "cache_type"),
+    [
+        pytest.param(1, CacheType.F32, id="one stage"),
+        pytest.param(2, CacheType.F32, id="two stages"),
+        pytest.param(3, CacheType.F32, id="three stages"),
+        pytest.param(3, CacheType.Q8_0, id="three stages with a q8_0 cache"),
+    ],
+)
+def test_outputs_are_identical_with_the_cache_on_and_off(
+    prefix_models: dict[str, Path], stage_count: int, cache_type: CacheType
+) -> None:
+    with local_pipeline(
+        prefix_models["qwen2"],
+        SPANS[stage_count],
+        context=256,
+        cache_type=cache_type,
+        prefix_cache_bytes=BUDGET,
+    ) as stages:
+        off = run(stages, prefix_chunk=0, prompts=conversation)
+        metrics = GatewayMetrics()
+        on = run(stages, prefix_chunk=CHUNK, metrics=metrics, prompts=conversation)
+    assert [t.prompt for t in on] == [t.prompt for t in off]
+    assert [t.tokens for t in on] == [t.tokens for t in off]
+    assert [t.logprobs for t in on] == [t.logprobs for t in off], "restored KV is bit-exact, so are the logits"
+    assert [t.cached for t in off] == [0, 0, 0, 0]
+    # The first turn (47 tokens) saves its first 32; the second shares the 40-token system prompt and restores 32 of
+    # it; the follow-up (59 tokens) restores the same 32 and saves 48; the first question again (47 tokens) restores
+    # 32 of that: always whole chunks, and never the whole prompt.
+    assert [t.cached for t in on] == [0, 32, 32, 32]
+    assert (figure(metrics, "hits_total"), figure(metrics, "misses_total")) == (3, 1)
+    assert figure(metrics, "cached_tokens_total") == 96
+    assert figure(metrics, "bytes") > 0
+
+
+def test_a_snapshot_lost_on_one_stage_falls_back_to_a_full_prefill_with_the_same_output(
+    prefix_models: dict[str, Path],
+) -> None:
+    same = (*SYSTEM, 9, 9, 9)
+
+    def twice(previous: list[Turn]) -> tuple[int, ...] | None:
+        return same if len(previous) < 3 else None
+
+    with local_pipeline(prefix_models["llama"], SPANS[3], context=256, prefix_cache_bytes=BUDGET) as stages:
+        off = run(stages, prefix_chunk=0, prompts=twice)
+        metrics = GatewayMetrics()
+
+        def losing(previous: list[Turn]) -> tuple[int, ...] | None:
+            if len(previous) == 1:
+                stages[1].service.prefix_cache.clear()  # the middle stage restarted, say
+            return twice(previous)
+
+        on = run(stages, prefix_chunk=CHUNK, metrics=metrics, prompts=losing)
+        middle = stages[1].service.prefix_cache.stats()
+    assert [t.tokens for t in on] == [t.tokens for t in off]
+    assert [t.logprobs for t in on] == [t.logprobs for t in off]
+    assert [t.cached for t in on] == [0, 0, 32], "the miss prefilled everything; the next request hit again"
+    assert (figure(metrics, "hits_total"), figure(metrics, "misses_total")) == (1, 2)
+    assert (middle.hits, middle.misses) == (1, 1)
+
+
+def test_a_small_budget_evicts_the_oldest_conversation_and_its_return_is_prefilled_whole(
+    prefix_models: dict[str, Path],
+) -> None:
+    a, b = tuple(range(100, 140)), tuple(range(140, 180))
+
+    def alternating(previous: list[Turn]) -> tuple[int, ...] | None:
+        return (a, b, a, a)[len(previous)] if len(previous) < 4 else None
+
+    with local_pipeline(prefix_models["llama"], SPANS[3], context=256) as probe:
+        cell_bytes = {stage.service.engine.pool.cell_bytes for stage in probe}
+    assert len(cell_bytes) == 1, "one layer a stage: every stage's snapshot of 32 tokens is the same size"
+    one_snapshot = 32 * cell_bytes.pop()
+    with local_pipeline(
+        prefix_models["llama"], SPANS[3], context=256, prefix_cache_bytes=one_snapshot + one_snapshot // 2
+    ) as stages:
+        off = run(stages, prefix_chunk=0, prompts=alternating)
+        metrics = GatewayMetrics()
+        on = run(stages, prefix_chunk=CHUNK, metrics=metrics, prompts=alternating)
+        held = [stage.service.prefix_cache.stats() for stage in stages]
+    assert [t.tokens for t in on] == [t.tokens for t in off]
+    assert [t.cached for t in on] == [0, 0, 0, 32], "b evicted a; a came back whole, was saved again, then hit"
+    assert all(s.bytes_held <= s.budget_bytes and s.snapshots == 1 for s in held)
+    assert figure(metrics, "evictions_total") == 2 * len(stages)
+    assert (figure(metrics, "hits_total"), figure(metrics, "misses_total")) == (1, 3)

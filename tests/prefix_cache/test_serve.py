@@ -1,0 +1,96 @@
+"""The prefix cache through a real `strata serve` and the official `openai` client: cached prompt tokens in usage as
+OpenAI reports them, the same text as a server without the cache, and the counters in /metrics."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+from openai import OpenAI
+from strata_testbed.serve import Served
+
+SYSTEM = "You are a careful assistant for a pipeline team. " * 8  # several 16-token chunks
+
+
+def client(served: Served) -> OpenAI:
+    return OpenAI(base_url=served.base_url, api_key="unused", max_retries=0, timeout=60)
+
+
+def chat(served: Served, question: str, **extra: object) -> tuple[str, int, int]:
+    """(text, prompt tokens, cached prompt tokens) of a greedy chat completion."""
+    reply = client(served).chat.completions.create(  # type: ignore[call-overload]
+        model=served.model,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        max_tokens=8,
+        temperature=0,
+        **extra,
+    )
+    assert reply.usage is not None
+    assert reply.usage.prompt_tokens_details is not None
+    return (
+        reply.choices[0].message.content or "",
+        reply.usage.prompt_tokens,
+        reply.usage.prompt_tokens_details.cached_tokens,
+    )
+
+
+def metric(served: Served, name: str) -> float:
+    match = re.search(rf"^{name} (\S+)$", httpx.get(f"{served.root}/metrics").text, re.MULTILINE)
+    assert match, f"{name} is not in /metrics"
+    return float(match.group(1))
+
+
+def test_a_shared_system_prompt_is_restored_and_reported_as_cached_tokens(cache_on: Served, cache_off: Served) -> None:
+    questions = ("What is a stage?", "What is a lane?", "What is a stage?")
+    on = [chat(cache_on, q) for q in questions]
+    off = [chat(cache_off, q) for q in questions]
+    assert [text for text, _, _ in on] == [text for text, _, _ in off]
+    assert [cached for _, _, cached in off] == [0, 0, 0]
+    first, second, again = on
+    assert first[2] == 0, "nothing was cached before the first request"
+    for _text, prompt, cached in (second, again):
+        assert 0 < cached < prompt
+        assert cached % 16 == 0
+
+
+def test_streamed_usage_and_completions_report_cached_tokens_too(cache_on: Served) -> None:
+    prompt = list(range(300, 360))
+    completions = [
+        client(cache_on).completions.create(model=cache_on.model, prompt=prompt, max_tokens=4, temperature=0)
+        for _ in range(2)
+    ]
+    details = [c.usage.prompt_tokens_details for c in completions if c.usage]
+    assert [d.cached_tokens if d else None for d in details] == [0, 48]
+    assert completions[0].choices[0].text == completions[1].choices[0].text
+    chunks = list(
+        client(cache_on).chat.completions.create(
+            model=cache_on.model,
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Streamed?"}],
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    usage = chunks[-1].usage
+    assert usage is not None
+    assert usage.prompt_tokens_details is not None
+    assert (usage.prompt_tokens_details.cached_tokens or 0) > 0
+
+
+@pytest.mark.parametrize(
+    ("name", "at_least"),
+    [
+        pytest.param("strata_gateway_prefix_cache_hits_total", 1, id="hits are counted"),
+        pytest.param("strata_gateway_prefix_cache_misses_total", 1, id="misses are counted"),
+        pytest.param("strata_gateway_prefix_cache_cached_tokens_total", 16, id="cached tokens are counted"),
+        pytest.param("strata_gateway_prefix_cache_bytes", 1, id="the stages' bytes held are shown"),
+        pytest.param("strata_gateway_prefix_cache_snapshots", 2, id="the stages' snapshots are shown"),
+        pytest.param("strata_gateway_prefix_cache_evictions_total", 0, id="evictions are shown"),
+    ],
+)
+def test_metrics_show_the_prefix_cache(cache_on: Served, name: str, at_least: float) -> None:
+    chat(cache_on, "Metrics, please.")
+    chat(cache_on, "Metrics again, please.")
+    assert metric(cache_on, name) >= at_least

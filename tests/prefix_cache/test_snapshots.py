@@ -1,0 +1,174 @@
+"""Snapshots on one stage: rows come back bit-exact into fresh cells, and the budget evicts least recently used."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from strata.gguf.model import CacheType
+from strata.stage_worker.errors import ContextExceededError
+from strata.stage_worker.kv_pool import KVPool
+from strata.stage_worker.prefix_cache import PrefixCache
+
+CPU = torch.device("cpu")
+WIDTH = 64
+LAYERS = 2
+
+
+def pool(cache_type: CacheType, *, context: int = 64, parallel: int = 3) -> KVPool:
+    return KVPool(
+        n_layers=LAYERS,
+        context=context,
+        parallel=parallel,
+        key_width=WIDTH,
+        value_width=WIDTH,
+        type_k=cache_type,
+        type_v=cache_type,
+        dtype=torch.float32,
+        device=CPU,
+    )
+
+
+def prefill(kv: KVPool, *, slot: int, length: int, seed: int) -> None:
+    """Write random K and V for positions 0..length-1 of `slot`, as the forward pass would."""
+    generator = torch.Generator().manual_seed(seed)
+    cells, _ = kv.extend(slot=slot, start_position=0, length=length)
+    for layer in kv.layers:
+        layer.write(
+            cells, torch.randn(length, WIDTH, generator=generator), torch.randn(length, WIDTH, generator=generator)
+        )
+
+
+def contents(kv: KVPool, slot: int, length: int) -> list[tuple[torch.Tensor, ...]]:
+    """What attention would read for the slot's first `length` positions, raw and dequantised, layer by layer."""
+    cells = kv.prefix_cells(slot=slot, length=length)
+    rows = []
+    for layer in kv.layers:
+        k, v = layer.keys.raw(cells), layer.values.raw(cells)
+        scales = [s for s in (k.scales, v.scales) if s is not None]
+        rows.append((k.values, v.values, *scales, *layer.read(cells)))
+    return rows
+
+
+@pytest.mark.parametrize(
+    "cache_type",
+    [
+        pytest.param(CacheType.F32, id="an f32 cache"),
+        pytest.param(CacheType.F16, id="an f16 cache"),
+        pytest.param(CacheType.Q8_0, id="a q8_0 cache, int8 values and f16 scales alike"),
+    ],
+)
+@pytest.mark.parametrize(
+    ("saved", "restored"),
+    [
+        pytest.param(32, 32, id="restoring the whole snapshot"),
+        pytest.param(32, 16, id="restoring a shorter prefix of it"),
+    ],
+)
+def test_a_restored_slot_reads_back_bit_identical_to_the_prefill(
+    cache_type: CacheType, saved: int, restored: int
+) -> None:
+    kv = pool(cache_type, context=128)
+    cache = PrefixCache(budget_bytes=1 << 20)
+    prefill(kv, slot=0, length=40, seed=1)
+    assert cache.save(pool=kv, slot=0, generation=3, key=b"k", length=saved)
+    prefill(kv, slot=1, length=5, seed=2)  # the target slot held something else before
+    assert cache.restore(pool=kv, slot=1, generation=3, key=b"k", length=restored)
+    assert kv.length(1) == restored
+    for original, copy in zip(contents(kv, 0, restored), contents(kv, 1, restored), strict=True):
+        for a, b in zip(original, copy, strict=True):
+            assert torch.equal(a, b)
+    cells = kv.prefix_cells(slot=1, length=restored)
+    assert torch.equal(kv.table[1, :restored], cells), "decode reads a slot's cells from the device table"
+    assert not set(cells.tolist()) & set(kv.prefix_cells(slot=0, length=40).tolist()), "fresh cells, not shared"
+    assert kv.free_cells == 128 - 40 - restored
+
+
+def test_a_snapshot_costs_its_tokens_not_the_context() -> None:
+    kv = pool(CacheType.Q8_0, context=64)
+    cache = PrefixCache(budget_bytes=1 << 20)
+    prefill(kv, slot=0, length=32, seed=1)
+    cache.save(pool=kv, slot=0, generation=0, key=b"a", length=16)
+    per_cell = LAYERS * 2 * (WIDTH + WIDTH // 32 * 2)  # K and V: int8 values plus one f16 scale per 32
+    assert kv.cell_bytes == per_cell
+    assert cache.stats().bytes_held == 16 * per_cell
+
+
+@pytest.mark.parametrize(
+    ("generation", "key", "length"),
+    [
+        pytest.param(1, b"other", 16, id="another key misses"),
+        pytest.param(2, b"k", 16, id="the same key from another plan generation misses"),
+        pytest.param(1, b"k", 17, id="more positions than the snapshot holds miss"),
+    ],
+)
+def test_a_restore_of_something_not_held_misses_and_is_counted(generation: int, key: bytes, length: int) -> None:
+    kv = pool(CacheType.F16)
+    cache = PrefixCache(budget_bytes=1 << 20)
+    prefill(kv, slot=0, length=16, seed=1)
+    cache.save(pool=kv, slot=0, generation=1, key=b"k", length=16)
+    assert not cache.restore(pool=kv, slot=1, generation=generation, key=key, length=length)
+    assert (cache.stats().hits, cache.stats().misses) == (0, 1)
+
+
+def test_the_least_recently_used_snapshot_goes_first_and_the_budget_is_never_passed() -> None:
+    kv = pool(CacheType.F16, context=128, parallel=2)
+    snapshot = 16 * kv.cell_bytes
+    cache = PrefixCache(budget_bytes=2 * snapshot + snapshot // 2)  # room for two snapshots, not three
+    held: list[int] = []
+    for seed, key in enumerate((b"a", b"b")):
+        prefill(kv, slot=0, length=16, seed=seed)
+        assert cache.save(pool=kv, slot=0, generation=0, key=key, length=16)
+        held.append(cache.stats().bytes_held)
+    assert cache.restore(pool=kv, slot=1, generation=0, key=b"a", length=16)  # "a" is now the most recent
+    prefill(kv, slot=0, length=16, seed=9)
+    assert cache.save(pool=kv, slot=0, generation=0, key=b"c", length=16)
+    held.append(cache.stats().bytes_held)
+    assert max(held) <= cache.budget_bytes
+    assert cache.stats().evictions == 1
+    assert cache.stats().snapshots == 2
+    assert not cache.restore(pool=kv, slot=1, generation=0, key=b"b", length=16), "b was least recently used"
+    assert cache.restore(pool=kv, slot=1, generation=0, key=b"a", length=16)
+    assert cache.restore(pool=kv, slot=1, generation=0, key=b"c", length=16)
+
+
+@pytest.mark.parametrize(
+    ("budget", "length"),
+    [
+        pytest.param(0, 1, id="a budget of zero keeps nothing"),
+        pytest.param(1000, 16, id="a snapshot larger than the whole budget is not kept"),
+    ],
+)
+def test_a_snapshot_that_cannot_fit_is_not_kept_and_evicts_nothing(budget: int, length: int) -> None:
+    kv = pool(CacheType.F32)
+    cache = PrefixCache(budget_bytes=budget)
+    prefill(kv, slot=0, length=16, seed=1)
+    assert not cache.save(pool=kv, slot=0, generation=0, key=b"k", length=length)
+    assert cache.stats() == cache.stats().__class__(
+        snapshots=0, bytes_held=0, budget_bytes=budget, hits=0, misses=0, evictions=0
+    )
+
+
+def test_a_restore_that_finds_the_pool_full_misses_and_leaves_the_slot_empty() -> None:
+    kv = pool(CacheType.F32, context=48)
+    cache = PrefixCache(budget_bytes=1 << 20)
+    prefill(kv, slot=0, length=32, seed=1)
+    cache.save(pool=kv, slot=0, generation=0, key=b"k", length=32)
+    assert not cache.restore(pool=kv, slot=1, generation=0, key=b"k", length=32)
+    assert (kv.length(1), kv.free_cells, cache.stats().misses) == (0, 16, 1)
+
+
+def test_a_snapshot_longer_than_the_slot_is_refused() -> None:
+    kv = pool(CacheType.F32)
+    prefill(kv, slot=0, length=8, seed=1)
+    with pytest.raises(ContextExceededError, match="holds 8 positions"):
+        PrefixCache(budget_bytes=1 << 20).save(pool=kv, slot=0, generation=0, key=b"k", length=16)
+
+
+def test_clearing_forgets_every_snapshot_and_frees_its_bytes() -> None:
+    kv = pool(CacheType.F32)
+    cache = PrefixCache(budget_bytes=1 << 20)
+    prefill(kv, slot=0, length=16, seed=1)
+    cache.save(pool=kv, slot=0, generation=0, key=b"k", length=16)
+    cache.clear()
+    assert (cache.stats().snapshots, cache.stats().bytes_held) == (0, 0)
+    assert not cache.restore(pool=kv, slot=1, generation=0, key=b"k", length=16)

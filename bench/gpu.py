@@ -6,7 +6,8 @@ roofline and against HF transformers on the same weights. One run, one table.
 Writes a model of real shape with random Q8_0 weights where it runs (no weights can be downloaded), measures the
 device's copy bandwidth, checks the GPU path's fidelity against HF transformers in f32, then measures:
 
-- in-process engine (no gRPC): decode tokens/s with 1, 4 and 16 slots (CUDA graphs; 1 slot eagerly too), and time to
+- in-process engine (no gRPC): decode tokens/s with 1, 4 and 16 slots (compiled blocks in CUDA graphs; 1 slot eagerly
+  and with CUDA graphs alone too), and time to
   first token for 512- and 4,096-token prompts (one prefill chunk);
 - the served path: `strata stage-worker` processes on loopback gRPC, 1 stage, then 2 stages (one per GPU when there
   are two), with the coordinator's client; per-hop latency = p50 step (2 stages) - p50 step (1 stage);
@@ -129,13 +130,15 @@ def load(path: Path, *, span: tuple[int, int], device: torch.device, dtype: torc
         source.close()
 
 
-def engine_for(model: StageModel, *, device: torch.device, dtype: torch.dtype, graphs: bool) -> Engine:
+def engine_for(
+    model: StageModel, *, device: torch.device, dtype: torch.dtype, graphs: bool, compiled: bool | None = None
+) -> Engine:
     c = model.config
     pool = KVPool(
         n_layers=len(model.layers), context=CONTEXT, parallel=PARALLEL, key_width=c.kv_dim, value_width=c.kv_dim,
         type_k=KV, type_v=KV, dtype=dtype, device=device,
     )  # fmt: skip
-    return Engine(model=model, pool=pool, device=device, dtype=dtype, cuda_graphs=graphs)
+    return Engine(model=model, pool=pool, device=device, dtype=dtype, cuda_graphs=graphs, compiled=compiled)
 
 
 def prompt(length: int, *, vocab: int, seed: int) -> tuple[int, ...]:
@@ -301,21 +304,14 @@ def relative(ours: torch.Tensor, reference: torch.Tensor) -> float:
     return float(((ours.float() - reference.float()).norm(dim=-1) / reference.float().norm(dim=-1)).max())
 
 
-def fidelity(path: Path, engine: Engine, hf_bf16: torch.nn.Module, *, device: torch.device) -> dict[str, object]:
-    vocab = engine.model.config.vocab_size
-    tokens = prompt(64, vocab=vocab, seed=7)
-    reference32 = hf_from_stage(load(path, span=(0, engine.model.config.n_layer), device=device, dtype=torch.float32))
-    ids = torch.tensor([tokens], device=device)
-    with torch.inference_mode():
-        expected = reference32(ids).logits[0].float()  # [T, vocab]
-        hf16 = hf_bf16(ids).logits[0].float()
-    engine.pool.reset(0)
-    chunk = Chunk(slot=0, start_position=0, length=len(tokens), token_ids=tokens, return_logits=True)
-    ours = engine.step([chunk], None).logits[0]
-    # Decode through the batched (graph) path, fed HF f32's greedy picks; count the steps where Strata picks the same.
+def decode_agreement(
+    engine: Engine, reference32: torch.nn.Module, *, tokens: tuple[int, ...], device: torch.device, steps: int = 16
+) -> tuple[int, float, int]:
+    """Decode through the batched (graph) path, fed HF f32's greedy picks: (steps where Strata picks the same,
+    largest gap between the two log-probabilities of Strata's pick, steps)."""
     engine.pool.reset(0)
     engine.step([Chunk(slot=0, start_position=0, length=len(tokens) - 1, token_ids=tokens[:-1])], None)
-    agree, logprob_gap, steps = 0, 0.0, 16
+    agree, logprob_gap = 0, 0.0
     sequence = list(tokens)
     for _ in range(steps):
         step = Chunk(slot=0, start_position=len(sequence) - 1, length=1, token_ids=(sequence[-1],), sample=True)
@@ -328,6 +324,21 @@ def fidelity(path: Path, engine: Engine, hf_bf16: torch.nn.Module, *, device: to
         logprob_gap = max(logprob_gap, abs(picked.logprob - float(logprobs[picked.token_id])))
         sequence.append(best)
     engine.pool.reset(0)
+    return agree, logprob_gap, steps
+
+
+def fidelity(path: Path, engine: Engine, hf_bf16: torch.nn.Module, *, device: torch.device) -> dict[str, object]:
+    vocab = engine.model.config.vocab_size
+    tokens = prompt(64, vocab=vocab, seed=7)
+    reference32 = hf_from_stage(load(path, span=(0, engine.model.config.n_layer), device=device, dtype=torch.float32))
+    ids = torch.tensor([tokens], device=device)
+    with torch.inference_mode():
+        expected = reference32(ids).logits[0].float()  # [T, vocab]
+        hf16 = hf_bf16(ids).logits[0].float()
+    engine.pool.reset(0)
+    chunk = Chunk(slot=0, start_position=0, length=len(tokens), token_ids=tokens, return_logits=True)
+    ours = engine.step([chunk], None).logits[0]
+    agree, logprob_gap, steps = decode_agreement(engine, reference32, tokens=tokens, device=device)
     del reference32
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -402,6 +413,10 @@ def main() -> None:
     eager = engine_for(model, device=device, dtype=dtype, graphs=False)
     strata["eager_decode_1"], _ = engine_decode(eager, slots=1, steps=32)
     del eager
+    if cuda:
+        plain = engine_for(model, device=device, dtype=dtype, graphs=True, compiled=False)
+        strata["graphs_only_decode_1"], _ = engine_decode(plain, slots=1, steps=DECODE_STEPS)
+        del plain
     for length in TTFT_PROMPTS:
         strata[f"ttft_{length}"] = statistics.median(
             engine_prefill(engine, slot=0, tokens=prompt(length, vocab=vocab, seed=100 + r))[1] for r in range(3)
@@ -478,6 +493,9 @@ def render(r: dict[str, object]) -> str:
             f"{cell(h, f'decode_{slots}', '.1f')} | {roof:.0f} |"
         )
     lines.append(f"| decode tokens/s, 1 stream, eager (no CUDA graphs) | {s['eager_decode_1']:.1f} | | | | |")
+    if "graphs_only_decode_1" in s:
+        plain = s["graphs_only_decode_1"]
+        lines.append(f"| decode tokens/s, 1 stream, CUDA graphs without compiled blocks | {plain:.1f} | | | | |")
     for length in TTFT_PROMPTS:
         key = f"ttft_{length}"
         lines.append(

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from strata.stage_worker.kv_pool import KVPool
-from strata.stage_worker.model import Rope, StageModel, decode_layout
+from strata.stage_worker.model import Rope, RunBlock, StageModel, decode_layout, run_block
 from torch import Tensor
 
 MIN_SPAN = 256
@@ -37,12 +37,30 @@ class _Captured:
 
 
 class Decoder:
-    def __init__(self, *, model: StageModel, pool: KVPool, rope: Rope, dtype: torch.dtype, graphs: bool) -> None:
+    def __init__(
+        self,
+        *,
+        model: StageModel,
+        pool: KVPool,
+        rope: Rope,
+        dtype: torch.dtype,
+        graphs: bool,
+        compiled: bool = False,
+        dynamic: bool = True,
+    ) -> None:
         self.model = model
         self.pool = pool
         self.rope = rope
         self.device = pool.device
         self.graphs = graphs
+        # torch.compile fuses a block's elementwise work (norms, RoPE, the q8_0 KV quantise and dequantise) into a
+        # few generated kernels; the CUDA graph then replays those. One block is compiled and its code serves every
+        # layer (the blocks differ only in their tensors), so a new (B, S) costs one block's compilation, not a
+        # whole model's.
+        self._run: RunBlock = run_block
+        if compiled:
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+            self._run = torch.compile(run_block, dynamic=dynamic)
         n = pool.parallel
         self.inputs = torch.zeros(4, n, dtype=torch.long, device=self.device)  # slots, positions, cells, tokens
         self.hidden = torch.zeros(n, model.config.dim, dtype=dtype, device=self.device)
@@ -90,7 +108,7 @@ class Decoder:
         slots, positions, cells, tokens = self.inputs[:, :b]
         layout = decode_layout(table=self.pool.table, slots=slots, positions=positions, cells=cells, span=span)
         x = self.model.embed(tokens) if self.model.is_first else self.hidden[:b]  # [B, D]
-        x = self.model(x, rope=self.rope, caches=self.pool.layers, layout=layout)  # [B, D]
+        x = self.model(x, rope=self.rope, caches=self.pool.layers, layout=layout, run=self._run)  # [B, D]
         if not self.model.is_last:
             return DecodeOutput(hidden=x, logits=None, greedy=None)
         logits = self.model.head(x).float()  # [B, vocab]

@@ -47,6 +47,7 @@ class Engine:
         device: torch.device,
         dtype: torch.dtype,
         cuda_graphs: bool | None = None,  # None: on CUDA devices
+        compiled: bool | None = None,  # torch.compile the decode step's blocks; None: with CUDA graphs
     ) -> None:
         self.model = model
         self.pool = pool
@@ -54,7 +55,29 @@ class Engine:
         self.dtype = dtype
         self.rope = Rope(model.config, device=device)
         graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
-        self.decoder = Decoder(model=model, pool=pool, rope=self.rope, dtype=dtype, graphs=graphs)
+        self.decoder = Decoder(
+            model=model,
+            pool=pool,
+            rope=self.rope,
+            dtype=dtype,
+            graphs=graphs,
+            compiled=graphs if compiled is None else compiled,
+        )
+
+    def warm_up(self) -> None:
+        """Compile and capture the decode step for one slot and for several before the stage says it is ready, so
+        no request waits for it (dynamic shapes: these two cover every batch size and span)."""
+        for batch in sorted({1, min(2, self.pool.parallel)}):
+            slots = list(range(batch))
+            cells = [self.pool.take(slot=slot, position=0) for slot in slots]
+            hidden = (
+                None
+                if self.model.is_first
+                else torch.zeros(batch, self.model.config.dim, dtype=self.dtype, device=self.device)
+            )
+            self.decoder.run(slots=slots, positions=[0] * batch, cells=cells, tokens=[0] * batch, hidden=hidden)
+            for slot in slots:
+                self.pool.reset(slot)
 
     def validate(self, chunks: list[Chunk], hidden: Tensor | None) -> None:
         if not chunks:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -225,6 +226,19 @@ class Block(nn.Module):
         return out
 
 
+class RunBlock(Protocol):
+    def __call__(
+        self, block: nn.Module, x: Tensor, *, rope: Rope, cos: Tensor, sin: Tensor, cache: LayerCache, layout: Layout
+    ) -> Tensor: ...
+
+
+def run_block(
+    block: nn.Module, x: Tensor, *, rope: Rope, cos: Tensor, sin: Tensor, cache: LayerCache, layout: Layout
+) -> Tensor:
+    out: Tensor = block(x, rope=rope, cos=cos, sin=sin, cache=cache, layout=layout)
+    return out
+
+
 class StageModel(nn.Module):
     """Layers [layer_start, layer_end) of the model, plus the embedding when first and the head when last."""
 
@@ -249,11 +263,14 @@ class StageModel(nn.Module):
         out: Tensor = self.token_embd(tokens)
         return out
 
-    def forward(self, x: Tensor, *, rope: Rope, caches: list[LayerCache], layout: Layout) -> Tensor:
+    def forward(
+        self, x: Tensor, *, rope: Rope, caches: list[LayerCache], layout: Layout, run: RunBlock | None = None
+    ) -> Tensor:
+        """`run` calls each block; the decoder passes a compiled one."""
         # x: [N, D] -> [N, D]
         cos, sin = rope.angles(layout.positions)
         for layer, cache in zip(self.layers, caches, strict=True):
-            x = layer(x, rope=rope, cos=cos, sin=sin, cache=cache, layout=layout)
+            x = (run or run_block)(layer, x, rope=rope, cos=cos, sin=sin, cache=cache, layout=layout)
         return x
 
     def head(self, x: Tensor) -> Tensor:

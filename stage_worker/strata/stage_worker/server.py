@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import NoReturn, TypeVar
@@ -33,6 +34,7 @@ from strata.stage_worker.errors import (
 from strata.stage_worker.fencing import Holder, TermFence
 from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.loader import LoadProgress, load_stage
+from strata.stage_worker.model import StageModel
 from strata.stage_worker.next_stage import CHANNEL_OPTIONS, NextStage, RemoteStageError
 from strata.stage_worker.prefix_cache import PrefixCache
 from strata.stage_worker.settings import StageSettings
@@ -131,10 +133,26 @@ class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # gener
             self.progress.error = str(exc)
             log.error("stage %d failed to load: %s", s.stage_index, exc)
             return
-        self._engine = Engine(model=model, pool=pool, device=s.torch_device, dtype=s.compute_dtype)
+        self._engine = self._warm_engine(model=model, pool=pool)
         for service in ("", SERVICE_NAME):
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info("stage %d loaded layers [%d, %d): %d bytes", s.stage_index, s.layer_start, s.layer_end, pool.nbytes)
+
+    def _warm_engine(self, *, model: StageModel, pool: KVPool) -> Engine:
+        """The engine, its decode step compiled and captured; CUDA graphs alone where compiling fails."""
+        s = self.settings
+        engine = Engine(model=model, pool=pool, device=s.torch_device, dtype=s.compute_dtype)
+        if not engine.decoder.graphs:
+            return engine
+        started = time.monotonic()
+        try:
+            engine.warm_up()
+        except RuntimeError as exc:  # torch.compile's errors are RuntimeErrors; the plain graphs still work
+            log.warning("stage %d: compiling the decode step failed (%s); using CUDA graphs alone", s.stage_index, exc)
+            engine = Engine(model=model, pool=pool, device=s.torch_device, dtype=s.compute_dtype, compiled=False)
+            engine.warm_up()
+        log.info("stage %d: decode step compiled and captured in %.1f s", s.stage_index, time.monotonic() - started)
+        return engine
 
     def close(self) -> None:
         self._cancel.set()

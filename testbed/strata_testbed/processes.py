@@ -11,9 +11,11 @@ import ctypes
 import os
 import signal
 import subprocess
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import IO
 
 _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -83,3 +85,48 @@ class ManagedProcess:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._proc.wait(timeout=grace)
         self._log.close()
+
+
+class OutputLines:
+    """Every line a child writes to a pipe, read by a thread as it comes.
+
+    select() on the pipe and readline() on Python's buffered reader do not mix: one read can pull several lines into
+    the buffer, after which the pipe is empty and select() waits for output that was already read. A thread that
+    only reads never misses a line.
+    """
+
+    def __init__(self, stream: IO[bytes]) -> None:
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._read, args=(stream,), name="output-lines", daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: IO[bytes]) -> None:
+        for raw in stream:
+            with self._changed:
+                self.lines.append(raw.decode(errors="replace"))
+                self._changed.notify_all()
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+    def wait_for(self, predicate: Callable[[str], bool], *, timeout: float) -> str | None:
+        """The first line (already read or still to come) that satisfies `predicate`; None at the end of the
+        output or after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        seen = 0
+        with self._changed:
+            while True:
+                for line in self.lines[seen:]:
+                    if predicate(line):
+                        return line
+                seen = len(self.lines)
+                left = deadline - time.monotonic()
+                if self._closed or left <= 0:
+                    return None
+                self._changed.wait(left)
+
+    def text(self) -> str:
+        with self._changed:
+            return "".join(self.lines)

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from strata_testbed.processes import OutputLines
 
 PROC = Path("/proc")
 
@@ -45,23 +45,13 @@ def strata_serve(*args: str, timeout_s: float = 90.0, stop_timeout_s: float = 20
         start_new_session=True,
     )
     assert process.stdout is not None
-    lines: list[str] = []
-    base_url = model = ""
-    deadline = time.monotonic() + timeout_s
+    output = OutputLines(process.stdout)
     try:
-        while time.monotonic() < deadline and process.poll() is None:
-            if not select.select([process.stdout], [], [], 0.2)[0]:
-                continue
-            line = process.stdout.readline().decode()
-            lines.append(line)
-            if line.startswith("endpoint "):
-                base_url = line.split()[1]
-            if line.startswith("serving "):
-                model = line.split("'")[1]
-            if line.strip() == "ready":
-                break
-        else:
-            raise RuntimeError("strata serve did not become ready:\n" + "".join(lines))
+        if output.wait_for(lambda line: line.strip() == "ready", timeout=timeout_s) is None:
+            raise RuntimeError("strata serve did not become ready:\n" + output.text())
+        endpoint = output.wait_for(lambda line: line.startswith("endpoint "), timeout=0) or ""
+        serving = output.wait_for(lambda line: line.startswith("serving "), timeout=0) or ""
+        base_url, model = endpoint.split()[1], serving.split("'")[1]
         yield Served(base_url=base_url, model=model, process=process)
     finally:
         with contextlib.suppress(ProcessLookupError):

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +21,7 @@ import httpx
 import pytest
 import torch
 from strata_testbed.hf_reference import hf_reference
+from strata_testbed.processes import OutputLines
 from strata_testbed.waiting import eventually
 from transformers import AutoTokenizer
 
@@ -38,15 +37,16 @@ NEW_TOKENS = 16
 @dataclass
 class RunningDemo:
     process: subprocess.Popen[bytes]
-    output: list[str] = field(default_factory=list)
+    output: OutputLines | None = None
     values: dict[str, str] = field(default_factory=dict)
 
     def line(self, pattern: str) -> re.Match[str]:
-        for line in self.output:
+        assert self.output is not None
+        for line in self.output.lines:
             found = re.search(pattern, line)
             if found:
                 return found
-        raise AssertionError(f"the demo printed no line matching {pattern!r}:\n{''.join(self.output)}")
+        raise AssertionError(f"the demo printed no line matching {pattern!r}:\n{self.output.text()}")
 
     def kubectl(self, *args: str) -> str:
         argv = [self.values["KUBECTL"], "--kubeconfig", self.values["KUBECONFIG"], *args]
@@ -58,21 +58,17 @@ class RunningDemo:
 
 
 def _read_until_ready(demo: RunningDemo) -> None:
+    """Wait for the three lines for scripts; the last of them, KUBECTL=, ends what the demo prints when ready."""
     assert demo.process.stdout is not None
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline and demo.process.poll() is None:
-        if not select.select([demo.process.stdout], [], [], 0.5)[0]:
-            continue
-        line = demo.process.stdout.readline().decode()
-        demo.output.append(line)
+    demo.output = OutputLines(demo.process.stdout)
+    if demo.output.wait_for(lambda line: line.startswith("KUBECTL="), timeout=START_TIMEOUT_S) is None:
+        raise AssertionError("the demo did not become ready:\n" + demo.output.text())
+    for line in demo.output.lines:
         for key in ("KUBECONFIG", "KUBECTL"):
             if line.startswith(f"{key}="):
                 demo.values[key] = line.split("=", 1)[1].strip()
         if line.startswith("OpenAI endpoint: "):
             demo.values["endpoint"] = line.split(": ", 1)[1].strip()
-        if "KUBECTL" in demo.values:
-            return
-    raise AssertionError("the demo did not become ready:\n" + "".join(demo.output))
 
 
 def _processes_under(folder: Path) -> list[str]:
@@ -187,7 +183,6 @@ def test_deleting_the_deployment_stops_its_pod_processes_and_removes_its_objects
 def test_ctrl_c_stops_every_process_of_the_demo(demo: RunningDemo) -> None:
     os.kill(demo.process.pid, signal.SIGINT)
     assert demo.process.wait(timeout=90) == 0
-    assert demo.process.stdout is not None
-    tail = demo.process.stdout.read().decode()
-    assert "stopped: every process of the demo has ended" in tail
+    assert demo.output is not None
+    assert demo.output.wait_for(lambda line: line.startswith("stopped: every process"), timeout=10)
     eventually(lambda: not _processes_under(demo.work_dir), timeout=30, what="no process left")

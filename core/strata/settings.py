@@ -13,11 +13,17 @@ from dataclasses import dataclass
 from typing import Any
 
 # gRPC channel and server options shared by every hop of the pipeline: keepalives notice a dead peer in seconds,
-# and messages carry a prefill chunk's activations, far above gRPC's 4 MiB default.
+# and messages carry a prefill chunk's activations, far above gRPC's 4 MiB default. A server takes a ping without
+# data as abuse unless it is at least min_recv_ping_interval apart (5 minutes by default) and, after two such
+# strikes, closes the connection with GOAWAY "too_many_pings": an idle Forward stream died two minutes after the
+# last request. Servers here accept the pings that their clients send.
+KEEPALIVE_MS = 10_000
 GRPC_OPTIONS = [
-    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),
     ("grpc.max_send_message_length", 256 << 20),
     ("grpc.max_receive_message_length", 256 << 20),
 ]

@@ -34,7 +34,7 @@ VARIANTS = (
 
 
 def engine(model: torch.nn.Module, *, device: torch.device, dtype: torch.dtype, compiled: str) -> Engine:
-    built = gpu.engine_for(model, device=device, dtype=dtype, graphs=device.type == "cuda")
+    built = gpu.engine_for(model, device=device, dtype=dtype, graphs=device.type == "cuda", compiled=False)
     if compiled:
         built.decoder = Decoder(
             model=built.model, pool=built.pool, rope=built.rope, dtype=dtype, graphs=device.type == "cuda",

@@ -148,12 +148,12 @@ class Rope:
 
     def apply(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         # x: [N, H, head_dim]
-        # Few kernels on purpose: a decode step runs this twice per layer, and on a GPU each kernel costs microseconds.
+        # Real arithmetic only: torch.compile cannot fuse complex numbers, and breaks the compiled block around them.
         rot, rest = x[..., : self.rope_dim].float(), x[..., self.rope_dim :]
         if self.style is RopeStyle.NORM:
-            # Adjacent pairs as complex numbers times e^(i angle): (a cos - b sin) + i (a sin + b cos).
-            pairs = torch.view_as_complex(rot.reshape(*rot.shape[:-1], -1, 2))
-            rotated = torch.view_as_real(pairs * torch.complex(cos, sin)).flatten(-2)
+            pairs = rot.reshape(*rot.shape[:-1], -1, 2)  # [N, H, rope_dim / 2, 2]: adjacent pairs (a, b)
+            a, b = pairs[..., 0], pairs[..., 1]
+            rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
         else:
             a, b = rot.chunk(2, dim=-1)
             rotated = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)

@@ -17,7 +17,6 @@ Prints one table naming the machine.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import platform
 import statistics
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import httpx
 import torch
-from strata.gguf.testmodels import SMALL_SHAPES, write_test_model
+from strata.gguf.testmodels import bench_llama, write_test_model
 from strata_testbed.serve import Served, strata_serve
 
 WORDS = [
@@ -128,17 +127,7 @@ def main() -> None:
     parser.add_argument("--system-tokens", type=int, default=2000)
     parser.add_argument("--turns", type=int, default=6)
     args = parser.parse_args()
-    shape = dataclasses.replace(
-        SMALL_SHAPES["llama"],
-        name="strata-bench-llama",
-        block_count=args.layers,
-        embedding_length=1024,
-        feed_forward_length=2816,
-        head_count=16,
-        head_count_kv=8,
-        head_dim=64,
-        context_length=8192,
-    )
+    shape = bench_llama(layers=args.layers, context_length=8192)
     common = ("--stages", str(args.stages), "--parallel", "2", "--context", "8192", "--cache-type", "f16")
     with tempfile.TemporaryDirectory() as folder:
         model = write_test_model(Path(folder) / "bench.gguf", architecture="llama", shape=shape).path

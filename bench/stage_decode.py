@@ -12,7 +12,6 @@ KV cache, same thread count). Prints one table naming the machine.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import os
 import platform
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import torch
 from strata.gateway.local import CO_LOCATED_STAGE_ENV
-from strata.gguf.testmodels import SMALL_SHAPES, write_test_model
+from strata.gguf.testmodels import bench_llama, write_test_model
 from strata.rpc.v1 import stage_pb2
 from strata.stage_worker.client import Pipeline, wait_loaded
 from strata_testbed.hf_reference import hf_reference
@@ -115,16 +114,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args()
-    shape = dataclasses.replace(
-        SMALL_SHAPES["llama"],
-        name="strata-bench-llama",
-        block_count=args.layers,
-        embedding_length=1024,
-        feed_forward_length=2816,
-        head_count=16,
-        head_count_kv=8,
-        head_dim=64,
-    )
+    shape = bench_llama(layers=args.layers)
     rows: list[tuple[str, float, float, float]] = []
     with tempfile.TemporaryDirectory() as folder:
         model = write_test_model(Path(folder) / "bench.gguf", architecture="llama", shape=shape).path

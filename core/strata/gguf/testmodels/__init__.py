@@ -4,7 +4,7 @@ Product code, not test scaffolding: `strata serve` can serve a generated demo mo
 use these files instead of downloaded weights.
 """
 
-from strata.gguf.testmodels.shapes import LARGE_SHAPES, SMALL_SHAPES, ModelShape, tensor_plan
+from strata.gguf.testmodels.shapes import LARGE_SHAPES, SMALL_SHAPES, ModelShape, bench_llama, tensor_plan
 from strata.gguf.testmodels.writer import WrittenModel, WrittenTensor, write_header_only_model, write_test_model
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "ModelShape",
     "WrittenModel",
     "WrittenTensor",
+    "bench_llama",
     "tensor_plan",
     "write_header_only_model",
     "write_test_model",

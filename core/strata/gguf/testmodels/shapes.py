@@ -8,6 +8,7 @@ downloads use, and are written without tensor data, for planning tests.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType as Q
@@ -71,6 +72,23 @@ SMALL_SHAPES: dict[str, ModelShape] = {
         tokenizer_pre="qwen2", qk_norm=True, tied_output=True, write_key_length=True, rms_epsilon=1e-6,
     ),
 }  # fmt: skip
+
+
+def bench_llama(*, layers: int, context_length: int | None = None) -> ModelShape:
+    """A llama of realistic width (hidden 1024, 16 heads over 8 KV heads) with few layers: what the CPU benchmarks
+    run, wide enough that per-token costs look like a real model's and small enough for two cores."""
+    shape = dataclasses.replace(
+        SMALL_SHAPES["llama"],
+        name="strata-bench-llama",
+        block_count=layers,
+        embedding_length=1024,
+        feed_forward_length=2816,
+        head_count=16,
+        head_count_kv=8,
+        head_dim=64,
+    )
+    return shape if context_length is None else dataclasses.replace(shape, context_length=context_length)
+
 
 LARGE_SHAPES: dict[str, ModelShape] = {
     "llama3-8b": ModelShape(

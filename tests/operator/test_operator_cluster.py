@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
 import pytest
 from kubernetes import client, config
 from strata.gguf import read_model_header
@@ -318,6 +319,72 @@ def test_a_new_generation_that_cannot_start_leaves_the_old_one_serving_until_it_
         return body if status["serving"]["generation"] == status["plan"]["generation"] > old["generation"] else None
 
     eventually(cut_over, what="the cutover once the new generation can start")
+
+
+def _gateway_url(core: client.CoreV1Api, namespace: str, name: str) -> str | None:
+    """The base URL of a gateway pod of `name` that answers /readyz (the runner runs it on its pod IP)."""
+    selector = f"{LABEL_INSTANCE}={name},app.kubernetes.io/component=gateway"
+    for pod in core.list_namespaced_pod(namespace=namespace, label_selector=selector).items:
+        if pod.status.phase != "Running" or not pod.status.pod_ip:
+            continue
+        url = f"http://{pod.status.pod_ip}:{pod.spec.containers[0].ports[0].container_port}"
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return f"{url}/v1"
+        except httpx.HTTPError:
+            continue
+    return None
+
+
+def _greedy(url: str) -> str:
+    body = {"model": "held", "prompt": [1, 17, 200, 3, 45], "max_tokens": 8, "temperature": 0}
+    reply = httpx.post(f"{url}/completions", json=body, timeout=60)
+    reply.raise_for_status()
+    return str(reply.json()["choices"][0]["text"])
+
+
+@pytest.mark.usefixtures("operator")
+def test_requests_are_answered_by_the_old_generation_while_the_new_one_cannot_start(
+    control_plane: ControlPlane, cluster: client.ApiClient, namespace: str, tmp_path: Path
+) -> None:
+    core = client.CoreV1Api(cluster)
+    tiny = write_test_model(tmp_path / "tiny.gguf", architecture="llama").path
+    spec = {"context": 512, "parallel": 2, "servedModelName": "held", "cacheTypeK": "f32", "cacheTypeV": "f32"}
+    create(cluster, namespace, deployment("held", tiny, **spec))
+    scheduler = control_plane.process("kube-scheduler")
+    node = ""
+    try:
+        with PodRunner(
+            core=core,
+            namespaces=[namespace],
+            log_dir=tmp_path / "pods",
+            api_server=control_plane.server,
+            ca=control_plane.pki.ca.cert,
+        ) as runner:
+            url = eventually(lambda: _gateway_url(core, namespace, "held"), timeout=180, what=f"{runner.errors}")
+            before = _greedy(url)
+            first = read(cluster, namespace, "held")["status"]["plan"]
+            node = first["stages"][0]["node"]
+            scheduler.pause()  # the new generation's pods stay Pending: they can never load
+            core.patch_node(name=node, body={"spec": {"unschedulable": True}})
+
+            def replanned() -> dict[str, Any] | None:
+                status = read(cluster, namespace, "held")["status"]
+                return status if status["plan"]["generation"] > first["generation"] else None
+
+            eventually(replanned, what="a re-plan off the cordoned node")
+            answers = []
+            for _ in range(4):
+                answers.append(_greedy(url))
+                time.sleep(1.0)
+            status = read(cluster, namespace, "held")["status"]
+    finally:
+        scheduler.resume()
+        if node:
+            core.patch_node(name=node, body={"spec": {"unschedulable": False}})
+    assert answers == [before] * 4
+    assert status["serving"]["generation"] == first["generation"]
+    assert status["plan"]["generation"] > first["generation"]
 
 
 def test_restarting_the_operator_mid_reconcile_leaves_no_duplicates(

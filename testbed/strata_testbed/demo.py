@@ -83,6 +83,23 @@ def _megabytes(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
+def gateway_url(core: client.CoreV1Api, *, namespace: str, deployment: str) -> str | None:
+    """The base URL of a ready gateway pod of `deployment` that answers /readyz, reached on its pod IP as
+    `kubectl port-forward` would reach it (the pod runner runs it there)."""
+    pods = core.list_namespaced_pod(
+        namespace=namespace, label_selector=f"{LABEL_INSTANCE}={deployment},{LABEL_COMPONENT}=gateway"
+    ).items
+    for pod in pods:
+        ready = any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+        if ready and pod.status.pod_ip:
+            port = pod.spec.containers[0].ports[0].container_port
+            url = f"http://{pod.status.pod_ip}:{port}"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                    return f"{url}/v1"
+    return None
+
+
 class Demo:
     def __init__(self, *, plane: ControlPlane, work: Path, progress: Progress) -> None:
         self.plane = plane
@@ -123,21 +140,6 @@ class Demo:
             )
         )
 
-    def gateway_url(self, name: str) -> str | None:
-        """The base URL of a ready gateway pod, reached on its pod IP as `kubectl port-forward` would reach it."""
-        pods = self.core.list_namespaced_pod(
-            namespace=NAMESPACE, label_selector=f"{LABEL_INSTANCE}={name},{LABEL_COMPONENT}=gateway"
-        ).items
-        for pod in pods:
-            ready = any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
-            if ready and pod.status.pod_ip:
-                port = pod.spec.containers[0].ports[0].container_port
-                url = f"http://{pod.status.pod_ip}:{port}"
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                        return f"{url}/v1"
-        return None
-
     def wait_operator(self, runner: PodRunner) -> None:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -173,7 +175,7 @@ class Demo:
             gateway = _condition(body, "GatewayReady")
             if gateway:
                 self.say(f"gateway: {gateway.get('message')}", topic="gateway")
-            url = self.gateway_url(name)
+            url = gateway_url(self.core, namespace=NAMESPACE, deployment=name)
             if _condition(body, "Ready").get("status") == "True" and url is not None:
                 return url, time.monotonic() - applied
             for error in runner.errors:

@@ -94,15 +94,17 @@ def container_env(pod: client.V1Pod, container: client.V1Container, core: client
 @dataclass
 class _Running:
     uid: str
-    pod_ip: str
     process: ManagedProcess
     argv: list[str]
     env: dict[str, str]
-    token: Path | None
+    account: ServiceAccountFiles | None  # the token folder, where the pod mounts one
     readiness: Readiness
     reported: bool
-    restarts: int = 0
     exited_at: float | None = None
+
+    @property
+    def token(self) -> Path | None:
+        return None if self.account is None else self.account.folder
 
 
 class PodRunner:
@@ -129,7 +131,6 @@ class PodRunner:
         self._running: dict[str, _Running] = {}
         log_dir.mkdir(parents=True, exist_ok=True)
         self._hosts = HostsFile(log_dir / "hosts")
-        self._accounts: dict[str, ServiceAccountFiles] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="pod-runner", daemon=True)
         self.errors: list[str] = []
@@ -175,15 +176,13 @@ class PodRunner:
         for key in list(self._running):
             if key not in live or live[key].metadata.uid != self._running[key].uid:
                 self._running.pop(key).process.stop()
-                self._accounts.pop(key, None)
         for key, pod in live.items():
             if key not in self._running:
                 self._running[key] = self._start(key, pod)
         for key, entry in self._running.items():
             self._keep_running(key, entry)
-            account = self._accounts.get(key)
-            if account is not None:
-                account.refresh(self._core, ca=self._ca)
+            if entry.account is not None:
+                entry.account.refresh(self._core, ca=self._ca)
             self._report(key, entry, ready=entry.process.running() and entry.readiness.check())
 
     def _keep_running(self, key: str, entry: _Running) -> None:
@@ -198,7 +197,6 @@ class PodRunner:
             return
         entry.process.stop()
         entry.process = self._spawn(key, argv=entry.argv, env=entry.env, token=entry.token)
-        entry.restarts += 1
         entry.exited_at = None
 
     def _report(self, key: str, entry: _Running, *, ready: bool) -> None:
@@ -244,7 +242,7 @@ class PodRunner:
         env = {name: _EVERY_INTERFACE.sub(rf"{ip}:\1", value) for name, value in env.items()}
         argv = [expand(part, env) for part in [*(container.command or IMAGE_ENTRYPOINT), *(container.args or [])]]
         argv = [_EVERY_INTERFACE.sub(rf"{ip}:\1", part) for part in argv]
-        token: Path | None = None
+        account: ServiceAccountFiles | None = None
         if mounts_token(pod, self._core):
             account = ServiceAccountFiles(
                 folder=self._log_dir / "tokens" / key.replace("/", "_"),
@@ -254,18 +252,15 @@ class PodRunner:
                 pod_uid=pod.metadata.uid,
             )
             account.refresh(self._core, ca=self._ca)
-            self._accounts[key] = account
-            token = account.folder
         readiness = Readiness(probe=container.readiness_probe, container=container, pod_ip=ip)
         # kwok reported the pod ready the moment it bound it; until the probe passes, it is not.
         self._write_ready(key, container=container.name, ready=False)
         return _Running(
             uid=pod.metadata.uid,
-            pod_ip=ip,
-            process=self._spawn(key, argv=argv, env=env, token=token),
+            process=self._spawn(key, argv=argv, env=env, token=None if account is None else account.folder),
             argv=argv,
             env=env,
-            token=token,
+            account=account,
             readiness=readiness,
             reported=False,
         )

@@ -27,6 +27,7 @@ from strata.operator.crd import render_crd
 from strata.operator.names import LABEL_GENERATION, LABEL_INSTANCE
 from strata.operator.spec import GROUP, PLURAL, VERSION
 from strata_testbed.controlplane import ControlPlane
+from strata_testbed.demo import gateway_url
 from strata_testbed.pod_runner import PodRunner
 from strata_testbed.waiting import establish_crd, eventually
 
@@ -321,21 +322,6 @@ def test_a_new_generation_that_cannot_start_leaves_the_old_one_serving_until_it_
     eventually(cut_over, what="the cutover once the new generation can start")
 
 
-def _gateway_url(core: client.CoreV1Api, namespace: str, name: str) -> str | None:
-    """The base URL of a gateway pod of `name` that answers /readyz (the runner runs it on its pod IP)."""
-    selector = f"{LABEL_INSTANCE}={name},app.kubernetes.io/component=gateway"
-    for pod in core.list_namespaced_pod(namespace=namespace, label_selector=selector).items:
-        if pod.status.phase != "Running" or not pod.status.pod_ip:
-            continue
-        url = f"http://{pod.status.pod_ip}:{pod.spec.containers[0].ports[0].container_port}"
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return f"{url}/v1"
-        except httpx.HTTPError:
-            continue
-    return None
-
-
 def _greedy(url: str) -> str:
     body = {"model": "held", "prompt": [1, 17, 200, 3, 45], "max_tokens": 8, "temperature": 0}
     reply = httpx.post(f"{url}/completions", json=body, timeout=60)
@@ -361,7 +347,9 @@ def test_requests_are_answered_by_the_old_generation_while_the_new_one_cannot_st
             api_server=control_plane.server,
             ca=control_plane.pki.ca.cert,
         ) as runner:
-            url = eventually(lambda: _gateway_url(core, namespace, "held"), timeout=180, what=f"{runner.errors}")
+            url = eventually(
+                lambda: gateway_url(core, namespace=namespace, deployment="held"), timeout=180, what=f"{runner.errors}"
+            )
             before = _greedy(url)
             first = read(cluster, namespace, "held")["status"]["plan"]
             node = first["stages"][0]["node"]

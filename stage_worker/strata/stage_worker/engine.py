@@ -69,15 +69,17 @@ class Engine:
         no request waits for it (dynamic shapes: these two cover every batch size and span)."""
         for batch in sorted({1, min(2, self.pool.parallel)}):
             slots = list(range(batch))
-            cells = [self.pool.take(slot=slot, position=0) for slot in slots]
             hidden = (
                 None
                 if self.model.is_first
                 else torch.zeros(batch, self.model.config.dim, dtype=self.dtype, device=self.device)
             )
-            self.decoder.run(slots=slots, positions=[0] * batch, cells=cells, tokens=[0] * batch, hidden=hidden)
-            for slot in slots:
-                self.pool.reset(slot)
+            try:
+                cells = [self.pool.take(slot=slot, position=0) for slot in slots]
+                self.decoder.run(slots=slots, positions=[0] * batch, cells=cells, tokens=[0] * batch, hidden=hidden)
+            finally:  # a failed compilation leaves the slots empty too, for the engine that replaces this one
+                for slot in slots:
+                    self.pool.reset(slot)
 
     def validate(self, chunks: list[Chunk], hidden: Tensor | None) -> None:
         if not chunks:

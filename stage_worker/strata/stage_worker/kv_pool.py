@@ -24,6 +24,12 @@ PLAIN_DTYPES: dict[CacheType, torch.dtype] = {
 }
 
 
+def _stored_bytes(values: Tensor, scales: Tensor | None) -> int:
+    """Bytes of values and (q8_0) scales, as stored."""
+    extra = 0 if scales is None else scales.numel() * scales.element_size()
+    return values.numel() * values.element_size() + extra
+
+
 @dataclass(frozen=True)
 class RawRows:
     """Rows of a store exactly as stored (q8_0: the int8 values and their f16 scales), so a copy put back is
@@ -34,8 +40,7 @@ class RawRows:
 
     @property
     def nbytes(self) -> int:
-        scales = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
-        return self.values.numel() * self.values.element_size() + scales
+        return _stored_bytes(self.values, self.scales)
 
     def head(self, rows: int) -> RawRows:
         return RawRows(values=self.values[:rows], scales=None if self.scales is None else self.scales[:rows])
@@ -59,13 +64,11 @@ class Store:
 
     @property
     def nbytes(self) -> int:
-        scales = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
-        return self.values.numel() * self.values.element_size() + scales
+        return _stored_bytes(self.values, self.scales)
 
     @property
     def row_bytes(self) -> int:
-        scales = 0 if self.scales is None else self.scales.shape[1] * self.scales.element_size()
-        return self.values.shape[1] * self.values.element_size() + scales
+        return _stored_bytes(self.values[0], None if self.scales is None else self.scales[0])
 
     def raw(self, cells: Tensor) -> RawRows:
         """A copy of the rows at `cells` as stored (indexing with a tensor gathers into new memory)."""

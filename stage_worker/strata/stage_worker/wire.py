@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from strata.rpc.v1 import stage_pb2
 from strata.stage_worker.engine import Chunk, StepResult
@@ -67,17 +69,10 @@ def reply_from_result(step_id: int, result: StepResult) -> stage_pb2.ForwardRepl
 
 
 def stats_to_proto(stats: PrefixCacheStats) -> stage_pb2.PrefixCacheStats:
-    return stage_pb2.PrefixCacheStats(
-        snapshots=stats.snapshots,
-        bytes_held=stats.bytes_held,
-        budget_bytes=stats.budget_bytes,
-        hits=stats.hits,
-        misses=stats.misses,
-        evictions=stats.evictions,
-    )
+    return stage_pb2.PrefixCacheStats(**dataclasses.asdict(stats))
 
 
 def summed_stats(*parts: stage_pb2.PrefixCacheStats) -> stage_pb2.PrefixCacheStats:
     """One figure for the pipeline: each stage adds its own to what the stages after it reported."""
-    fields = ("snapshots", "bytes_held", "budget_bytes", "hits", "misses", "evictions")
-    return stage_pb2.PrefixCacheStats(**{name: sum(getattr(part, name) for part in parts) for name in fields})
+    names = [f.name for f in dataclasses.fields(PrefixCacheStats)]
+    return stage_pb2.PrefixCacheStats(**{name: sum(getattr(part, name) for part in parts) for name in names})

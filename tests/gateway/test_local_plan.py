@@ -10,13 +10,8 @@ from pathlib import Path
 
 import pytest
 from strata.cli import main
-from strata.gateway.local_plan import (
-    DEFAULT_CONTEXT_CAP,
-    HEADROOM_FRACTION,
-    KV_BUDGET_PERCENT,
-    LocalFitError,
-    plan_local,
-)
+from strata.fit import DEFAULT_HEADROOM_FRACTION, KV_BUDGET_PERCENT
+from strata.gateway.local_plan import DEFAULT_CONTEXT_CAP, LocalFitError, plan_local
 from strata.gguf import inspect_model
 from strata.gguf.model import CacheType, ModelInfo
 from strata.gguf.testmodels import write_header_only_model, write_test_model
@@ -41,7 +36,7 @@ def room_for(model: ModelInfo, cells: int, *, stages: int = 1) -> int:
     """Free memory in which the weights and exactly `cells` KV cells fit, by the headroom and 85% rules."""
     weights = plan_local(model=model, stages=stages, parallel=LANES, cache_type=CACHE, available_bytes=TB).weight_bytes
     usable = weights + -(-_kv(model, cells) * 100 // KV_BUDGET_PERCENT) + 1
-    return int(usable / (1 - HEADROOM_FRACTION)) + 2
+    return int(usable / (1 - DEFAULT_HEADROOM_FRACTION)) + 2
 
 
 @pytest.mark.parametrize(

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from strata.fit import ContextSnap, candidate_contexts, snap_down
 from strata.gguf.model import CacheType
-from strata.operator.planner.context import ContextSnap, candidate_contexts, snap_down
 from strata.operator.planner.memory import (
     RUNTIME_OVERHEAD_BYTES,
     buffer_bytes,

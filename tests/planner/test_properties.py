@@ -6,10 +6,10 @@ from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strata.fit import KV_BUDGET_PERCENT
 from strata.gguf.model import ModelInfo
 from strata.operator.planner import PlanOptions, plan_placement
 from strata.operator.planner.errors import OverrideDoesNotFitError
-from strata.operator.planner.memory import KV_BUDGET_PERCENT
 from strata_testbed.cluster_objects import gpu_node
 from strata_testbed.model_shapes import Q4_0_BITS, Q8_0_BITS, dense_model, gemma3_like
 

@@ -13,14 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from strata.fit import DEFAULT_HEADROOM_FRACTION, KV_BUDGET_PERCENT, candidate_contexts
 from strata.gateway.local import even_spans
 from strata.gguf.model import CacheType, ModelInfo
 from strata.plan import GB
 
-HEADROOM_FRACTION = 0.10
-KV_BUDGET_PERCENT = 85
-CONTEXT_FLOOR = 512
-CONTEXT_STEP = 256
 # A workstation's memory serves everything else it runs too: unless asked, the context grows no further than this.
 DEFAULT_CONTEXT_CAP = 4096
 MEMINFO = Path("/proc/meminfo")
@@ -74,11 +71,11 @@ def plan_local(
 
     if available_bytes is None:
         return plan(context or min(native, DEFAULT_CONTEXT_CAP), None)
-    usable = int(available_bytes * (1 - HEADROOM_FRACTION))
+    usable = int(available_bytes * (1 - DEFAULT_HEADROOM_FRACTION))
     budget = max(0, usable - weights) * KV_BUDGET_PERCENT // 100
     # Asked for a context, the message names the largest that fits at all; otherwise the default stops at the cap.
     top = native if context else min(native, DEFAULT_CONTEXT_CAP)
-    candidates = [top] if top < CONTEXT_FLOOR else list(range(CONTEXT_FLOOR, top + 1, CONTEXT_STEP))
+    candidates = candidate_contexts(native=top) or [top]
     fitting = [cells for cells in candidates if kv(cells) <= budget]
     if not fitting:
         smallest = candidates[0]

@@ -10,11 +10,11 @@ allocator slack never meets a full cache. A prefix cache share of 0 gives the KV
 
 from __future__ import annotations
 
+from strata.fit import KV_BUDGET_PERCENT
 from strata.gguf.model import ModelInfo
 from strata.plan import Backend
 
 GIB = 1 << 30
-DEFAULT_HEADROOM_FRACTION = 0.10
 # What the runtime keeps for itself before any tensor is loaded: CUDA context and cuBLAS workspaces; HIP runtime
 # and rocBLAS/hipBLASLt workspaces (larger); Level Zero and oneDNN on Intel.
 RUNTIME_OVERHEAD_BYTES: dict[Backend, int] = {
@@ -22,7 +22,6 @@ RUNTIME_OVERHEAD_BYTES: dict[Backend, int] = {
     Backend.ROCM: 3 * GIB // 2,
     Backend.XPU: 1 * GIB,
 }
-KV_BUDGET_PERCENT = 85  # kv_budget = (usable - weights - buffers - prefix cache) * 0.85
 DEFAULT_PREFIX_CACHE_FRACTION = 0.05  # prefix cache = (usable - weights - buffers) * 0.05
 UBATCH_TOKENS = 512  # tokens per micro-batch: sizes the activation and logits buffers
 ACTIVATION_BUFFERS = 16  # hidden-state-sized f32 tensors alive at once in one layer's graph (flash attention)

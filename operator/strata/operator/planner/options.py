@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from strata.fit import DEFAULT_HEADROOM_FRACTION, ContextSnap
 from strata.gguf.model import CacheType
-from strata.operator.planner.context import ContextSnap
 from strata.operator.planner.errors import InvalidOptionError
-from strata.operator.planner.memory import DEFAULT_HEADROOM_FRACTION, DEFAULT_PREFIX_CACHE_FRACTION
+from strata.operator.planner.memory import DEFAULT_PREFIX_CACHE_FRACTION
 from strata.operator.planner.scheduling import Toleration
 
 DEFAULT_PARALLEL = 4  # lanes sharing the KV pool

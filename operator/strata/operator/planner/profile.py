@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import accumulate
 
+from strata.fit import KV_BUDGET_PERCENT
 from strata.gguf.model import CacheType, ModelInfo
-from strata.operator.planner.memory import KV_BUDGET_PERCENT, UBATCH_TOKENS, buffer_bytes, prefix_cache_bytes
+from strata.operator.planner.memory import UBATCH_TOKENS, buffer_bytes, prefix_cache_bytes
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from strata.fit import candidate_contexts
 from strata.gguf.model import ModelInfo
-from strata.operator.planner.context import candidate_contexts
 from strata.operator.planner.errors import OverrideDoesNotFitError
 from strata.operator.planner.inventory import Inventory
 from strata.operator.planner.memory import UBATCH_TOKENS

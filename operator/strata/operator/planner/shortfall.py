@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from strata.operator.planner.memory import KV_BUDGET_PERCENT
+from strata.fit import KV_BUDGET_PERCENT
 from strata.operator.planner.profile import ModelProfile
 from strata.operator.planner.slots import Slot
 from strata.operator.planner.split import Span, place

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from strata.operator.planner.memory import KV_BUDGET_PERCENT
+from strata.fit import KV_BUDGET_PERCENT
 from strata.operator.planner.profile import ModelProfile
 
 

@@ -1,9 +1,13 @@
-"""Context lengths the planner may choose: snapped down to a tidy value, never below a useful floor.
+"""The fitting rules every plan follows: the cluster planner's (strata.operator.planner) and `strata serve`'s alike.
 
-A context is only worth serving if it holds a real conversation (the floor, 512 tokens), and runtimes allocate
-KV in blocks, so the planner snaps down: to a multiple of 256 by default, or to a power of two. The native context
-(what the model was trained for) caps everything; a model whose native context is below the floor is offered
-exactly its native context.
+Contexts: a context is only worth serving if it holds a real conversation (the floor, 512 tokens), and runtimes
+allocate KV in blocks, so a plan snaps down: to a multiple of 256 by default, or to a power of two. The native
+context (what the model was trained for) caps everything; a model whose native context is below the floor is offered
+exactly its native context. Memory: headroom stays free on every device, and the KV cache takes 85% of what the
+rest leaves.
+
+They live here, below every component, so the gateway's single-machine plan follows the same rules without
+importing the operator.
 """
 
 from __future__ import annotations
@@ -12,6 +16,10 @@ from enum import StrEnum
 
 CONTEXT_FLOOR = 512
 CONTEXT_STEP = 256
+# GPU memory kept free by default, beside (at least) the backend's runtime overhead.
+DEFAULT_HEADROOM_FRACTION = 0.10
+# The KV cache gets this share of what weights, buffers and the prefix cache leave; the rest absorbs fragmentation.
+KV_BUDGET_PERCENT = 85  # kv_budget = (usable - weights - buffers - prefix cache) * 0.85
 
 
 class ContextSnap(StrEnum):

@@ -35,8 +35,9 @@ def hf_from_stage(stage: StageModel) -> PreTrainedModel:
     """HF's LlamaForCausalLM holding a whole-model stage's own weights (no second read of the file).
 
     For files too large for HF's GGUF loader to dequantise in reasonable time (an 8B Q8_0 file on a benchmark
-    machine). The tensors are shared, except attn_q/attn_k, which are un-permuted back to HF's order (llama.cpp's
-    converter permutes their rows for "normal" RoPE); HF's own RoPE and attention then compute the reference.
+    machine). The tensors are shared (views into the stage's stacked q/k/v and gate/up matrices), except
+    attn_q/attn_k, which are un-permuted back to HF's order (llama.cpp's converter permutes their rows for "normal"
+    RoPE); HF's own RoPE and attention then compute the reference.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -73,14 +74,16 @@ def hf_from_stage(stage: StageModel) -> PreTrainedModel:
         if not isinstance(block, Block):
             raise TypeError(f"layer {i} is not a Block")
         p = f"model.layers.{i}."
+        q, k, v = torch.split(block.attn.wqkv.weight, [c.q_dim, c.kv_dim, c.kv_dim])
+        gate, up = torch.split(block.ffn.w_gate_up.weight, c.ffn_dim)
         tensors |= {
-            p + "self_attn.q_proj.weight": unpermute(block.attn.wq.weight, c.n_head),
-            p + "self_attn.k_proj.weight": unpermute(block.attn.wk.weight, c.n_head_kv),
-            p + "self_attn.v_proj.weight": block.attn.wv.weight,
+            p + "self_attn.q_proj.weight": unpermute(q, c.n_head),
+            p + "self_attn.k_proj.weight": unpermute(k, c.n_head_kv),
+            p + "self_attn.v_proj.weight": v,
             p + "self_attn.o_proj.weight": block.attn.wo.weight,
-            p + "mlp.gate_proj.weight": block.ffn.w1.weight,
-            p + "mlp.up_proj.weight": block.ffn.w3.weight,
-            p + "mlp.down_proj.weight": block.ffn.w2.weight,
+            p + "mlp.gate_proj.weight": gate,
+            p + "mlp.up_proj.weight": up,
+            p + "mlp.down_proj.weight": block.ffn.w_down.weight,
             p + "input_layernorm.weight": block.attn_norm.weight,
             p + "post_attention_layernorm.weight": block.ffn_norm.weight,
         }

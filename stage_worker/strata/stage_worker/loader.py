@@ -31,22 +31,18 @@ ROPE_STYLES: dict[str, RopeStyle] = {
     "qwen3": RopeStyle.NEOX,
 }
 
-# StageModel parameter path inside a block -> GGUF tensor name inside blk.N.
-BLOCK_TENSORS: dict[str, str] = {
-    "attn_norm.weight": "attn_norm.weight",
-    "attn.wq.weight": "attn_q.weight",
-    "attn.wk.weight": "attn_k.weight",
-    "attn.wv.weight": "attn_v.weight",
-    "attn.wq.bias": "attn_q.bias",
-    "attn.wk.bias": "attn_k.bias",
-    "attn.wv.bias": "attn_v.bias",
-    "attn.wo.weight": "attn_output.weight",
-    "attn.q_norm.weight": "attn_q_norm.weight",
-    "attn.k_norm.weight": "attn_k_norm.weight",
-    "ffn_norm.weight": "ffn_norm.weight",
-    "ffn.w1.weight": "ffn_gate.weight",
-    "ffn.w3.weight": "ffn_up.weight",
-    "ffn.w2.weight": "ffn_down.weight",
+# StageModel parameter path inside a block -> the GGUF tensors inside blk.N that it holds, stacked along the rows in
+# this order (the model fuses q/k/v and gate/up into one matrix each).
+BLOCK_TENSORS: dict[str, tuple[str, ...]] = {
+    "attn_norm.weight": ("attn_norm.weight",),
+    "attn.wqkv.weight": ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
+    "attn.wqkv.bias": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
+    "attn.wo.weight": ("attn_output.weight",),
+    "attn.q_norm.weight": ("attn_q_norm.weight",),
+    "attn.k_norm.weight": ("attn_k_norm.weight",),
+    "ffn_norm.weight": ("ffn_norm.weight",),
+    "ffn.w_gate_up.weight": ("ffn_gate.weight", "ffn_up.weight"),
+    "ffn.w_down.weight": ("ffn_down.weight",),
 }
 READ_PIECE = 8 << 20
 Q8_0_BLOCK_BYTES = 34
@@ -98,14 +94,14 @@ def config_from_header(header: GGUFHeader) -> ModelConfig:
     )
 
 
-def gguf_name(config: ModelConfig, *, layer_start: int, parameter: str) -> str:
-    """The GGUF tensor that holds a StageModel parameter."""
+def gguf_names(config: ModelConfig, *, layer_start: int, parameter: str) -> tuple[str, ...]:
+    """The GGUF tensors that a StageModel parameter holds, in the order they are stacked."""
     if parameter.startswith("layers."):
         _, index, path = parameter.split(".", 2)
-        return f"blk.{layer_start + int(index)}.{BLOCK_TENSORS[path]}"
+        return tuple(f"blk.{layer_start + int(index)}.{name}" for name in BLOCK_TENSORS[path])
     if parameter == "output.weight" and config.tied_output:
-        return "token_embd.weight"
-    return parameter
+        return ("token_embd.weight",)
+    return (parameter,)
 
 
 @dataclass
@@ -116,14 +112,16 @@ class LoadProgress:
     error: str = ""
 
 
-def needed_tensors(model: StageModel, header: GGUFHeader) -> dict[str, list[str]]:
-    """GGUF tensor name -> the StageModel parameters it fills (token_embd may fill both ends of one stage)."""
-    needed: dict[str, list[str]] = {}
+def needed_tensors(model: StageModel, header: GGUFHeader) -> dict[tuple[str, ...], list[str]]:
+    """GGUF tensor names (stacked) -> the StageModel parameters they fill (token_embd may fill both ends of one
+    stage, and is then read once)."""
+    needed: dict[tuple[str, ...], list[str]] = {}
     for parameter, _ in model.named_parameters():
-        name = gguf_name(model.config, layer_start=model.layer_start, parameter=parameter)
-        if name not in header.tensor_by_name:
-            raise ModelFileError(f"the GGUF file has no tensor {name!r}, which layers {model.layer_start}.. need")
-        needed.setdefault(name, []).append(parameter)
+        names = gguf_names(model.config, layer_start=model.layer_start, parameter=parameter)
+        for name in names:
+            if name not in header.tensor_by_name:
+                raise ModelFileError(f"the GGUF file has no tensor {name!r}, which layers {model.layer_start}.. need")
+        needed.setdefault(names, []).append(parameter)
     return needed
 
 
@@ -174,20 +172,28 @@ def load_stage(
     with torch.device("meta"):
         model = StageModel(config, layer_start=layer_start, layer_end=layer_end)
     needed = needed_tensors(model, header)
-    progress.bytes_total = sum(header.tensor_by_name[name].nbytes for name in needed)
+    progress.bytes_total = sum(header.tensor_by_name[name].nbytes for names in needed for name in names)
 
     def count(n: int) -> None:
         progress.bytes_loaded += n
 
-    for name, parameters in needed.items():
-        if cancelled is not None and cancelled.is_set():
-            raise ModelFileError("loading was cancelled")
-        entry = header.tensor_by_name[name]
-        values = dequantize_on(read_raw(source, entry, on_bytes=count), entry, device=device, dtype=dtype)
+    for names, parameters in needed.items():
+        pieces = []
+        for name in names:
+            if cancelled is not None and cancelled.is_set():
+                raise ModelFileError("loading was cancelled")
+            entry = header.tensor_by_name[name]
+            pieces.append(dequantize_on(read_raw(source, entry, on_bytes=count), entry, device=device, dtype=dtype))
+        if any(piece.shape[1:] != pieces[0].shape[1:] for piece in pieces):
+            shapes = ", ".join(f"{name} {tuple(piece.shape)}" for name, piece in zip(names, pieces, strict=True))
+            raise ModelFileError(f"tensors stacked into one matrix must share their columns: {shapes}")
+        values = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        del pieces
         for parameter in parameters:
             expected = model.get_parameter(parameter).shape
             if tuple(values.shape) != tuple(expected):
-                raise ModelFileError(f"tensor {name!r} has shape {tuple(values.shape)}; expected {tuple(expected)}")
+                joined = " + ".join(repr(name) for name in names)
+                raise ModelFileError(f"tensor {joined} has shape {tuple(values.shape)}; expected {tuple(expected)}")
             owner, _, leaf = parameter.rpartition(".")
             setattr(model.get_submodule(owner), leaf, nn.Parameter(values, requires_grad=False))
     progress.loaded = True

@@ -22,6 +22,12 @@ import torch
 import torch.nn.functional as F
 from strata.stage_worker.kv_pool import LayerCache
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
+
+# Prefill attention kernels, best first. Not cuDNN: it builds an execution plan for every new (T, S) shape, and
+# prefill chunks come in every length, so a new prompt would wait for a plan instead of attending.
+PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class RopeStyle(StrEnum):
@@ -84,15 +90,16 @@ class StepLayout:
         for chunk in self.chunks:
             keys, values = cache.read(chunk.cells)  # [S, kv_dim] each, S = positions 0..end of the chunk
             s = keys.shape[0]
-            qc = q[chunk.rows].transpose(0, 1)  # [H, T, hd]
-            kc = keys.view(s, c.n_head_kv, c.head_dim).transpose(0, 1)  # [Hkv, S, hd]
-            vc = values.view(s, c.n_head_kv, c.head_dim).transpose(0, 1)  # [Hkv, S, hd]
-            t = qc.shape[1]
-            # Row i sits at position start + i and sees keys at positions 0..start + i.
-            query_positions = torch.arange(t, device=q.device)[:, None] + chunk.start_position
-            mask = torch.arange(s, device=q.device)[None, :] <= query_positions  # [T, S]
-            attended = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=c.n_rep > 1)
-            out[chunk.rows] = attended.transpose(0, 1)  # [T, H, hd]
+            qc = q[chunk.rows].transpose(0, 1)[None]  # [1, H, T, hd]
+            kc = keys.view(1, s, c.n_head_kv, c.head_dim).transpose(1, 2)  # [1, Hkv, S, hd]
+            vc = values.view(1, s, c.n_head_kv, c.head_dim).transpose(1, 2)  # [1, Hkv, S, hd]
+            # Row i sits at position start + i and sees keys at positions 0..start + i: the causal mask aligned to
+            # the lower right corner of [T, S]. Given as a bias object rather than a dense mask, SDPA can run flash
+            # attention on GPUs instead of materialising [H, T, S] scores.
+            mask = causal_lower_right(qc.shape[2], s)
+            with sdpa_kernel(PREFILL_ATTENTION):
+                attended = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=c.n_rep > 1)
+            out[chunk.rows] = attended[0].transpose(0, 1)  # [T, H, hd]
         return out
 
 

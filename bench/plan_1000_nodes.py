@@ -17,7 +17,7 @@ from typing import Any
 
 from strata.operator.planner import PlanOptions, plan_placement
 from strata_testbed.cluster_objects import gpu_node, gpu_pod
-from strata_testbed.model_shapes import Q8_0_BITS, llama3_70b
+from strata_testbed.model_shapes import Q8_0, llama3_70b
 
 NODES = 1000
 GPUS_PER_NODE = 8
@@ -67,7 +67,7 @@ def _cpu_name() -> str:
 
 def main() -> None:
     nodes, pods = build_pool()
-    model = llama3_70b(bits=Q8_0_BITS)
+    model = llama3_70b(weight_type=Q8_0)
     constrained = PlanOptions(node_selector={"pool": "a10g"}, max_stages=4)
     cases = {
         "70B Q8_0, free choice": PlanOptions(),

@@ -1,21 +1,37 @@
-"""ModelInfo for well-known model shapes, built from their tensor dimensions and a bits-per-weight figure.
+"""ModelInfo for well-known model shapes, built from their tensor dimensions and the type their weights are in.
 
 Until GGUF headers of these shapes are generated (strata.gguf.testmodels), planner tests and benches describe
 models directly. Byte counts follow from the shapes: a Llama-3-70B layer holds 855 M weights (attention
-q/k/v/o plus a 28672-wide gated FFN), which is 0.48 GB at Q4_0's 4.5 bits per weight and 0.91 GB at Q8_0's 8.5.
+q/k/v/o plus a 28672-wide gated FFN), which is 0.48 GB in the file at Q4_0's 4.5 bits per weight and 0.91 GB at
+Q8_0's 8.5. On a GPU the Q4_0 layer is dequantised to 2 bytes per weight (1.71 GB) while Q8_0 stays as stored
+(strata.gguf.resident); norms are F32 in the file and 2 bytes per element on a GPU.
 """
 
 from __future__ import annotations
 
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from strata.gguf.model import ModelInfo, SlidingWindow
+from strata.gguf.resident import resident_bytes
 
-Q4_0_BITS = 4.5
-Q8_0_BITS = 8.5
-F32_BITS = 32
+Q4_0 = GGMLQuantizationType.Q4_0
+Q8_0 = GGMLQuantizationType.Q8_0
+F16 = GGMLQuantizationType.F16
+F32 = GGMLQuantizationType.F32
 
 
-def _tensor_bytes(elements: int, bits: float) -> int:
-    return int(elements * bits) // 8
+class _Bytes:
+    """File and GPU-resident bytes of a group of tensors, added up one tensor at a time."""
+
+    def __init__(self) -> None:
+        self.stored = 0
+        self.resident = 0
+
+    def add(self, elements: int, ggml_type: GGMLQuantizationType) -> _Bytes:
+        block_elements, block_bytes = GGML_QUANT_SIZES[ggml_type]
+        stored = elements // block_elements * block_bytes
+        self.stored += stored
+        self.resident += resident_bytes(ggml_type, elements=elements, stored_bytes=stored)
+        return self
 
 
 def dense_model(
@@ -28,17 +44,17 @@ def dense_model(
     ffn: int = 28672,
     vocab: int = 128256,
     context: int = 131072,
-    bits: float = Q4_0_BITS,
+    weight_type: GGMLQuantizationType = Q4_0,
     tied: bool = False,
     window: SlidingWindow | None = None,
     architecture: str = "llama",
 ) -> ModelInfo:
     """A llama-family dense model; the defaults are Llama-3-70B's shape."""
     attention = embd * heads * head_dim * 2 + embd * kv_heads * head_dim * 2
-    layer = _tensor_bytes(attention + 3 * embd * ffn, bits) + _tensor_bytes(2 * embd, F32_BITS)
-    non_layer = {"token_embd": _tensor_bytes(vocab * embd, bits), "output_norm": _tensor_bytes(embd, F32_BITS)}
+    layer = _Bytes().add(attention + 3 * embd * ffn, weight_type).add(2 * embd, F32)
+    non_layer = {"token_embd": _Bytes().add(vocab * embd, weight_type), "output_norm": _Bytes().add(embd, F32)}
     if not tied:
-        non_layer["output"] = _tensor_bytes(vocab * embd, bits)
+        non_layer["output"] = _Bytes().add(vocab * embd, weight_type)
     return ModelInfo(
         architecture=architecture,
         block_count=layers,
@@ -49,35 +65,43 @@ def dense_model(
         value_length=head_dim,
         context_length=context,
         vocab_size=vocab,
-        layer_bytes=(layer,) * layers,
-        non_layer_bytes=non_layer,
+        layer_bytes=(layer.stored,) * layers,
+        non_layer_bytes={role: group.stored for role, group in non_layer.items()},
+        layer_resident_bytes=(layer.resident,) * layers,
+        non_layer_resident_bytes={role: group.resident for role, group in non_layer.items()},
         output_tied=tied,
         sliding_window=window,
     )
 
 
-def llama3_70b(*, bits: float = Q4_0_BITS) -> ModelInfo:
-    return dense_model(bits=bits)
+def llama3_70b(*, weight_type: GGMLQuantizationType = Q4_0) -> ModelInfo:
+    return dense_model(weight_type=weight_type)
 
 
-def llama3_8b(*, bits: float = Q4_0_BITS) -> ModelInfo:
-    return dense_model(layers=32, embd=4096, heads=32, kv_heads=8, ffn=14336, bits=bits)
+def llama3_8b(*, weight_type: GGMLQuantizationType = Q4_0) -> ModelInfo:
+    return dense_model(layers=32, embd=4096, heads=32, kv_heads=8, ffn=14336, weight_type=weight_type)
 
 
-def qwen3_30b_a3b(*, bits: float = Q4_0_BITS) -> ModelInfo:
+def qwen3_30b_a3b(*, weight_type: GGMLQuantizationType = Q4_0) -> ModelInfo:
     """Qwen3-30B-A3B: 48 layers, 128 experts of width 768 (8 used); experts change weights, not KV."""
     layers, embd, experts, expert_ffn = 48, 2048, 128, 768
     attention = embd * 32 * 128 + embd * 4 * 128 * 2 + 32 * 128 * embd
-    layer = _tensor_bytes(attention + experts * 3 * embd * expert_ffn + embd * experts, bits)
+    layer = _Bytes().add(attention + experts * 3 * embd * expert_ffn + embd * experts, weight_type)
     model = dense_model(
-        layers=layers, embd=embd, heads=32, kv_heads=4, vocab=151936, context=40960, bits=bits, architecture="qwen3moe"
+        layers=layers,
+        embd=embd,
+        heads=32,
+        kv_heads=4,
+        vocab=151936,
+        context=40960,
+        weight_type=weight_type,
+        architecture="qwen3moe",
     )
-    return ModelInfo(
-        **{**model.__dict__, "layer_bytes": (layer,) * layers, "expert_count": experts, "expert_used_count": 8}
-    )
+    per_layer = {"layer_bytes": (layer.stored,) * layers, "layer_resident_bytes": (layer.resident,) * layers}
+    return ModelInfo(**{**model.__dict__, **per_layer, "expert_count": experts, "expert_used_count": 8})
 
 
-def gemma3_like(*, layers: int = 48, window: int = 1024, bits: float = Q4_0_BITS) -> ModelInfo:
+def gemma3_like(*, layers: int = 48, window: int = 1024, weight_type: GGMLQuantizationType = Q4_0) -> ModelInfo:
     """A gemma3-style model: five sliding-window layers for every full-attention one (SWA iff il % 6 < 5)."""
     pattern = tuple(il % 6 < 5 for il in range(layers))
     return dense_model(
@@ -89,7 +113,7 @@ def gemma3_like(*, layers: int = 48, window: int = 1024, bits: float = Q4_0_BITS
         ffn=15360,
         vocab=262144,
         context=131072,
-        bits=bits,
+        weight_type=weight_type,
         tied=True,
         window=SlidingWindow(window=window, layers=pattern),
         architecture="gemma3",

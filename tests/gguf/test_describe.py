@@ -34,11 +34,17 @@ INSPECT_FIELDS = {
 }
 
 
+ROLES = {"token_embd": "token_embd.weight", "output_norm": "output_norm.weight", "output": "output.weight"}
+
+
 def expected_non_layer_bytes(written: WrittenModel) -> dict[str, int]:
-    roles = {"token_embd": "token_embd.weight", "output_norm": "output_norm.weight", "output": "output.weight"}
-    return {
-        role: written.tensor_bytes(name) for role, name in roles.items() if any(t.name == name for t in written.tensors)
-    }
+    names = {t.name for t in written.tensors}
+    return {role: written.tensor_bytes(name) for role, name in ROLES.items() if name in names}
+
+
+def expected_non_layer_resident_bytes(written: WrittenModel) -> dict[str, int]:
+    names = {t.name for t in written.tensors}
+    return {role: written.tensor_resident_bytes(name) for role, name in ROLES.items() if name in names}
 
 
 def write(kind: str, tmp_path: Path) -> WrittenModel:
@@ -74,6 +80,9 @@ def test_model_info_matches_what_was_written(tmp_path: Path, kind: str) -> None:
     assert list(info.layer_bytes) == written.layer_bytes()
     assert info.non_layer_bytes == expected_non_layer_bytes(written)
     assert info.total_bytes == sum(t.nbytes for t in written.tensors)
+    assert list(info.layer_resident_bytes) == written.layer_resident_bytes()
+    assert info.non_layer_resident_bytes == expected_non_layer_resident_bytes(written)
+    assert info.resident_total_bytes == sum(t.resident_bytes for t in written.tensors)
     assert info.output_tied == shape.tied_output
     assert (info.expert_count, info.expert_used_count) == (shape.expert_count, shape.expert_used_count)
     assert info.rope is not None

@@ -14,9 +14,9 @@ from strata.operator.planner.memory import DEFAULT_PREFIX_CACHE_FRACTION, kv_bud
 from strata.operator.spec import ModelDeploymentSpec
 from strata.plan import Plan
 from strata_testbed.cluster_objects import gpu_node
-from strata_testbed.model_shapes import Q8_0_BITS, llama3_70b
+from strata_testbed.model_shapes import Q8_0, llama3_70b
 
-SEVENTY_B = llama3_70b(bits=Q8_0_BITS)
+SEVENTY_B = llama3_70b(weight_type=Q8_0)
 FOUR_A10G = [gpu_node("a10g", gpus=4, gib=24, resource="nvidia.com/gpu")]
 CONTEXT_WITHOUT_PREFIX_CACHE = 71168  # four 24 GB GPUs, Q8 70B, q8_0 KV: the figure before the prefix cache
 

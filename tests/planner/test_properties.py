@@ -11,7 +11,7 @@ from strata.gguf.model import ModelInfo
 from strata.operator.planner import PlanOptions, plan_placement
 from strata.operator.planner.errors import OverrideDoesNotFitError
 from strata_testbed.cluster_objects import gpu_node
-from strata_testbed.model_shapes import Q4_0_BITS, Q8_0_BITS, dense_model, gemma3_like
+from strata_testbed.model_shapes import F16, Q4_0, Q8_0, dense_model, gemma3_like
 
 RESOURCES = ("nvidia.com/gpu", "amd.com/gpu", "gpu.intel.com/xe")
 gpu_groups = st.lists(
@@ -27,7 +27,7 @@ models = st.one_of(
         kv_heads=st.sampled_from((1, 4, 8)),
         ffn=st.sampled_from((8192, 14336, 28672)),
         context=st.sampled_from((4096, 32768, 131072)),
-        bits=st.sampled_from((Q4_0_BITS, Q8_0_BITS, 16)),
+        weight_type=st.sampled_from((Q4_0, Q8_0, F16)),
         tied=st.booleans(),
     ),
     st.builds(gemma3_like, layers=st.integers(6, 62), window=st.sampled_from((512, 1024, 4096))),

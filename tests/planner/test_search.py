@@ -13,13 +13,13 @@ from strata.operator.planner.scheduling import Toleration
 from strata.operator.planner.split import Span, fill
 from strata.plan import Backend, Plan
 from strata_testbed.cluster_objects import gpu_node
-from strata_testbed.model_shapes import Q8_0_BITS, dense_model, llama3_8b, llama3_70b
+from strata_testbed.model_shapes import F16, Q8_0, dense_model, llama3_8b, llama3_70b
 
 GIB = 1 << 30
 A100 = 80
 A10G = 24
 MI300X = 192
-SEVENTY_B = llama3_70b(bits=Q8_0_BITS)  # 0.91 GB per layer, 75 GB in all: more than three 24 GB GPUs hold
+SEVENTY_B = llama3_70b(weight_type=Q8_0)  # 0.91 GB per layer, 75 GB in all: more than three 24 GB GPUs hold
 
 
 def _pool(*sizes: tuple[str, int, int, str]) -> list[dict[str, Any]]:
@@ -39,7 +39,7 @@ def _plan(model: ModelInfo, nodes: list[dict[str, Any]], **options: Any) -> Plan
     ],
 )
 def test_the_first_stage_carries_embeddings_and_the_last_the_output_head(tied: bool) -> None:
-    model = dense_model(tied=tied, bits=Q8_0_BITS)
+    model = dense_model(tied=tied, weight_type=Q8_0)
     plan = _plan(model, _pool(("a10g", 4, A10G, "nvidia.com/gpu")))
     assert len(plan.stages) == 4
     first, *middle, last = plan.stages
@@ -100,7 +100,7 @@ def test_ties_in_context_and_stages_go_to_the_split_with_the_most_spare_memory()
 
 
 def test_a_pipeline_may_mix_nvidia_and_amd_stages() -> None:
-    model = llama3_70b(bits=Q8_0_BITS)
+    model = llama3_70b(weight_type=Q8_0)
     nodes = _pool(("a10g", 2, A10G, "nvidia.com/gpu"), ("w7900", 1, 48, "amd.com/gpu"))
     plan = _plan(model, nodes)
     assert {s.backend for s in plan.stages} == {Backend.CUDA, Backend.ROCM}
@@ -224,7 +224,7 @@ def test_a_pool_too_small_reports_the_gap_and_who_was_counted() -> None:
 
 
 def test_a_layer_larger_than_any_gpu_is_a_per_gpu_shortfall() -> None:
-    model = dense_model(layers=4, embd=16384, ffn=131072, bits=16)
+    model = dense_model(layers=4, embd=16384, ffn=131072, weight_type=F16)
     plan = _plan(model, _pool(("small", 16, 8, "nvidia.com/gpu")))
     assert plan.shortfall is not None
     assert "but layer 0 alone needs" in plan.shortfall.message

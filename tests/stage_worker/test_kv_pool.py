@@ -24,6 +24,8 @@ def llama3_8b_like(n_layer: int = 32) -> ModelInfo:
         vocab_size=128256,
         layer_bytes=(0,) * n_layer,
         non_layer_bytes={},
+        layer_resident_bytes=(0,) * n_layer,
+        non_layer_resident_bytes={},
         output_tied=False,
     )
 

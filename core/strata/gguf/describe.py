@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from strata.gguf.errors import MetadataError
 from strata.gguf.header import GGUFHeader
 from strata.gguf.model import ModelInfo, RopeSettings, SlidingWindow
+from strata.gguf.resident import resident_bytes
 from strata.gguf.values import Value
 
 EXECUTABLE_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -85,7 +87,7 @@ def describe(header: GGUFHeader, *, file_bytes: int | None = None) -> ModelInfo:
     if n_head < 1:
         raise keys.error(f"{arch}.attention.head_count", "must be at least 1")
     head_count_kv = keys.per_layer(f"{arch}.attention.head_count_kv", layers=n_layer, default=n_head)
-    layer_bytes, non_layer_bytes = _weight_bytes(header, layers=n_layer)
+    stored, resident = _weight_bytes(header, layers=n_layer)
     tokens = keys.get("tokenizer.ggml.tokens")
     vocab_size = len(tokens) if isinstance(tokens, tuple) else keys.integer(f"{arch}.vocab_size", default=0)
     if not vocab_size and "token_embd.weight" in header.tensor_by_name:
@@ -101,8 +103,10 @@ def describe(header: GGUFHeader, *, file_bytes: int | None = None) -> ModelInfo:
         value_length=keys.integer(f"{arch}.attention.value_length", default=n_embd // n_head, minimum=1),
         context_length=keys.integer(f"{arch}.context_length", minimum=1),
         vocab_size=vocab_size,
-        layer_bytes=layer_bytes,
-        non_layer_bytes=non_layer_bytes,
+        layer_bytes=tuple(stored.layers),
+        non_layer_bytes=stored.roles,
+        layer_resident_bytes=tuple(resident.layers),
+        non_layer_resident_bytes=resident.roles,
         output_tied="output.weight" not in header.tensor_by_name,
         rope=_rope(keys, arch=arch, key_length=key_length),
         sliding_window=_sliding_window(keys, arch=arch, layers=n_layer),
@@ -119,22 +123,34 @@ def describe(header: GGUFHeader, *, file_bytes: int | None = None) -> ModelInfo:
     )
 
 
-def _weight_bytes(header: GGUFHeader, *, layers: int) -> tuple[tuple[int, ...], dict[str, int]]:
+@dataclass
+class _Totals:
     """Bytes per layer (blk.N.*) and per non-layer role (the tensor name without its last part, e.g. `output`)."""
-    per_layer = [0] * layers
-    by_role: dict[str, int] = {}
+
+    layers: list[int]
+    roles: dict[str, int] = field(default_factory=dict)
+
+    def add(self, *, layer: int | None, role: str, count: int) -> None:
+        if layer is None:
+            self.roles[role] = self.roles.get(role, 0) + count
+        else:
+            self.layers[layer] += count
+
+
+def _weight_bytes(header: GGUFHeader, *, layers: int) -> tuple[_Totals, _Totals]:
+    """Weight bytes as the file stores them, and as a GPU stage holds them once loaded (strata.gguf.resident)."""
+    in_file, resident = _Totals(layers=[0] * layers), _Totals(layers=[0] * layers)
     for tensor in header.tensors:
         match = _LAYER_TENSOR.match(tensor.name)
-        if match is None:
-            role = tensor.name.rsplit(".", 1)[0] if "." in tensor.name else tensor.name
-            by_role[role] = by_role.get(role, 0) + tensor.nbytes
-            continue
-        layer = int(match[1])
-        if layer >= layers:
+        layer = None if match is None else int(match[1])
+        if layer is not None and layer >= layers:
             reason = f"layer {layer} is not below block_count {layers}"
             raise MetadataError(field=f"tensor {tensor.name!r}", offset=tensor.info_offset, reason=reason)
-        per_layer[layer] += tensor.nbytes
-    return tuple(per_layer), by_role
+        role = tensor.name.rsplit(".", 1)[0] if "." in tensor.name else tensor.name
+        in_file.add(layer=layer, role=role, count=tensor.nbytes)
+        held = resident_bytes(tensor.ggml_type, elements=tensor.elements, stored_bytes=tensor.nbytes)
+        resident.add(layer=layer, role=role, count=held)
+    return in_file, resident
 
 
 def _rope(keys: _Keys, *, arch: str, key_length: int) -> RopeSettings:

@@ -81,8 +81,12 @@ class ModelInfo:
     value_length: int
     context_length: int
     vocab_size: int
-    layer_bytes: tuple[int, ...]  # one entry per layer: the sum of that layer's blk.N.* tensors
-    non_layer_bytes: dict[str, int]  # by tensor role: token_embd, output_norm, output
+    layer_bytes: tuple[int, ...]  # in the file, one entry per layer: the sum of that layer's blk.N.* tensors
+    non_layer_bytes: dict[str, int]  # in the file, by tensor role: token_embd, output_norm, output
+    # The same tensors once a GPU stage holds them (strata.gguf.resident): what plans size stages by. They differ
+    # from the file's figures for every type but F16, BF16 and Q8_0.
+    layer_resident_bytes: tuple[int, ...]
+    non_layer_resident_bytes: dict[str, int]
     output_tied: bool  # no `output` tensor: the head reuses token_embd
     rope: RopeSettings | None = None
     sliding_window: SlidingWindow | None = None
@@ -99,25 +103,44 @@ class ModelInfo:
     extra: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if len(self.head_count_kv) != self.block_count or len(self.layer_bytes) != self.block_count:
-            raise ValueError(
-                f"per-layer fields must have block_count={self.block_count} entries: "
-                f"head_count_kv has {len(self.head_count_kv)}, layer_bytes has {len(self.layer_bytes)}"
-            )
+        per_layer = {
+            "head_count_kv": len(self.head_count_kv),
+            "layer_bytes": len(self.layer_bytes),
+            "layer_resident_bytes": len(self.layer_resident_bytes),
+        }
+        if any(count != self.block_count for count in per_layer.values()):
+            counts = ", ".join(f"{name} has {count}" for name, count in per_layer.items())
+            raise ValueError(f"per-layer fields must have block_count={self.block_count} entries: {counts}")
 
     @property
     def total_bytes(self) -> int:
+        """Every tensor's bytes in the file."""
         return sum(self.layer_bytes) + sum(self.non_layer_bytes.values())
 
     @property
     def head_bytes(self) -> int:
-        """Bytes the last stage carries for the output head (token_embd again when tied)."""
-        output = self.non_layer_bytes.get("token_embd" if self.output_tied else "output", 0)
-        return output + self.non_layer_bytes.get("output_norm", 0)
+        """File bytes of the output head the last stage carries (token_embd again when tied)."""
+        return _head_bytes(self.non_layer_bytes, tied=self.output_tied)
 
     @property
     def embedding_bytes(self) -> int:
+        """File bytes of token_embd."""
         return self.non_layer_bytes.get("token_embd", 0)
+
+    @property
+    def resident_total_bytes(self) -> int:
+        """Every tensor's bytes once loaded on GPU stages (token_embd once, even when the head reuses it)."""
+        return sum(self.layer_resident_bytes) + sum(self.non_layer_resident_bytes.values())
+
+    @property
+    def resident_head_bytes(self) -> int:
+        """Bytes the output head takes on the last stage's GPU (token_embd again when tied)."""
+        return _head_bytes(self.non_layer_resident_bytes, tied=self.output_tied)
+
+    @property
+    def resident_embedding_bytes(self) -> int:
+        """Bytes token_embd takes on the first stage's GPU."""
+        return self.non_layer_resident_bytes.get("token_embd", 0)
 
     def is_sliding(self, layer: int) -> bool:
         return self.sliding_window is not None and self.sliding_window.layers[layer]
@@ -151,3 +174,7 @@ class ModelInfo:
                 cells = self.sliding_window.cells(n_ctx=n_ctx, n_seq=n_seq, n_ubatch=n_ubatch)
             total += cells * self.kv_bytes_per_cell(il, type_k=type_k, type_v=type_v)
         return total
+
+
+def _head_bytes(by_role: dict[str, int], *, tied: bool) -> int:
+    return by_role.get("token_embd" if tied else "output", 0) + by_role.get("output_norm", 0)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType, quants
+from strata.gguf.resident import resident_bytes
 from strata.gguf.testmodels.shapes import LARGE_SHAPES, SMALL_SHAPES, ModelShape, PlannedTensor, tensor_plan
 from strata.gguf.testmodels.vocabulary import CHAT_TEMPLATE, Vocabulary, vocabulary
 
@@ -27,6 +28,11 @@ class WrittenTensor:
     dims: tuple[int, ...]  # ggml order
     ggml_type: GGMLQuantizationType
     nbytes: int
+
+    @property
+    def resident_bytes(self) -> int:
+        """What a GPU stage holds for this tensor once loaded."""
+        return resident_bytes(self.ggml_type, elements=int(np.prod(self.dims)), stored_bytes=self.nbytes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,8 +51,18 @@ class WrittenModel:
                 totals[int(tensor.name.split(".")[1])] += tensor.nbytes
         return totals
 
+    def layer_resident_bytes(self) -> list[int]:
+        totals = [0] * self.shape.block_count
+        for tensor in self.tensors:
+            if tensor.name.startswith("blk."):
+                totals[int(tensor.name.split(".")[1])] += tensor.resident_bytes
+        return totals
+
     def tensor_bytes(self, name: str) -> int:
         return next(t.nbytes for t in self.tensors if t.name == name)
+
+    def tensor_resident_bytes(self, name: str) -> int:
+        return next(t.resident_bytes for t in self.tensors if t.name == name)
 
 
 def write_test_model(

@@ -41,7 +41,7 @@ class Stage(_Frozen):
     output_head: bool  # carries output_norm and output (the last stage)
     memory_bytes: int = Field(ge=0)  # the GPU's memory, before headroom
     usable_bytes: int = Field(ge=0)  # memory minus headroom
-    weight_bytes: int = Field(ge=0)  # its layers, plus embeddings and head where it carries them
+    weight_bytes: int = Field(ge=0)  # its layers, plus embeddings and head where it carries them, as held on the GPU
     buffer_bytes: int = Field(ge=0)  # fixed compute buffers
     kv_bytes: int = Field(ge=0)  # its layers' KV cache at the plan's context
     prefix_cache_bytes: int = Field(default=0, ge=0)  # reserved for prefix snapshots of its layers' KV
@@ -65,7 +65,7 @@ class Participant(_Frozen):
     node: str
     gpu: int
     usable_bytes: int
-    weight_bytes: int
+    weight_bytes: int  # as held on the GPU, not the file's size
     kv_bytes: int
 
 

@@ -110,7 +110,15 @@ def test_weights_count_what_each_stage_loads(tmp_path: Path, architecture: str, 
     written = write_test_model(tmp_path / f"{architecture}.gguf", architecture=architecture, block_count=2)
     model = inspect_model(str(written.path))
     plan = plan_local(model=model, stages=stages, parallel=LANES, cache_type=CACHE, available_bytes=TB)
-    assert plan.weight_bytes == model.total_bytes + (written.tensor_bytes(f"{extra}.weight") if extra else 0)
+    resident = sum(tensor.resident_bytes for tensor in written.tensors)
+    assert plan.weight_bytes == resident + (written.tensor_resident_bytes(f"{extra}.weight") if extra else 0)
+
+
+def test_a_k_quant_model_is_sized_by_what_it_takes_once_dequantised(llama8b: ModelInfo) -> None:
+    # 5.2 GB of Q4_K/Q6_K in the file is about 16 GB on the device: 12 GB free would have passed by file bytes.
+    assert llama8b.total_bytes < 12 * 10**9 < llama8b.resident_total_bytes
+    with pytest.raises(LocalFitError, match=r"requires 1[67]\.\d GB at context 512, this machine has 10\.8 GB usable"):
+        plan_local(model=llama8b, stages=1, parallel=LANES, cache_type=CACHE, available_bytes=12 * 10**9)
 
 
 def test_serve_refuses_a_context_beyond_the_models_before_starting_anything(tmp_path: Path) -> None:

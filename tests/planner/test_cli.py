@@ -87,7 +87,8 @@ def test_the_table_shows_stages_and_reasons(llama70b: Path, capsys: pytest.Captu
 
 
 def test_overrides_reach_the_plan(qwen_moe: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    nodes = _write(tmp_path, {"apiVersion": "v1", "kind": "NodeList", "items": [gpu_node("l4", gpus=2, gib=24)]})
+    # Two 48 GB GPUs: the Q4_K file is 17 GB, but dequantised on GPUs it takes about 61 GB.
+    nodes = _write(tmp_path, {"apiVersion": "v1", "kind": "NodeList", "items": [gpu_node("l40s", gpus=2, gib=48)]})
     args = ["--context", "8192", "--parallel", "2", "--cache-type-k", "f16", "--cache-type-v", "q4_0", "--json"]
     assert main(["plan", str(qwen_moe), "--nodes", str(nodes), *args]) == 0
     plan = json.loads(capsys.readouterr().out)
@@ -120,7 +121,8 @@ def test_a_pool_too_small_exits_2_with_the_shortfall(
 def test_an_override_that_cannot_fit_exits_2_saying_what_would(
     llama70b: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    nodes = _write(tmp_path, {"apiVersion": "v1", "kind": "List", "items": [gpu_node("a10g", gpus=3, gib=24)]})
+    # 141 GB of weights once dequantised leave two 80 GiB GPUs room for about half the native context.
+    nodes = _write(tmp_path, {"apiVersion": "v1", "kind": "List", "items": [gpu_node("a100", gpus=2, gib=80)]})
     assert main(["plan", str(llama70b), "--nodes", str(nodes), "--context", "131072"]) == 2
     assert "the largest context that fits is" in capsys.readouterr().err
 

@@ -64,8 +64,8 @@ def test_every_plan_covers_each_layer_once_and_fits_every_stage(
         free = stage.usable_bytes - stage.weight_bytes - stage.buffer_bytes
         assert kv * 100 <= free * KV_BUDGET_PERCENT
     # Every tensor is loaded once, except a tied head on a later stage than the embeddings: token_embd twice.
-    duplicated = model.embedding_bytes if model.output_tied and len(plan.stages) > 1 else 0
-    assert sum(stage.weight_bytes for stage in plan.stages) == model.total_bytes + duplicated
+    duplicated = model.resident_embedding_bytes if model.output_tied and len(plan.stages) > 1 else 0
+    assert sum(stage.weight_bytes for stage in plan.stages) == model.resident_total_bytes + duplicated
 
 
 @PROPERTY_SETTINGS

@@ -45,15 +45,16 @@ def test_the_first_stage_carries_embeddings_and_the_last_the_output_head(tied: b
     first, *middle, last = plan.stages
     assert (first.embeddings, last.output_head) == (True, True)
     assert not any(s.embeddings or s.output_head for s in middle)
-    layers = sum(model.layer_bytes[first.layer_start : first.layer_end])
-    assert first.weight_bytes == layers + model.embedding_bytes
-    assert last.weight_bytes == sum(model.layer_bytes[last.layer_start : last.layer_end]) + model.head_bytes
+    layers = sum(model.layer_resident_bytes[first.layer_start : first.layer_end])
+    assert first.weight_bytes == layers + model.resident_embedding_bytes
+    last_layers = sum(model.layer_resident_bytes[last.layer_start : last.layer_end])
+    assert last.weight_bytes == last_layers + model.resident_head_bytes
 
 
 def test_a_single_stage_with_a_tied_head_loads_token_embd_once() -> None:
     model = dense_model(tied=True, layers=32, embd=4096, heads=32, ffn=14336)
     (stage,) = _plan(model, _pool(("a100", 1, A100, "nvidia.com/gpu"))).stages
-    assert stage.weight_bytes == model.total_bytes
+    assert stage.weight_bytes == model.resident_total_bytes
 
 
 @pytest.mark.parametrize(
@@ -216,7 +217,7 @@ def test_a_pool_too_small_reports_the_gap_and_who_was_counted() -> None:
         f"across 2 GPUs, short by {shortfall.short_by_bytes / 1e9:.1f} GB"
     )
     assert shortfall.available_bytes == 2 * (A10G * GIB - A10G * GIB // 10)
-    assert shortfall.required_bytes > SEVENTY_B.total_bytes
+    assert shortfall.required_bytes > SEVENTY_B.resident_total_bytes
     assert shortfall.short_by_bytes == shortfall.required_bytes - shortfall.available_bytes > 0
     assert [(p.node, p.gpu) for p in shortfall.participants] == [("a10g", 0), ("a10g", 1)]
     assert all(p.weight_bytes + p.kv_bytes <= p.usable_bytes for p in shortfall.participants)

@@ -6,6 +6,7 @@ layer spans on the same device. It must still answer the planner's question, doe
 context, by the planner's rules: headroom stays free, the KV cache gets 85% of what the weights leave, the context
 is snapped down to a multiple of 256 (never below 512), and a context the user asks for is honoured or refused with
 what would fit, never shrunk. Compute buffers are small beside a machine's memory and come out of the headroom.
+Weights count as the bytes a stage holds once loaded (ModelInfo's resident figures), not the file's size.
 """
 
 from __future__ import annotations
@@ -31,16 +32,17 @@ class LocalFitError(ValueError):
 class LocalPlan:
     spans: tuple[tuple[int, int], ...]
     context: int
-    weight_bytes: int  # every stage's weights: the first adds token_embd, the last the output head
+    weight_bytes: int  # every stage's weights as loaded: the first adds token_embd, the last the output head
     kv_bytes: int  # every stage's KV pool at `context` (the lanes share each pool)
     usable_bytes: int | None  # None: the device's memory is unknown and nothing was checked
 
 
 def stage_weight_bytes(model: ModelInfo, spans: list[tuple[int, int]]) -> int:
-    """Weights over all stages; a tied output head shares token_embd only when one stage holds both."""
-    total = sum(model.layer_bytes)
-    head = model.head_bytes - model.embedding_bytes if model.output_tied and len(spans) == 1 else model.head_bytes
-    return total + model.embedding_bytes + head
+    """Resident weights over all stages; a tied output head shares token_embd only when one stage holds both."""
+    head, embeddings = model.resident_head_bytes, model.resident_embedding_bytes
+    if model.output_tied and len(spans) == 1:
+        head -= embeddings
+    return sum(model.layer_resident_bytes) + embeddings + head
 
 
 def plan_local(

@@ -3,6 +3,8 @@
 The search asks "do layers [a, b) fit on this GPU at context c?" thousands of times. ModelInfo answers by walking
 the layers; here the same numbers come from prefix sums: weights, and KV bytes per cell split into full-attention
 layers (which hold `context` cells) and sliding-window layers (which hold min(context, window * slots + ubatch)).
+Weights are the bytes a GPU stage holds once loaded (ModelInfo's resident figures, strata.gguf.resident), not the
+file's: a K-quant file grows when it is dequantised, and planning by its size would overfill the GPU.
 `kv_bytes` equals ModelInfo.kv_bytes for every span; the tests hold it to that.
 """
 
@@ -20,7 +22,7 @@ from strata.operator.planner.memory import UBATCH_TOKENS, buffer_bytes, prefix_c
 class ModelProfile:
     layers: int
     native_context: int
-    embedding_bytes: int
+    embedding_bytes: int  # every weight figure here is resident bytes on a GPU, not file bytes
     head_bytes: int
     head_bytes_beside_embeddings: int  # what the head adds on a stage that already holds token_embd
     middle_buffer_bytes: int
@@ -45,16 +47,17 @@ class ModelProfile:
         sliding = [model.is_sliding(il) for il in range(model.block_count)]
         window = model.sliding_window
         window_cells = window.window * parallel + UBATCH_TOKENS if window is not None else 0
-        head_beside_embeddings = model.head_bytes - model.embedding_bytes if model.output_tied else model.head_bytes
+        head, embeddings = model.resident_head_bytes, model.resident_embedding_bytes
+        head_beside_embeddings = head - embeddings if model.output_tied else head
         return cls(
             layers=model.block_count,
             native_context=model.context_length,
-            embedding_bytes=model.embedding_bytes,
-            head_bytes=model.head_bytes,
+            embedding_bytes=embeddings,
+            head_bytes=head,
             head_bytes_beside_embeddings=head_beside_embeddings,
             middle_buffer_bytes=buffer_bytes(model=model, output_head=False),
             last_buffer_bytes=buffer_bytes(model=model, output_head=True),
-            weight_prefix=(0, *accumulate(model.layer_bytes)),
+            weight_prefix=(0, *accumulate(model.layer_resident_bytes)),
             full_kv_prefix=(0, *accumulate(c * (not s) for c, s in zip(cells, sliding, strict=True))),
             window_kv_prefix=(0, *accumulate(c * s for c, s in zip(cells, sliding, strict=True))),
             window_cells=window_cells,

@@ -27,6 +27,9 @@ INSPECT_FIELDS = {
     "layer_bytes",
     "non_layer_bytes",
     "total_bytes",
+    "layer_resident_bytes",
+    "non_layer_resident_bytes",
+    "resident_total_bytes",
     "kv_bytes_per_token",
     "sliding_window",
     "header_bytes_read",
@@ -203,6 +206,9 @@ def test_the_command_prints_json_with_the_documented_fields(tmp_path: Path, caps
     assert report["layer_bytes"] == written.layer_bytes()
     assert report["non_layer_bytes"] == expected_non_layer_bytes(written)
     assert report["total_bytes"] == sum(t.nbytes for t in written.tensors)
+    assert report["layer_resident_bytes"] == written.layer_resident_bytes()
+    assert report["non_layer_resident_bytes"] == expected_non_layer_resident_bytes(written)
+    assert report["resident_total_bytes"] == sum(t.resident_bytes for t in written.tensors)
     n_kv = written.shape.head_count_kv * written.shape.head_dim * written.shape.block_count
     assert report["kv_bytes_per_token"]["f16"] == 2 * n_kv * 2
     assert report["kv_bytes_per_token"]["q8_0"] == 2 * n_kv // 32 * 34
@@ -227,3 +233,26 @@ def test_the_command_exits_1_on_bad_input(
     path.write_bytes(content)
     assert main(["inspect", str(path)]) == 1
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("kind", "shown"),
+    [
+        pytest.param(
+            "llama3-8b",
+            "total weights       5,172,420,608 B (4.82 GiB) in the file, 16,060,522,496 B (14.96 GiB) on GPUs",
+            id="a K-quant model shows its file size and the larger size it takes on GPUs",
+        ),
+        pytest.param(
+            "llama",
+            "  output            136,000 B (0.13 MiB)",
+            id="a Q8_0 output head is the same size in the file and on GPUs, so it is shown once",
+        ),
+    ],
+)
+def test_the_table_shows_file_and_gpu_sizes_where_they_differ(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str, shown: str
+) -> None:
+    written = write(kind, tmp_path)
+    assert main(["inspect", str(written.path)]) == 0
+    assert shown in capsys.readouterr().out.splitlines()

@@ -1,7 +1,9 @@
 """`strata inspect MODEL [--json]`: what a GGUF model needs, read from its header alone.
 
 A person checks a model before deploying it (layers, bytes per layer, KV bytes per token in each cache type, how
-much was fetched to find out); `--json` gives the same to scripts. Bad input exits 1 with the typed error's message.
+much was fetched to find out); `--json` gives the same to scripts. Weights are shown twice where the figures differ:
+their size in the file (what a download costs) and on GPUs once loaded (what a plan must fit; strata.gguf.resident).
+Bad input exits 1 with the typed error's message.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ def to_json(info: ModelInfo) -> dict[str, Any]:
         "non_layer_bytes": info.non_layer_bytes,
         "output_tied": info.output_tied,
         "total_bytes": info.total_bytes,
+        "layer_resident_bytes": list(info.layer_resident_bytes),
+        "non_layer_resident_bytes": info.non_layer_resident_bytes,
+        "resident_total_bytes": info.resident_total_bytes,
         "kv_bytes_per_token": {t.value: info.kv_bytes_per_token(type_k=t, type_v=t) for t in CacheType},
         "tokenizer_model": info.tokenizer_model,
         "tokenizer_pre": info.tokenizer_pre,
@@ -71,6 +76,13 @@ def _size(n: int | None) -> str:
     if n is None:
         return "unknown"
     return f"{n:,} B ({n / 2**30:.2f} GiB)" if n >= 2**30 else f"{n:,} B ({n / 2**20:.2f} MiB)"
+
+
+def _weights(stored: int, resident: int) -> str:
+    """File bytes, and what GPUs hold once loaded where that differs (dequantised types grow, F32 shrinks)."""
+    if stored == resident:
+        return _size(stored)
+    return f"{_size(stored)} in the file, {_size(resident)} on GPUs"
 
 
 def to_table(info: ModelInfo) -> str:
@@ -92,10 +104,14 @@ def to_table(info: ModelInfo) -> str:
         sliding = sum(info.sliding_window.layers)
         rows.append(("sliding window", f"{info.sliding_window.window} tokens on {sliding} of {info.block_count}"))
     rows += [
-        ("layer weights", f"{_size(sum(info.layer_bytes))}, max {_size(max(info.layer_bytes))} per layer"),
-        *((f"  {role}", _size(n)) for role, n in info.non_layer_bytes.items()),
+        ("layer weights", _weights(sum(info.layer_bytes), sum(info.layer_resident_bytes))),
+        ("  max per layer", _weights(max(info.layer_bytes), max(info.layer_resident_bytes))),
+        *(
+            (f"  {role}", _weights(n, info.non_layer_resident_bytes.get(role, n)))
+            for role, n in info.non_layer_bytes.items()
+        ),
         ("output head", "tied to token_embd" if info.output_tied else "own tensor"),
-        ("total weights", _size(info.total_bytes)),
+        ("total weights", _weights(info.total_bytes, info.resident_total_bytes)),
         *(
             (f"KV/token {t.value}", f"{info.kv_bytes_per_token(type_k=t, type_v=t):,} B")
             for t in (CacheType.F16, CacheType.Q8_0, CacheType.Q4_0)

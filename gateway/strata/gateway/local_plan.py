@@ -6,7 +6,8 @@ layer spans on the same device. It must still answer the planner's question, doe
 context, by the planner's rules: headroom stays free, the KV cache gets 85% of what the weights leave, the context
 is snapped down to a multiple of 256 (never below 512), and a context the user asks for is honoured or refused with
 what would fit, never shrunk. Compute buffers are small beside a machine's memory and come out of the headroom.
-Weights count as the bytes a stage holds once loaded (ModelInfo's resident figures), not the file's size.
+Weights count as the bytes a GPU stage holds once loaded (ModelInfo's resident figures), not the file's size. A CPU
+stage computes in float32 and holds up to twice that; ModelInfo does not carry the element counts to say exactly.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """One caller's Forward stream on a stage that has a next stage: compute step k+1 while step k is downstream.
 
-A thread takes the stream's requests in order: it computes each (the server's `launch`: fencing, then the layers),
-sends the hidden states on to the next stage without waiting, and queues the pending reply. The handler's generator
-yields the queued replies in the same order, waiting for each with the step timeout (strata.stage_worker.next_stage).
+A thread takes the stream's requests in order: it computes each (the server's `compute`: fencing, then the layers),
+sends the hidden states on to the next stage without waiting, on a stream of this caller's own, and queues the
+pending reply. The handler's generator yields the queued replies in the same order, waiting for each with the step
+timeout (strata.stage_worker.next_stage). When the caller's stream ends, for any reason, so does the one onward.
 So this stage works on the next step while the stages after it work on the previous one, and requests and replies
 still pair up in order. A caller that writes one step and waits for its reply gets exactly the old behaviour.
 
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import grpc
 from strata.rpc.v1 import stage_pb2
 from strata.stage_worker.errors import NextStageUnavailableError
-from strata.stage_worker.next_stage import NextStage, PendingReply
+from strata.stage_worker.next_stage import PendingReply, StepStream
 
 
 @dataclass(frozen=True)
@@ -47,12 +48,12 @@ class ForwardStream:
         self,
         *,
         requests: Iterator[stage_pb2.ForwardRequest],
-        next_stage: NextStage,
+        downstream: StepStream,
         compute: Callable[[stage_pb2.ForwardRequest], tuple[tuple[int, ...], stage_pb2.ForwardRequest]],
         reset: Callable[[Iterable[int]], None],
     ) -> None:
         self._requests = requests
-        self._next_stage = next_stage
+        self._downstream = downstream
         self._compute = compute  # a request -> its slots and the request for the next stage; raises StageError
         self._reset = reset
         self._lock = threading.Lock()
@@ -69,7 +70,7 @@ class ForwardStream:
                     raise item.error
                 assert isinstance(item, Launched), "the queue holds launched steps, one failure and the end"
                 try:
-                    reply = self._next_stage.receive(item.pending)
+                    reply = self._downstream.receive(item.pending)
                 except NextStageUnavailableError:
                     self._stop(failed=item.slots)
                     raise
@@ -80,6 +81,7 @@ class ForwardStream:
         finally:
             # The caller went away, or the stream failed: send nothing more on its behalf.
             self._stop(failed=())
+            self._downstream.close()
 
     def _launch_all(self) -> None:
         try:
@@ -91,7 +93,7 @@ class ForwardStream:
                     if self._stopped:  # the stream failed while this step was being computed
                         self._reset(slots)
                         return
-                    self._queue.put(Launched(slots=slots, pending=self._next_stage.send(onward)))
+                    self._queue.put(Launched(slots=slots, pending=self._downstream.send(onward)))
         except grpc.RpcError:
             pass  # the caller cancelled the stream: there is no one to answer
         except Exception as exc:  # handed over in order: the replies before it still go back first

@@ -1,12 +1,15 @@
-"""The long-lived Forward stream from this stage to the next one.
+"""Forward streams from this stage to the next one.
 
-One stream carries every step; requests and replies pair up in order. Sending does not wait: `send` hands back a
-PendingReply, and a reader thread gives each reply to the oldest step still waiting, so this stage can compute and
-send the next step while the stages after it work on the previous one. `receive` waits for one reply with the step
-timeout: a next stage that died (the stream breaks) or hangs (no reply within the step timeout) turns into
-NextStageUnavailableError, the broken stream is dropped, every step still waiting on it fails with the same error
-(none is left to hang), and the next step dials again. Keepalive pings notice a silent peer between steps. The steps
-sent and not yet answered are counted (StepsInFlight) for the stage's load status.
+On a stream requests and replies pair up in order. Each caller's stream into this stage gets a stream of its own to
+the next stage (`open_stream`), so a chain of streams runs from the coordinator to the last stage: a failure on one
+(a stale term refused, a caller gone) never reaches the steps of another caller, and closing a stream closes the
+rest of its chain. Sending does not wait: `send` hands back a PendingReply, and a reader thread gives each reply to
+the oldest step still waiting, so this stage can compute and send the next step while the stages after it work on
+the previous one. `receive` waits for one reply with the step timeout: a next stage that died (the stream breaks) or
+hangs (no reply within the step timeout) turns into NextStageUnavailableError, the stream is closed, and every step
+still waiting on it fails with the same error, none left to hang. Keepalive pings notice a silent peer between
+steps. The steps sent and not yet answered are counted (StepsInFlight) for the stage's load status. `forward`, one
+step at a time on a stream shared by its callers that dials again after a failure, is for tools and tests.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ class PendingReply:
     """The next stage's reply to one step, once the reader thread hands it over (or the error that ended the
     stream it was sent on)."""
 
-    def __init__(self, stream: _Stream, counter: StepsInFlight) -> None:
+    def __init__(self, stream: StepStream, counter: StepsInFlight) -> None:
         self.stream = stream
         self._counter = counter
         self._settled = threading.Event()
@@ -81,24 +84,31 @@ class PendingReply:
         return self._settled.wait(timeout_s)
 
 
-class _Stream:
+class StepStream:
     def __init__(
         self,
         stub: stage_pb2_grpc.StageStub,
         *,
+        target: str,
+        step_timeout_s: float,
         counter: StepsInFlight,
         translate: Callable[[grpc.RpcError], StageError],
-        closed: Callable[[], StageError],
     ) -> None:
+        self.target = target
+        self.step_timeout_s = step_timeout_s
         self._requests: queue.Queue[object] = queue.Queue()
         self._counter = counter
         self._translate = translate
-        self._closed = closed
         self._lock = threading.Lock()
         self._waiting: deque[PendingReply] = deque()  # oldest first: replies come in request order
         self._ended: StageError | None = None
+        self._closed = False
         self.call = stub.Forward(self._iterate())
         threading.Thread(target=self._read, daemon=True, name="next-stage-reader").start()
+
+    @property
+    def ended(self) -> bool:
+        return self._closed or self._ended is not None
 
     def _iterate(self) -> Iterator[stage_pb2.ForwardRequest]:
         while (item := self._requests.get()) is not _CLOSE:
@@ -118,13 +128,14 @@ class _Stream:
         except grpc.RpcError as exc:
             error = self._translate(exc)
         with self._lock:
-            self._ended = error or self._closed()
+            self._ended = error or NextStageUnavailableError(f"the next stage {self.target} closed the stream")
             left = list(self._waiting)
             self._waiting.clear()
         for pending in left:
             pending.fail(self._ended)
 
     def send(self, request: stage_pb2.ForwardRequest) -> PendingReply:
+        """Send one step without waiting; on a stream that has ended, the step fails at once with its error."""
         pending = PendingReply(self, self._counter)
         with self._lock:
             if self._ended is not None:
@@ -134,7 +145,22 @@ class _Stream:
             self._requests.put(request)
         return pending
 
+    def receive(self, pending: PendingReply) -> stage_pb2.ForwardReply:
+        """The reply to a step sent on this stream, waiting at most the step timeout; a stream that broke or hangs
+        is closed, and every step still waiting on it fails too."""
+        if not pending.wait(self.step_timeout_s):
+            self.close()
+            raise NextStageUnavailableError(
+                f"the next stage {self.target} sent no reply within {self.step_timeout_s:.0f} s"
+            )
+        if pending.error is not None:
+            self.close()
+            raise pending.error
+        assert pending.reply is not None, "a settled step has a reply or an error"
+        return pending.reply
+
     def close(self) -> None:
+        self._closed = True
         self._requests.put(_CLOSE)
         self.call.cancel()
 
@@ -147,34 +173,25 @@ class NextStage:
         self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = stage_pb2_grpc.StageStub(self._channel)
         self._lock = threading.Lock()
-        self._stream: _Stream | None = None
+        self._shared: StepStream | None = None
+
+    def open_stream(self) -> StepStream:
+        """A Forward stream of its own to the next stage, for one caller's stream into this one."""
+        return StepStream(
+            self._stub,
+            target=self.target,
+            step_timeout_s=self.step_timeout_s,
+            counter=self.in_flight,
+            translate=self._translate,
+        )
 
     def forward(self, request: stage_pb2.ForwardRequest) -> stage_pb2.ForwardReply:
-        """Send one step and wait for its reply."""
-        return self.receive(self.send(request))
-
-    def send(self, request: stage_pb2.ForwardRequest) -> PendingReply:
-        """Send one step on the stream without waiting; its reply comes from `receive`, in the order sent."""
+        """Send one step on the shared stream and wait for its reply; the next step after a failure dials again."""
         with self._lock:
-            if self._stream is None:
-                self._stream = _Stream(
-                    self._stub, counter=self.in_flight, translate=self._translate, closed=self._closed
-                )
-            return self._stream.send(request)
-
-    def receive(self, pending: PendingReply) -> stage_pb2.ForwardReply:
-        """The reply to a step sent earlier, waiting at most the step timeout; a stream that broke or hangs is
-        dropped, and every step still waiting on it fails too."""
-        if not pending.wait(self.step_timeout_s):
-            self._drop(pending.stream)
-            raise NextStageUnavailableError(
-                f"the next stage {self.target} sent no reply within {self.step_timeout_s:.0f} s"
-            )
-        if pending.error is not None:
-            self._drop(pending.stream)
-            raise pending.error
-        assert pending.reply is not None, "a settled step has a reply or an error"
-        return pending.reply
+            if self._shared is None or self._shared.ended:
+                self._shared = self.open_stream()
+            stream = self._shared
+            return stream.receive(stream.send(request))
 
     def reset_slot(self, request: stage_pb2.ResetSlotRequest) -> None:
         try:
@@ -204,20 +221,9 @@ class NextStage:
 
     def close(self) -> None:
         with self._lock:
-            stream = self._stream
-        if stream is not None:
-            self._drop(stream)
+            if self._shared is not None:
+                self._shared.close()
         self._channel.close()
-
-    def _drop(self, stream: _Stream) -> None:
-        """Close `stream`; the next step dials a new one (unless another thread already replaced it)."""
-        with self._lock:
-            if self._stream is stream:
-                self._stream = None
-        stream.close()
-
-    def _closed(self) -> StageError:
-        return NextStageUnavailableError(f"the next stage {self.target} closed the stream")
 
     def _translate(self, error: grpc.RpcError) -> StageError:
         code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN

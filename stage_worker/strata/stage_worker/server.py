@@ -7,10 +7,10 @@ cache's answers, summed over the stages) travel back up the same calls.
 
 Forward does not wait for the next stage's reply before computing the next request of the same stream
 (strata.stage_worker.forward_stream): a coordinator that keeps several steps in flight (micro-batches of disjoint
-slots) has every stage working at once, and replies still come back in request order. Each request is fenced on its
-own. A step that cannot reach the next stage frees the slots it touched, and those of the steps behind it, and fails
-with UNAVAILABLE, which the coordinator may retry; the stream ends there. The load status counts the steps sent on
-and not yet answered, so overlap can be seen from outside.
+slots) has every stage working at once, and replies still come back in request order. Each caller's stream is passed
+on as a stream of its own, and each request is fenced on its own. A step that cannot reach the next stage frees the
+slots it touched, and those of the steps behind it, and fails with UNAVAILABLE, which the coordinator may retry; the
+stream ends there. The load status counts the steps sent on and not yet answered, so overlap can be seen from outside.
 """
 
 from __future__ import annotations
@@ -284,7 +284,10 @@ class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # gener
                 yield self._guard(context, lambda request=request: self._last_step(request))  # type: ignore[misc]
             return
         stream = ForwardStream(
-            requests=request_iterator, next_stage=self.next_stage, compute=self._step, reset=self._reset_slots
+            requests=request_iterator,
+            downstream=self.next_stage.open_stream(),
+            compute=self._step,
+            reset=self._reset_slots,
         )
         try:
             yield from stream.replies()

@@ -591,7 +591,8 @@ class Pipeline:
             raise
         except asyncio.CancelledError:
             raise self._dropped_under(call) from None
-        if self._call is not call:  # dropped while the reply was on its way to this task
+        still_open = self._call is call  # a bool, so mypy keeps `call` narrowed to an open call below
+        if not still_open:  # dropped while the reply was on its way to this task
             raise DroppedStreamError(
                 grpc.StatusCode.CANCELLED, aio.Metadata(), aio.Metadata(), details="the stream was dropped"
             )

@@ -68,8 +68,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--micro-batches",
         type=int,
         default=DEFAULT_MICRO_BATCHES,
-        help="steps of disjoint lanes in flight at once, so two stages or more compute at the same time; "
-        f"1: one step at a time (default {DEFAULT_MICRO_BATCHES}; a single stage always steps whole)",
+        help="steps of disjoint lanes in flight at once, so two stages or more compute at the same time "
+        f"(default {DEFAULT_MICRO_BATCHES}: one step at a time; a single stage always steps whole)",
     )
     parser.add_argument("--api-keys-file", default="", help="accepted API keys, one per line (or STRATA_API_KEYS)")
     parser.set_defaults(run=run)

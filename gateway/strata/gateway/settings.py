@@ -21,11 +21,13 @@ from pathlib import Path
 from strata.lease import FencingToken, LeaseTiming
 from strata.settings import Option, resolve_options
 
-# Two steps in flight by default: with two stages or more, one stage computes one group of slots while the next
-# computes the other, instead of each waiting half the time (bench/stage_decode.py measures it). More groups only
-# pay with more stages, and shrink each step's batch; the driver ignores the setting when the first stage is also
-# the last, so a single-stage pipeline keeps whole batches.
-DEFAULT_MICRO_BATCHES = 2
+# One step at a time unless asked. Splitting the lanes into micro-batches lets two stages compute at once, but each
+# step then holds half the lanes, and a decode step costs about the same at half the batch (it reads every weight
+# either way): the overlap buys back what the extra steps cost, no more, unless steps are compute-bound or the hops
+# between stages are slow. bench/stage_decode.py on 2 CPU cores, 2 stages, 4 lanes: decode 0.92-0.97x with 2,
+# prefill-heavy (240-token prompts) 1.08-1.10x. Set 2 (STRATA_MICRO_BATCHES, --micro-batches) where a measurement on
+# the target GPUs says it pays; a pipeline of one stage ignores it.
+DEFAULT_MICRO_BATCHES = 1
 
 # Flag, environment variable, type, default (None: required).
 OPTIONS: tuple[Option, ...] = tuple(

@@ -1,18 +1,27 @@
-"""Decode speed of a pipeline split into 1, 2 and 3 stage processes on loopback, and Strata vs HF transformers.
+"""Decode speed of a pipeline split into 1, 2 and 3 stage processes on loopback, Strata vs HF transformers, and
+micro-batches: 4 parallel slots over 2 stages, one step at a time vs two steps in flight.
 
-    .venv/bin/python bench/stage_decode.py [--layers 6] [--tokens 64]
+    .venv/bin/python bench/stage_decode.py [--layers 6] [--tokens 64] [--rounds 3]
 
 Writes a llama model of realistic width (hidden 1024, 16 heads, 8 KV heads, Q8_0/F16 weights) with the shared
 test-model generator, starts `strata stage-worker` processes (each stage its own process, as in a cluster), and
 greedily decodes one slot. Per-hop latency is the extra median step latency each added stage brings, per hop:
 (p50(step, k stages) - p50(step, 1 stage)) / (k - 1); tails are given per configuration, since they do not
-subtract. The last row decodes the same file with HF transformers (its own KV cache, same thread count). Prints
-one table naming the machine.
+subtract. The last row decodes the same file with HF transformers (its own KV cache, same thread count).
+
+Micro-batches: the gateway's driver (strata.gateway.pipeline) on one pair of stage processes with 4 slots generates
+`--tokens` greedy tokens in each of 4 slots at once, with micro_batches 1 (one step of 4 slots at a time) and 2 (two
+steps of 2 slots in flight, so both stages compute at once), alternating `--rounds` times in one run; aggregate
+tokens/s is all slots' tokens over the wall time from submission to the last token (one prefill step included), the
+median of the rounds. Stage 0's peak of steps in flight shows whether the stages overlapped. Two pairs of stages:
+torch's default threads (the stages share every core, as `strata serve` stages share one device), and one thread
+each (a core of its own per stage, as a stage per GPU in a cluster). Prints one table naming the machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import os
 import platform
@@ -26,14 +35,20 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+import grpc
 import torch
 from strata.gateway.local import CO_LOCATED_STAGE_ENV
+from strata.gateway.pipeline import Pipeline as Driver
+from strata.gateway.pipeline import Sampling, Token
 from strata.gguf.testmodels import bench_llama, write_test_model
-from strata.rpc.v1 import stage_pb2
+from strata.lease import FencingToken
+from strata.rpc.v1 import stage_pb2, stage_pb2_grpc
 from strata.stage_worker.client import Pipeline, wait_loaded
 from strata_testbed.hf_reference import hf_reference
 
 PROMPT = tuple(range(10, 26))
+PARALLEL_SLOTS = 4
+CONTEXT = 512  # 4 slots of a 16-token prompt and 64 tokens use 320 cells
 
 
 def machine() -> str:
@@ -42,16 +57,19 @@ def machine() -> str:
 
 
 @contextmanager
-def stage_process(*, model: Path, index: int, span: tuple[int, int], next_port: int | None) -> Iterator[int]:
+def stage_process(
+    *, model: Path, index: int, span: tuple[int, int], next_port: int | None, parallel: int = 1, threads: int = 0
+) -> Iterator[int]:
     env = {
         **CO_LOCATED_STAGE_ENV,
         **os.environ,
+        **({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else {}),
         "STRATA_STAGE_INDEX": str(index),
         "STRATA_LAYER_START": str(span[0]),
         "STRATA_LAYER_END": str(span[1]),
         "STRATA_MODEL_URL": str(model),
-        "STRATA_CONTEXT": "512",
-        "STRATA_PARALLEL": "1",
+        "STRATA_CONTEXT": str(CONTEXT),
+        "STRATA_PARALLEL": str(parallel),
         "STRATA_CACHE_TYPE_K": "f16",
         "STRATA_CACHE_TYPE_V": "f16",
         "STRATA_NEXT_STAGE": f"127.0.0.1:{next_port}" if next_port else "",
@@ -95,6 +113,77 @@ def decode_steps(port: int, *, tokens: int) -> tuple[float, list[float]]:
     return tokens / elapsed, latencies
 
 
+async def _parallel_decode(port: int, *, micro_batches: int, tokens: int) -> float:
+    """All slots generate `tokens` greedy tokens at once through the gateway's driver: aggregate tokens/s."""
+    ready = asyncio.Event()
+    driver = Driver(
+        first_stage=f"127.0.0.1:{port}",
+        slots=PARALLEL_SLOTS,
+        context=CONTEXT,
+        fence=FencingToken(lease_uid="bench", term=1, holder="bench"),
+        micro_batches=micro_batches,
+        probe_interval_s=0.05,
+        on_ready_change=lambda now: ready.set() if now else None,
+    )
+    await driver.start()
+    try:
+        await asyncio.wait_for(ready.wait(), timeout=120)
+        started = time.perf_counter()
+        generations = [
+            driver.submit(
+                slot=slot,
+                prompt=PROMPT,
+                max_tokens=tokens,
+                sampling=Sampling(),
+                stop_ids=frozenset(),
+                on_freed=lambda: None,
+            )
+            for slot in range(PARALLEL_SLOTS)
+        ]
+        produced = 0
+        for generation in generations:
+            produced += sum([isinstance(event, Token) async for event in generation.stream()])
+        elapsed = time.perf_counter() - started
+    finally:
+        await driver.close()
+    return produced / elapsed
+
+
+def parallel_decode(port: int, *, micro_batches: int, tokens: int) -> float:
+    return asyncio.run(_parallel_decode(port, micro_batches=micro_batches, tokens=tokens))
+
+
+def peak_in_flight(port: int) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        status = stage_pb2_grpc.StageStub(channel).GetLoadStatus(stage_pb2.LoadStatusRequest(), timeout=10)
+    return int(status.steps_in_flight_peak)
+
+
+def micro_batch_speeds(
+    model: Path, *, layers: int, tokens: int, rounds: int, threads: int
+) -> tuple[dict[int, float], int]:
+    """Median aggregate tokens/s of 4 slots over 2 stages per micro_batches (1, 2), alternating in one run, and
+    stage 0's peak of steps in flight afterwards; `threads` per stage (0: torch's default)."""
+    runs: dict[int, list[float]] = {1: [], 2: []}
+    with ExitStack() as stack:
+        port: int | None = None
+        for index, span in reversed(list(enumerate(splits(layers, 2)))):
+            port = stack.enter_context(
+                stage_process(
+                    model=model, index=index, span=span, next_port=port, parallel=PARALLEL_SLOTS, threads=threads
+                )
+            )
+            wait_loaded(f"127.0.0.1:{port}", timeout_s=120)
+        assert port is not None
+        for micro_batches in runs:  # warm up
+            parallel_decode(port, micro_batches=micro_batches, tokens=8)
+        for _ in range(rounds):
+            for micro_batches, speeds in runs.items():
+                speeds.append(parallel_decode(port, micro_batches=micro_batches, tokens=tokens))
+        peak = peak_in_flight(port)
+    return {g: statistics.median(speeds) for g, speeds in runs.items()}, peak
+
+
 def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[int(q) - 1]
 
@@ -114,6 +203,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of micro_batches 1 and 2")
     args = parser.parse_args()
     shape = bench_llama(layers=args.layers)
     rows: list[tuple[str, float, float, float]] = []
@@ -137,6 +227,12 @@ def main() -> None:
                 (f"strata, {stages} stage{'s' if stages > 1 else ''}", speeds[stages], p50[stages], p99[stages])
             )
         hf_speed = hf_decode(model, tokens=args.tokens)
+        grouped = {
+            placement: micro_batch_speeds(
+                model, layers=args.layers, tokens=args.tokens, rounds=args.rounds, threads=threads
+            )
+            for placement, threads in (("stages share the cores", 0), ("a core per stage", 1))
+        }
 
     print(f"machine: {machine()}")
     print(f"model: llama, {args.layers} layers, hidden 1024, ffn 2816, 16 heads / 8 KV heads, {size_mb:.0f} MB GGUF")
@@ -153,6 +249,15 @@ def main() -> None:
         kept = speeds[stages] / speeds[1] * 100
         print(f"{stages} stages: {kept:.0f}% of one stage's speed; per hop p50 {hop50:.2f} ms")
     print(f"strata 1 stage vs hf transformers: {speeds[1] / hf_speed:.2f}x")
+    print()
+    print(
+        f"micro-batches: {PARALLEL_SLOTS} slots at once over 2 stages, prompt {len(PROMPT)}, {args.tokens} greedy "
+        f"tokens each, gateway driver, median of {args.rounds} alternating rounds"
+    )
+    print(f"{'stages':<24} {'micro_batches':>13} {'tokens/s':>9} {'vs 1':>6} {'peak in flight':>15}")
+    for placement, (speeds, peak) in grouped.items():
+        for micro_batches, speed in speeds.items():
+            print(f"{placement:<24} {micro_batches:>13} {speed:>9.1f} {speed / speeds[1]:>5.2f}x {peak:>15}")
 
 
 if __name__ == "__main__":

@@ -78,6 +78,10 @@ class StageProcess:
     def running(self) -> bool:
         return self._proc.poll() is None
 
+    def send_signal(self, signum: int) -> None:
+        """Signal the stage's process group (SIGSTOP freezes it, SIGKILL kills it as a lost node would)."""
+        os.killpg(self._proc.pid, signum)
+
     def log_tail(self, lines: int = 20) -> str:
         with contextlib.suppress(OSError):
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

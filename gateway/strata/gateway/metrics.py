@@ -38,6 +38,11 @@ class GatewayMetrics:
         self.tokens_generated = Counter("strata_gateway_tokens_generated", "Tokens sampled for clients", registry=r)
         self.prompt_tokens = Counter("strata_gateway_prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.ready = Gauge("strata_gateway_ready", "1 while the pipeline accepts requests", registry=r)
+        self.steps_in_flight = Gauge(
+            "strata_gateway_steps_in_flight",
+            "Steps written to the first stage whose replies have not come back (at most the micro-batches)",
+            registry=r,
+        )
         self.prefix_cache_hits = Counter(
             "strata_gateway_prefix_cache_hits", "Requests whose prompt prefix every stage restored", registry=r
         )

@@ -6,6 +6,16 @@ generation that finishes, or whose client went away, has its slot reset on the s
 so the next request on that lane starts on a clean slot. The KV pool is shared by all slots, so the driver counts
 the cells in use and ends a generation with finish_reason "length" before a step would overrun the pool.
 
+Micro-batches. With one step at a time only one stage works while the others wait. With `micro_batches` G > 1 and a
+first stage that has a next one (its load status says so), the driver splits the active slots into up to G steps of
+disjoint slots and keeps up to G of them in flight on the stream: it writes the next group's step before the
+previous group's reply is back, so stage 0 computes one group while stage 1 computes another (the stages overlap
+them, strata.stage_worker.forward_stream). Replies come back in order; each is dispatched as it lands and that
+group's slots build their next step. A slot's next chunk needs its previous reply, so a slot is in at most one step
+in flight. Everything that touches a slot outside a step (ResetSlot, SavePrefix, RestorePrefix) waits until the slot
+has no step in flight, and the pool count includes the positions of the steps in flight. Any error fails every step
+in flight, and the stream with them. With G = 1 it is one step at a time, as before.
+
 Every call carries the coordinator's fencing token. A stage answering FAILED_PRECONDITION means another coordinator
 holds a newer term (or another plan generation is live): this one steps down at once, fails what it was running
 with NotReadyError (503 + Retry-After) and stays down until it is given a new token. An elected token is only good
@@ -31,6 +41,7 @@ import contextlib
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +64,10 @@ UNARY_TIMEOUT_S = 10.0
 class LapsedTermError(aio.AioRpcError):  # type: ignore[misc]  # grpc is untyped
     """The token is missing or lapsed, so no call was sent: it fails as a stage's refusal would, but no stage
     refused it."""
+
+
+class DroppedStreamError(aio.AioRpcError):  # type: ignore[misc]  # grpc is untyped
+    """step_down() or promote() cancelled the stream under a step: they have already failed what ran, and said why."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,6 +113,8 @@ class Generation:
     last_token: int = -1
     cancelled: bool = False
     finished: bool = False
+    in_flight: int = 0  # positions of its chunk in a step not yet answered; 0: its slot is free to step or reset
+    landed: int = 0  # the step whose reply last carried it: the longest waiting go first when steps are split
 
     async def stream(self) -> AsyncIterator[Token | Finished]:
         """Tokens until a Finished; raises the GatewayError that ended the generation, if one did."""
@@ -108,6 +125,12 @@ class Generation:
             yield event
             if isinstance(event, Finished):
                 return
+
+
+@dataclass(frozen=True)
+class _Step:
+    step_id: int
+    chunks: list[stage_pb2.SlotChunk]
 
 
 class Pipeline:
@@ -121,6 +144,7 @@ class Pipeline:
         plan_generation: int = 0,
         prefill_chunk: int = 256,
         prefix_chunk: int = 0,  # tokens per prefix-cache chunk; 0: no prefix cache
+        micro_batches: int = 1,  # steps in flight at once, of disjoint slots; used only with two stages or more
         metrics: GatewayMetrics | None = None,  # None: figures of its own, unread
         step_timeout_s: float = 120.0,
         probe_interval_s: float = 0.5,
@@ -133,6 +157,10 @@ class Pipeline:
         self.context = context
         self.plan_generation = plan_generation
         self.prefill_chunk = prefill_chunk
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches must be at least 1, not {micro_batches}")
+        self.micro_batches = micro_batches
+        self._groups = 1  # micro_batches once the first stage says a next stage follows it
         self.prefixes = PrefixIndex(chunk=prefix_chunk) if prefix_chunk > 0 else None
         self.metrics = metrics or GatewayMetrics()
         self.step_timeout_s = step_timeout_s
@@ -155,6 +183,7 @@ class Pipeline:
         self._channel: aio.Channel | None = None
         self._stub: stage_pb2_grpc.StageStub | None = None
         self._call: aio.StreamStreamCall | None = None
+        self._in_flight: deque[_Step] = deque()  # written on the stream, oldest first; replies come in this order
         self._driver: asyncio.Task[None] | None = None
 
     # Lifecycle.
@@ -256,29 +285,42 @@ class Pipeline:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            await self._free_cancelled()
-            if not self._active:
-                continue
             try:
+                await self._free_cancelled()
                 await self._restore_prefixes()
+                await self._send_steps()
+                if self._in_flight:
+                    await self._land()
             except grpc.RpcError as exc:
                 await self._fail_all(exc)
-                continue
+
+    async def _send_steps(self) -> None:
+        """Write a step for the slots without one in flight, and another, until `_groups` steps are in flight."""
+        while len(self._in_flight) < self._groups:
             chunks = self._chunks()
             if not chunks:
-                continue
-            try:
-                reply = await self._step(chunks)
-                self._dispatch(chunks, reply)
-                await self._save_prefixes(chunks)
-            except grpc.RpcError as exc:
-                await self._fail_all(exc)
-                continue
+                return
+            await self._write(chunks)
+
+    async def _land(self) -> None:
+        """Wait for the oldest step's reply, hand out its tokens, and save the prefixes whose prefill it completed."""
+        step, reply = await self._read()
+        self._dispatch(step, reply)
+        await self._save_prefixes(step.chunks)
 
     def _chunks(self) -> list[stage_pb2.SlotChunk]:
-        used = sum(g.fed for g in self._active.values())
+        """The next step: a chunk for each generation that may step now, in slot order. With micro-batches it takes
+        the longest waiting first, no more than an even share of the stepping slots (so uneven groups even out
+        as they land) and no more than leaves a slot for each step still to write (so G groups fill up)."""
+        used = sum(g.fed + g.in_flight for g in self._active.values())
+        waiting = [g for g in self._active.values() if not g.cancelled and not g.in_flight]
+        stepping = len(waiting) + sum(1 for g in self._active.values() if g.in_flight)
+        even = math.ceil(stepping / self._groups)
+        share = min(even, math.ceil(len(waiting) / (self._groups - len(self._in_flight))))
+        chosen = sorted(waiting, key=lambda g: (g.landed, g.slot))[:share]
         chunks = []
-        for slot, g in sorted(self._active.items()):
+        for g in sorted(chosen, key=lambda g: g.slot):
+            slot = g.slot
             if g.fed < len(g.prompt):
                 # Chunks end on multiples of prefill_chunk even after a restored prefix, so a restored request
                 # prefills the same spans of positions as a full prefill would.
@@ -308,12 +350,16 @@ class Pipeline:
             chunks.append(chunk)
         return chunks
 
-    def _dispatch(self, chunks: list[stage_pb2.SlotChunk], reply: stage_pb2.ForwardReply) -> None:
+    def _dispatch(self, step: _Step, reply: stage_pb2.ForwardReply) -> None:
         sampled = {t.slot: t for t in reply.tokens}
-        for chunk in chunks:
+        for chunk in step.chunks:
             slot = chunk.slot
             g = self._active.get(slot)
-            if g is None or g.finished:
+            if g is None:
+                continue
+            g.in_flight = 0
+            g.landed = step.step_id
+            if g.finished:
                 continue
             g.fed = chunk.start_position + chunk.length
             token = sampled.get(slot)
@@ -395,14 +441,12 @@ class Pipeline:
         g.cancelled = True  # its slot is reset before the next step
 
     async def _free_cancelled(self) -> None:
+        """Reset the slots of finished and cancelled generations and free their lanes; a slot with a step in flight
+        waits for that step's reply, so the reset never overtakes it."""
         for slot, g in list(self._active.items()):
-            if not g.cancelled:
+            if not g.cancelled or g.in_flight:
                 continue
-            try:
-                await self._unary("ResetSlot", stage_pb2.ResetSlotRequest(fence=self._proto_fence(), slot=slot))
-            except grpc.RpcError as exc:
-                await self._fail_all(exc)
-                return
+            await self._unary("ResetSlot", stage_pb2.ResetSlotRequest(fence=self._proto_fence(), slot=slot))
             self._release(slot)
 
     def _release(self, slot: int) -> None:
@@ -414,7 +458,7 @@ class Pipeline:
         code = exc.code() if isinstance(exc, aio.AioRpcError) else grpc.StatusCode.UNKNOWN
         details = exc.details() if isinstance(exc, aio.AioRpcError) else str(exc)
         self._drop_stream()
-        if self.deposed:  # step_down() already failed everything and cancelled the stream under this call
+        if self.deposed or isinstance(exc, DroppedStreamError):  # step_down() or promote() already failed everything
             return
         if code == grpc.StatusCode.FAILED_PRECONDITION:
             log.warning("a stage refused this coordinator, stepping down: %s", details)
@@ -457,6 +501,8 @@ class Pipeline:
                 self._set_ready(False, reason)
                 await asyncio.sleep(self.probe_interval_s)
                 return
+            # One stage has nothing to overlap a step with: splitting would only make its batches smaller.
+            self._groups = self.micro_batches if status.has_next_stage else 1
             await self._unary(
                 "Claim", stage_pb2.ClaimRequest(fence=self._proto_fence(), plan_generation=self.plan_generation)
             )
@@ -498,6 +544,13 @@ class Pipeline:
         return await call(request, timeout=UNARY_TIMEOUT_S)
 
     async def _step(self, chunks: list[stage_pb2.SlotChunk]) -> stage_pb2.ForwardReply:
+        """One step alone: write it and wait for its reply (the readiness probe)."""
+        await self._write(chunks)
+        _step, reply = await self._read()
+        return reply
+
+    async def _write(self, chunks: list[stage_pb2.SlotChunk]) -> None:
+        """Write a step on the stream without waiting for its reply; its slots are in flight until `_read`."""
         assert self._stub is not None, "start() opens the channel"
         self._step_id += 1
         request = stage_pb2.ForwardRequest(
@@ -506,25 +559,80 @@ class Pipeline:
         if self._call is None:
             self._call = self._stub.Forward()
         call = self._call
+        # In flight from here: a cancel() while the write is under way must already find the slot busy.
+        self._in_flight.append(_Step(step_id=self._step_id, chunks=chunks))
+        self.metrics.steps_in_flight.set(len(self._in_flight))
+        for chunk in chunks:
+            if (g := self._active.get(chunk.slot)) is not None:
+                g.in_flight = chunk.length
         try:
             await call.write(request)
-            reply = await asyncio.wait_for(call.read(), timeout=self.step_timeout_s)
-        except (TimeoutError, asyncio.InvalidStateError) as exc:
+        except asyncio.InvalidStateError as exc:
             self._drop_stream()
-            raise aio.AioRpcError(
-                grpc.StatusCode.UNAVAILABLE, aio.Metadata(), aio.Metadata(), details=f"no reply to a step: {exc!r}"
-            ) from exc
+            raise self._unavailable(f"cannot write a step: {exc!r}") from exc
         except aio.AioRpcError:
             self._drop_stream()
             raise
+        except asyncio.CancelledError:
+            raise self._dropped_under(call) from None
+
+    async def _read(self) -> tuple[_Step, stage_pb2.ForwardReply]:
+        """The oldest step in flight and its reply, waiting at most the step timeout."""
+        call = self._call
+        assert call is not None, "a step was written on the open stream"
+        assert self._in_flight, "a step was written"
+        try:
+            reply = await asyncio.wait_for(call.read(), timeout=self.step_timeout_s)
+        except (TimeoutError, asyncio.InvalidStateError) as exc:
+            self._drop_stream()
+            raise self._unavailable(f"no reply to a step: {exc!r}") from exc
+        except aio.AioRpcError:
+            self._drop_stream()
+            raise
+        except asyncio.CancelledError:
+            raise self._dropped_under(call) from None
+        still_open = self._call is call  # a bool, so mypy keeps `call` narrowed to an open call below
+        if not still_open:  # dropped while the reply was on its way to this task
+            raise DroppedStreamError(
+                grpc.StatusCode.CANCELLED, aio.Metadata(), aio.Metadata(), details="the stream was dropped"
+            )
         if reply is aio.EOF:
             self._drop_stream()
             status = await call.code()
             raise aio.AioRpcError(status, aio.Metadata(), aio.Metadata(), details=await call.details())
+        step = self._in_flight.popleft()
+        self.metrics.steps_in_flight.set(len(self._in_flight))
         result: stage_pb2.ForwardReply = reply
-        return result
+        if result.step_id != step.step_id:  # replies pair with requests in order; anything else is a broken stage
+            self._drop_stream()
+            raise aio.AioRpcError(
+                grpc.StatusCode.INTERNAL,
+                aio.Metadata(),
+                aio.Metadata(),
+                details=f"the reply to step {result.step_id} came back for step {step.step_id}",
+            )
+        return step, result
+
+    def _dropped_under(self, call: aio.StreamStreamCall) -> aio.AioRpcError:
+        """grpc raises CancelledError in a read or write of a call cancelled here: when step_down() or promote()
+        dropped the stream under the driver, that is the step failing, not the driver being cancelled."""
+        task = asyncio.current_task()
+        if (task is not None and task.cancelling()) or self._call is call:
+            raise asyncio.CancelledError
+        return DroppedStreamError(
+            grpc.StatusCode.CANCELLED, aio.Metadata(), aio.Metadata(), details="the stream was dropped"
+        )
+
+    @staticmethod
+    def _unavailable(details: str) -> aio.AioRpcError:
+        return aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, aio.Metadata(), aio.Metadata(), details=details)
 
     def _drop_stream(self) -> None:
+        """Cancel the stream; every step in flight on it is lost, so its slots are no longer in flight."""
         if self._call is not None:
             self._call.cancel()
             self._call = None
+        self._in_flight.clear()
+        self.metrics.steps_in_flight.set(0)
+        for g in self._active.values():
+            g.in_flight = 0

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from strata.gateway.settings import DEFAULT_MICRO_BATCHES
 from strata.gguf.model import CacheType
 
 if TYPE_CHECKING:
@@ -62,6 +63,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument(
         "--prefix-cache-chunk", type=int, default=256, help="prefix snapshots are taken every N tokens (default 256)"
+    )
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        default=DEFAULT_MICRO_BATCHES,
+        help="steps of disjoint lanes in flight at once, so two stages or more compute at the same time "
+        f"(default {DEFAULT_MICRO_BATCHES}: one step at a time; a single stage always steps whole)",
     )
     parser.add_argument("--api-keys-file", default="", help="accepted API keys, one per line (or STRATA_API_KEYS)")
     parser.set_defaults(run=run)
@@ -136,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
             retry_after_seconds=args.retry_after_seconds,
             listen=f"{args.host}:{args.port}",
             prefix_cache_chunk=args.prefix_cache_chunk if args.prefix_cache_bytes > 0 else 0,
+            micro_batches=args.micro_batches,
             api_keys=api_keys(environ=os.environ, keys_file=args.api_keys_file),
         )
         app, serving = build(settings, header=header)

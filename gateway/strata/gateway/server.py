@@ -63,6 +63,7 @@ def build(settings: GatewaySettings, *, header: GGUFHeader | None = None) -> tup
         fence=None if settings.lease_name else settings.fence,
         plan_generation=settings.plan_generation,
         prefix_chunk=settings.prefix_cache_chunk,
+        micro_batches=settings.micro_batches,
         metrics=metrics,
         on_ready_change=lambda ready: metrics.ready.set(1 if ready else 0),
         on_fenced=events.fenced if events is not None else lambda _fence, _details: None,

@@ -21,6 +21,14 @@ from pathlib import Path
 from strata.lease import FencingToken, LeaseTiming
 from strata.settings import Option, resolve_options
 
+# One step at a time unless asked. Splitting the lanes into micro-batches lets two stages compute at once, but each
+# step then holds half the lanes, and a decode step costs about the same at half the batch (it reads every weight
+# either way): the overlap buys back what the extra steps cost, no more, unless steps are compute-bound or the hops
+# between stages are slow. bench/stage_decode.py on 2 CPU cores, 2 stages, 4 lanes: decode 0.92-0.97x with 2,
+# prefill-heavy (240-token prompts) 1.08-1.10x. Set 2 (STRATA_MICRO_BATCHES, --micro-batches) where a measurement on
+# the target GPUs says it pays; a pipeline of one stage ignores it.
+DEFAULT_MICRO_BATCHES = 1
+
 # Flag, environment variable, type, default (None: required).
 OPTIONS: tuple[Option, ...] = tuple(
     Option(*row)
@@ -45,6 +53,7 @@ OPTIONS: tuple[Option, ...] = tuple(
         ("--deployment-name", "STRATA_DEPLOYMENT_NAME", str, ""),
         ("--deployment-uid", "STRATA_DEPLOYMENT_UID", str, ""),
         ("--prefix-cache-chunk", "STRATA_PREFIX_CACHE_CHUNK", int, 256),
+        ("--micro-batches", "STRATA_MICRO_BATCHES", int, DEFAULT_MICRO_BATCHES),
     )
 )
 
@@ -76,6 +85,7 @@ class GatewaySettings:
     deployment_name: str = ""  # the ModelDeployment that Events name (in lease_namespace); empty: no Events
     deployment_uid: str = ""
     prefix_cache_chunk: int = 256  # tokens per prefix-cache chunk (snapshots are taken at multiples); 0: off
+    micro_batches: int = DEFAULT_MICRO_BATCHES  # steps of disjoint slots in flight at once (with 2+ stages)
     api_keys: frozenset[str] = field(default=frozenset(), repr=False)
     model_token: str | None = field(default=None, repr=False)
     fence: FencingToken = field(default_factory=local_fence)
@@ -85,6 +95,8 @@ class GatewaySettings:
             raise ValueError(f"context ({self.context}) must be at least 2 and parallel ({self.parallel}) positive")
         if self.prefix_cache_chunk < 0:
             raise ValueError(f"the prefix cache chunk must not be negative, not {self.prefix_cache_chunk}")
+        if self.micro_batches < 1:
+            raise ValueError(f"micro-batches must be at least 1, not {self.micro_batches}")
         if self.lease_name:
             self.lease_timing()  # refuses unsafe timings at start-up, not at the first election
 

@@ -1,16 +1,23 @@
-"""The long-lived Forward stream from this stage to the next one.
+"""Forward streams from this stage to the next one.
 
-One stream carries every step; requests and replies pair up in order. A reader thread moves replies into a queue so
-a step can wait with a deadline: a next stage that died (the stream breaks) or hangs (no reply within the step
-timeout) turns into NextStageUnavailableError at once, the broken stream is dropped, and the next step dials again.
-Keepalive pings notice a silent peer between steps.
+On a stream requests and replies pair up in order. Each caller's stream into this stage gets a stream of its own to
+the next stage (`open_stream`), so a chain of streams runs from the coordinator to the last stage: a failure on one
+(a stale term refused, a caller gone) never reaches the steps of another caller, and closing a stream closes the
+rest of its chain. Sending does not wait: `send` hands back a PendingReply, and a reader thread gives each reply to
+the oldest step still waiting, so this stage can compute and send the next step while the stages after it work on
+the previous one. `receive` waits for one reply with the step timeout: a next stage that died (the stream breaks) or
+hangs (no reply within the step timeout) turns into NextStageUnavailableError, the stream is closed, and every step
+still waiting on it fails with the same error, none left to hang. Keepalive pings notice a silent peer between
+steps. The steps sent and not yet answered are counted (StepsInFlight) for the stage's load status. `forward`, one
+step at a time on a stream shared by its callers that dials again after a failure, is for tools and tests.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 
 import grpc
 from strata.rpc.v1 import stage_pb2, stage_pb2_grpc
@@ -30,28 +37,130 @@ class RemoteStageError(StageError):
         self.code = code
 
 
-class _Stream:
-    def __init__(self, stub: stage_pb2_grpc.StageStub) -> None:
+class StepsInFlight:
+    """Steps sent to the next stage whose replies have not come back: now, and the most at once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.now = 0
+        self.peak = 0
+
+    def begin(self) -> None:
+        with self._lock:
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+
+    def end(self) -> None:
+        with self._lock:
+            self.now -= 1
+
+
+class PendingReply:
+    """The next stage's reply to one step, once the reader thread hands it over (or the error that ended the
+    stream it was sent on)."""
+
+    def __init__(self, stream: StepStream, counter: StepsInFlight) -> None:
+        self.stream = stream
+        self._counter = counter
+        self._settled = threading.Event()
+        self.reply: stage_pb2.ForwardReply | None = None
+        self.error: StageError | None = None
+        counter.begin()
+
+    def resolve(self, reply: stage_pb2.ForwardReply) -> None:
+        self.reply = reply
+        self._settle()
+
+    def fail(self, error: StageError) -> None:
+        self.error = error
+        self._settle()
+
+    def _settle(self) -> None:
+        if not self._settled.is_set():
+            self._counter.end()
+            self._settled.set()
+
+    def wait(self, timeout_s: float) -> bool:
+        return self._settled.wait(timeout_s)
+
+
+class StepStream:
+    def __init__(
+        self,
+        stub: stage_pb2_grpc.StageStub,
+        *,
+        target: str,
+        step_timeout_s: float,
+        counter: StepsInFlight,
+        translate: Callable[[grpc.RpcError], StageError],
+    ) -> None:
+        self.target = target
+        self.step_timeout_s = step_timeout_s
         self._requests: queue.Queue[object] = queue.Queue()
-        self.replies: queue.Queue[stage_pb2.ForwardReply | grpc.RpcError] = queue.Queue()
+        self._counter = counter
+        self._translate = translate
+        self._lock = threading.Lock()
+        self._waiting: deque[PendingReply] = deque()  # oldest first: replies come in request order
+        self._ended: StageError | None = None
+        self._closed = False
         self.call = stub.Forward(self._iterate())
         threading.Thread(target=self._read, daemon=True, name="next-stage-reader").start()
+
+    @property
+    def ended(self) -> bool:
+        return self._closed or self._ended is not None
 
     def _iterate(self) -> Iterator[stage_pb2.ForwardRequest]:
         while (item := self._requests.get()) is not _CLOSE:
             yield item  # type: ignore[misc]
 
     def _read(self) -> None:
+        error: StageError | None = None
         try:
             for reply in self.call:
-                self.replies.put(reply)
+                with self._lock:
+                    pending = self._waiting.popleft() if self._waiting else None
+                if pending is None:
+                    error = RemoteStageError(grpc.StatusCode.INTERNAL, "the next stage replied to a step never sent")
+                    self.call.cancel()
+                    break
+                pending.resolve(reply)
         except grpc.RpcError as exc:
-            self.replies.put(exc)
+            error = self._translate(exc)
+        with self._lock:
+            self._ended = error or NextStageUnavailableError(f"the next stage {self.target} closed the stream")
+            left = list(self._waiting)
+            self._waiting.clear()
+        for pending in left:
+            pending.fail(self._ended)
 
-    def send(self, request: stage_pb2.ForwardRequest) -> None:
-        self._requests.put(request)
+    def send(self, request: stage_pb2.ForwardRequest) -> PendingReply:
+        """Send one step without waiting; on a stream that has ended, the step fails at once with its error."""
+        pending = PendingReply(self, self._counter)
+        with self._lock:
+            if self._ended is not None:
+                pending.fail(self._ended)
+                return pending
+            self._waiting.append(pending)
+            self._requests.put(request)
+        return pending
+
+    def receive(self, pending: PendingReply) -> stage_pb2.ForwardReply:
+        """The reply to a step sent on this stream, waiting at most the step timeout; a stream that broke or hangs
+        is closed, and every step still waiting on it fails too."""
+        if not pending.wait(self.step_timeout_s):
+            self.close()
+            raise NextStageUnavailableError(
+                f"the next stage {self.target} sent no reply within {self.step_timeout_s:.0f} s"
+            )
+        if pending.error is not None:
+            self.close()
+            raise pending.error
+        assert pending.reply is not None, "a settled step has a reply or an error"
+        return pending.reply
 
     def close(self) -> None:
+        self._closed = True
         self._requests.put(_CLOSE)
         self.call.cancel()
 
@@ -60,28 +169,29 @@ class NextStage:
     def __init__(self, target: str, *, step_timeout_s: float) -> None:
         self.target = target
         self.step_timeout_s = step_timeout_s
+        self.in_flight = StepsInFlight()
         self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = stage_pb2_grpc.StageStub(self._channel)
         self._lock = threading.Lock()
-        self._stream: _Stream | None = None
+        self._shared: StepStream | None = None
+
+    def open_stream(self) -> StepStream:
+        """A Forward stream of its own to the next stage, for one caller's stream into this one."""
+        return StepStream(
+            self._stub,
+            target=self.target,
+            step_timeout_s=self.step_timeout_s,
+            counter=self.in_flight,
+            translate=self._translate,
+        )
 
     def forward(self, request: stage_pb2.ForwardRequest) -> stage_pb2.ForwardReply:
+        """Send one step on the shared stream and wait for its reply; the next step after a failure dials again."""
         with self._lock:
-            if self._stream is None:
-                self._stream = _Stream(self._stub)
-            stream = self._stream
-            stream.send(request)
-            try:
-                reply = stream.replies.get(timeout=self.step_timeout_s)
-            except queue.Empty:
-                self._drop()
-                raise NextStageUnavailableError(
-                    f"the next stage {self.target} sent no reply within {self.step_timeout_s:.0f} s"
-                ) from None
-            if isinstance(reply, grpc.RpcError):
-                self._drop()
-                raise self._translate(reply)
-            return reply
+            if self._shared is None or self._shared.ended:
+                self._shared = self.open_stream()
+            stream = self._shared
+            return stream.receive(stream.send(request))
 
     def reset_slot(self, request: stage_pb2.ResetSlotRequest) -> None:
         try:
@@ -111,13 +221,9 @@ class NextStage:
 
     def close(self) -> None:
         with self._lock:
-            self._drop()
+            if self._shared is not None:
+                self._shared.close()
         self._channel.close()
-
-    def _drop(self) -> None:
-        if self._stream is not None:
-            self._stream.close()
-            self._stream = None
 
     def _translate(self, error: grpc.RpcError) -> StageError:
         code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN

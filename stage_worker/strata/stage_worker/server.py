@@ -3,8 +3,14 @@
 The server answers at once and loads the weights in the background, so the operator can read load progress while
 the stage fills. The coordinator talks to the first stage only: Forward, ResetSlot, Claim, SavePrefix and
 RestorePrefix run here and are passed on to the next stage, and the last stage's sampled tokens (and the prefix
-cache's answers, summed over the stages) travel back up the same calls. A step that cannot reach
-the next stage frees the slots it touched and fails with UNAVAILABLE, which the coordinator may retry.
+cache's answers, summed over the stages) travel back up the same calls.
+
+Forward does not wait for the next stage's reply before computing the next request of the same stream
+(strata.stage_worker.forward_stream): a coordinator that keeps several steps in flight (micro-batches of disjoint
+slots) has every stage working at once, and replies still come back in request order. Each caller's stream is passed
+on as a stream of its own, and each request is fenced on its own. A step that cannot reach the next stage frees the
+slots it touched, and those of the steps behind it, and fails with UNAVAILABLE, which the coordinator may retry; the
+stream ends there. The load status counts the steps sent on and not yet answered, so overlap can be seen from outside.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from typing import NoReturn, TypeVar
 
@@ -32,6 +38,7 @@ from strata.stage_worker.errors import (
     WrongGenerationError,
 )
 from strata.stage_worker.fencing import Holder, TermFence
+from strata.stage_worker.forward_stream import ForwardStream
 from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.loader import LoadProgress, load_stage
 from strata.stage_worker.model import StageModel
@@ -191,6 +198,9 @@ class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # gener
             plan_generation=s.plan_generation,
             accepted_term=self.fence.accepted_term,
             error=p.error,
+            has_next_stage=self.next_stage is not None,
+            steps_in_flight=self.next_stage.in_flight.now if self.next_stage is not None else 0,
+            steps_in_flight_peak=self.next_stage.in_flight.peak if self.next_stage is not None else 0,
         )
 
     def Claim(self, request: stage_pb2.ClaimRequest, context: grpc.ServicerContext) -> stage_pb2.ClaimReply:
@@ -269,28 +279,46 @@ class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # gener
     def Forward(
         self, request_iterator: Iterator[stage_pb2.ForwardRequest], context: grpc.ServicerContext
     ) -> Iterator[stage_pb2.ForwardReply]:
-        for request in request_iterator:
-            yield self._guard(context, lambda request=request: self._step(request))  # type: ignore[misc]
+        if self.next_stage is None:  # the last stage: nothing downstream to overlap with
+            for request in request_iterator:
+                yield self._guard(context, lambda request=request: self._last_step(request))  # type: ignore[misc]
+            return
+        stream = ForwardStream(
+            requests=request_iterator,
+            downstream=self.next_stage.open_stream(),
+            compute=self._step,
+            reset=self._reset_slots,
+        )
+        try:
+            yield from stream.replies()
+        except StageError as error:
+            abort(context, error)
 
-    def _step(self, request: stage_pb2.ForwardRequest) -> stage_pb2.ForwardReply:
+    def _last_step(self, request: stage_pb2.ForwardRequest) -> stage_pb2.ForwardReply:
         self._admit(request.fence, request.plan_generation)
         chunks = [chunk_from_proto(c) for c in request.chunks]
         hidden = tensor_from_proto(request.hidden) if request.HasField("hidden") else None
         with self._engine_lock:
-            engine = self.engine
-            result = engine.step(chunks, hidden)
-        if result.hidden is None or self.next_stage is None:
-            return reply_from_result(request.step_id, result)
+            result = self.engine.step(chunks, hidden)
+        return reply_from_result(request.step_id, result)
+
+    def _step(self, request: stage_pb2.ForwardRequest) -> tuple[tuple[int, ...], stage_pb2.ForwardRequest]:
+        """Compute a step on a stage with a next stage: its slots, and the request to send on."""
+        self._admit(request.fence, request.plan_generation)
+        chunks = [chunk_from_proto(c) for c in request.chunks]
+        hidden = tensor_from_proto(request.hidden) if request.HasField("hidden") else None
+        with self._engine_lock:
+            result = self.engine.step(chunks, hidden)
+        assert result.hidden is not None, "load() refuses a stage that ends the model yet has a next stage"
         onward = stage_pb2.ForwardRequest()
         onward.CopyFrom(request)
         onward.hidden.CopyFrom(tensor_to_proto(result.hidden))
-        try:
-            return self.next_stage.forward(onward)
-        except NextStageUnavailableError:
-            with self._engine_lock:
-                for chunk in chunks:
-                    engine.pool.reset(chunk.slot)
-            raise
+        return tuple(chunk.slot for chunk in chunks), onward
+
+    def _reset_slots(self, slots: Iterable[int]) -> None:
+        with self._engine_lock:
+            for slot in slots:
+                self.engine.pool.reset(slot)
 
     def _guard(self, context: grpc.ServicerContext, call: Callable[[], T]) -> T:
         try:

@@ -1,0 +1,118 @@
+"""One caller's Forward stream on a stage that has a next stage: compute step k+1 while step k is downstream.
+
+A thread takes the stream's requests in order: it computes each (the server's `compute`: fencing, then the layers),
+sends the hidden states on to the next stage without waiting, on a stream of this caller's own, and queues the
+pending reply. The handler's generator yields the queued replies in the same order, waiting for each with the step
+timeout (strata.stage_worker.next_stage). When the caller's stream ends, for any reason, so does the one onward.
+So this stage works on the next step while the stages after it work on the previous one, and requests and replies
+still pair up in order. A caller that writes one step and waits for its reply gets exactly the old behaviour.
+
+The first step that fails ends the stream. A step this stage refused (fencing, a bad chunk) fails after the replies
+before it; nothing behind it is computed. A step the next stage could not answer (it died, hung, or dropped the
+stream) fails with NextStageUnavailableError and its slots are reset here; so are the slots of every step computed
+behind it, whose replies can no longer come back on this stream. A step the next stage refused is passed back with
+its status code, its own slots left as they were (the coordinator resets them), the steps behind it reset.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import grpc
+from strata.rpc.v1 import stage_pb2
+from strata.stage_worker.errors import NextStageUnavailableError
+from strata.stage_worker.next_stage import PendingReply, StepStream
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A step computed here and sent on: its slots, and the next stage's reply to come."""
+
+    slots: tuple[int, ...]
+    pending: PendingReply
+
+
+@dataclass(frozen=True)
+class _Failed:
+    error: Exception
+
+
+_END = object()
+
+
+class ForwardStream:
+    def __init__(
+        self,
+        *,
+        requests: Iterator[stage_pb2.ForwardRequest],
+        downstream: StepStream,
+        compute: Callable[[stage_pb2.ForwardRequest], tuple[tuple[int, ...], stage_pb2.ForwardRequest]],
+        reset: Callable[[Iterable[int]], None],
+    ) -> None:
+        self._requests = requests
+        self._downstream = downstream
+        self._compute = compute  # a request -> its slots and the request for the next stage; raises StageError
+        self._reset = reset
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[object] = queue.Queue()
+        self._stopped = False
+
+    def replies(self) -> Iterator[stage_pb2.ForwardReply]:
+        """The replies in request order; raises the error of the first step that failed."""
+        threading.Thread(target=self._launch_all, daemon=True, name="forward-stream").start()
+        try:
+            while (item := self._queue.get()) is not _END:
+                if isinstance(item, _Failed):
+                    self._stop(failed=())
+                    raise item.error
+                assert isinstance(item, Launched), "the queue holds launched steps, one failure and the end"
+                try:
+                    reply = self._downstream.receive(item.pending)
+                except NextStageUnavailableError:
+                    self._stop(failed=item.slots)
+                    raise
+                except Exception:
+                    self._stop(failed=())
+                    raise
+                yield reply
+        finally:
+            # The caller went away, or the stream failed: send nothing more on its behalf.
+            self._stop(failed=())
+            self._downstream.close()
+
+    def _launch_all(self) -> None:
+        try:
+            for request in self._requests:
+                if self._stopped:
+                    return
+                slots, onward = self._compute(request)
+                with self._lock:
+                    if self._stopped:  # the stream failed while this step was being computed
+                        self._reset(slots)
+                        return
+                    self._queue.put(Launched(slots=slots, pending=self._downstream.send(onward)))
+        except grpc.RpcError:
+            pass  # the caller cancelled the stream: there is no one to answer
+        except Exception as exc:  # handed over in order: the replies before it still go back first
+            self._queue.put(_Failed(exc))
+        finally:
+            self._queue.put(_END)
+
+    def _stop(self, *, failed: tuple[int, ...]) -> None:
+        """Stop launching; reset `failed` and the slots of every step launched behind it, whose replies are lost."""
+        with self._lock:
+            self._stopped = True
+            behind: list[int] = []
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, Launched):
+                    behind.extend(item.slots)
+        slots = (*failed, *behind)
+        if slots:
+            self._reset(slots)

@@ -11,6 +11,8 @@ device's copy bandwidth, checks the GPU path's fidelity against HF transformers 
   first token for 512- and 4,096-token prompts (one prefill chunk);
 - the served path: `strata stage-worker` processes on loopback gRPC, 1 stage, then 2 stages (one per GPU when there
   are two), with the coordinator's client; per-hop latency = p50 step (2 stages) - p50 step (1 stage);
+- micro-batches: the gateway's driver over the 2 stages with every slot generating, one step of all slots at a time
+  against two steps of half the slots in flight (both stages computing at once);
 - HF transformers (LlamaForCausalLM, sdpa, bf16) on the same GPU with the same dequantised weights, assigned directly
   (its GGUF loader dequantises 8B parameters in numpy, too slowly for one run).
 
@@ -182,6 +184,32 @@ def engine_decode(engine: Engine, *, slots: int, steps: int) -> tuple[float, lis
 
 
 # The served path: stage processes over loopback gRPC.
+
+
+def micro_batch_speeds(
+    model: Path, *, spans: list[tuple[int, int]], devices: list[str], vocab: int, rounds: int = 3
+) -> dict[str, float]:
+    """Aggregate tokens/s of PARALLEL slots over the stages through the gateway's driver, one step of every slot at
+    a time (micro_batches 1) against two steps of half the slots in flight (2), alternating; medians."""
+    import stage_decode  # the CPU bench's driver loop, shared
+
+    runs: dict[int, list[float]] = {1: [], 2: []}
+    shape = {"slots": PARALLEL, "context": CONTEXT, "prompt": prompt(DECODE_PROMPT, vocab=vocab, seed=3)}
+    with ExitStack() as stack:
+        port: int | None = None
+        for index in reversed(range(len(spans))):
+            port = stack.enter_context(
+                stage_process(model=model, index=index, span=spans[index], device=devices[index], next_port=port)
+            )
+        assert port is not None
+        wait_loaded(f"127.0.0.1:{port}", timeout_s=600)
+        for micro_batches in runs:  # warm up, and compile the stages' decode step for both batch sizes
+            stage_decode.parallel_decode(port, micro_batches=micro_batches, tokens=8, **shape)
+        for _ in range(rounds):
+            for micro_batches, speeds in runs.items():
+                speeds.append(stage_decode.parallel_decode(port, micro_batches=micro_batches, tokens=64, **shape))
+        peak = stage_decode.peak_in_flight(port)
+    return {f"micro_batches_{g}": statistics.median(speeds) for g, speeds in runs.items()} | {"peak_in_flight": peak}
 
 
 @contextmanager
@@ -454,6 +482,10 @@ def main() -> None:
         )
         results["served_2_devices"] = devices
         log(f"served, 2 stages on {devices}: {results['served_2']}")
+        results["micro_batches"] = micro_batch_speeds(
+            args.model, spans=[(0, half), (half, shape.block_count)], devices=devices, vocab=vocab
+        )
+        log(f"micro-batches, 2 stages, {PARALLEL} slots: {results['micro_batches']}")
 
     table = render(results)
     print(table)
@@ -521,6 +553,14 @@ def render(r: dict[str, object]) -> str:
             hop = two[f"step_p50_ms_{slots}"] - one[f"step_p50_ms_{slots}"]
             lines.append(f"| per-hop latency, {slots} slot(s) (2 stages - 1 stage), ms | | | {hop:.2f} | | |")
         lines.append(f"\n2 stages on {r.get('served_2_devices')}; stage load {two.get('load_s', 0):.0f} s")
+    micro = r.get("micro_batches")
+    if isinstance(micro, dict):
+        one_step, two_steps = micro["micro_batches_1"], micro["micro_batches_2"]
+        lines.append(
+            f"gateway driver, 2 stages, {PARALLEL} slots, aggregate tokens/s: micro_batches 1 {one_step:.1f}, "
+            f"micro_batches 2 {two_steps:.1f} ({two_steps / one_step:.2f}x; peak steps in flight "
+            f"{micro['peak_in_flight']})"
+        )
     return "\n".join(lines) + "\n"
 
 

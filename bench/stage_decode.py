@@ -34,6 +34,7 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -113,13 +114,21 @@ def decode_steps(port: int, *, tokens: int) -> tuple[float, list[float]]:
     return tokens / elapsed, latencies
 
 
-async def _parallel_decode(port: int, *, micro_batches: int, tokens: int) -> float:
+async def _parallel_decode(
+    port: int,
+    *,
+    micro_batches: int,
+    tokens: int,
+    slots: int = PARALLEL_SLOTS,
+    context: int = CONTEXT,
+    prompt: tuple[int, ...] = PROMPT,
+) -> float:
     """All slots generate `tokens` greedy tokens at once through the gateway's driver: aggregate tokens/s."""
     ready = asyncio.Event()
     driver = Driver(
         first_stage=f"127.0.0.1:{port}",
-        slots=PARALLEL_SLOTS,
-        context=CONTEXT,
+        slots=slots,
+        context=context,
         fence=FencingToken(lease_uid="bench", term=1, holder="bench"),
         micro_batches=micro_batches,
         probe_interval_s=0.05,
@@ -132,13 +141,13 @@ async def _parallel_decode(port: int, *, micro_batches: int, tokens: int) -> flo
         generations = [
             driver.submit(
                 slot=slot,
-                prompt=PROMPT,
+                prompt=prompt,
                 max_tokens=tokens,
                 sampling=Sampling(),
                 stop_ids=frozenset(),
                 on_freed=lambda: None,
             )
-            for slot in range(PARALLEL_SLOTS)
+            for slot in range(slots)
         ]
         produced = 0
         for generation in generations:
@@ -149,8 +158,9 @@ async def _parallel_decode(port: int, *, micro_batches: int, tokens: int) -> flo
     return produced / elapsed
 
 
-def parallel_decode(port: int, *, micro_batches: int, tokens: int) -> float:
-    return asyncio.run(_parallel_decode(port, micro_batches=micro_batches, tokens=tokens))
+def parallel_decode(port: int, *, micro_batches: int, tokens: int, **shape: Any) -> float:
+    """`shape`: slots, context and prompt, when not this bench's own."""
+    return asyncio.run(_parallel_decode(port, micro_batches=micro_batches, tokens=tokens, **shape))
 
 
 def peak_in_flight(port: int) -> int:

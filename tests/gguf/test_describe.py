@@ -245,8 +245,13 @@ def test_the_command_exits_1_on_bad_input(
         ),
         pytest.param(
             "llama",
-            "  output            136,000 B (0.13 MiB)",
-            id="a Q8_0 output head is the same size in the file and on GPUs, so it is shown once",
+            "  token_embd        256,000 B (0.24 MiB)",
+            id="an F16 token_embd is the same size in the file and on GPUs, so it is shown once",
+        ),
+        pytest.param(
+            "llama",
+            "  output            136,000 B (0.13 MiB) in the file, 256,000 B (0.24 MiB) on GPUs",
+            id="a Q8_0 output head grows to 2 bytes per weight on GPUs",
         ),
     ],
 )

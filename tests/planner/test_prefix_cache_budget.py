@@ -17,12 +17,12 @@ from strata_testbed.cluster_objects import gpu_node
 from strata_testbed.model_shapes import Q8_0, llama3_70b
 
 SEVENTY_B = llama3_70b(weight_type=Q8_0)
-FOUR_A10G = [gpu_node("a10g", gpus=4, gib=24, resource="nvidia.com/gpu")]
-CONTEXT_WITHOUT_PREFIX_CACHE = 71168  # four 24 GB GPUs, Q8 70B, q8_0 KV: the figure before the prefix cache
+FOUR_A100_40 = [gpu_node("a100-40", gpus=4, gib=40, resource="nvidia.com/gpu")]
+CONTEXT_WITHOUT_PREFIX_CACHE = 45312  # four 40 GB GPUs, Q8 70B (141 GB in bf16), q8_0 KV: without a prefix cache
 
 
 def plan(**options: Any) -> Plan:
-    return plan_placement(model=SEVENTY_B, nodes=FOUR_A10G, options=PlanOptions(**options))
+    return plan_placement(model=SEVENTY_B, nodes=FOUR_A100_40, options=PlanOptions(**options))
 
 
 @pytest.mark.parametrize(

@@ -84,7 +84,7 @@ class ModelInfo:
     layer_bytes: tuple[int, ...]  # in the file, one entry per layer: the sum of that layer's blk.N.* tensors
     non_layer_bytes: dict[str, int]  # in the file, by tensor role: token_embd, output_norm, output
     # The same tensors once a GPU stage holds them (strata.gguf.resident): what plans size stages by. They differ
-    # from the file's figures for every type but F16, BF16 and Q8_0.
+    # from the file's figures for every type but F16 and BF16.
     layer_resident_bytes: tuple[int, ...]
     non_layer_resident_bytes: dict[str, int]
     output_tied: bool  # no `output` tensor: the head reuses token_embd

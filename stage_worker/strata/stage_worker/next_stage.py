@@ -18,6 +18,7 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 from strata.rpc.v1 import stage_pb2, stage_pb2_grpc
@@ -194,28 +195,23 @@ class NextStage:
             return stream.receive(stream.send(request))
 
     def reset_slot(self, request: stage_pb2.ResetSlotRequest) -> None:
-        try:
-            self._stub.ResetSlot(request, timeout=UNARY_TIMEOUT_S)
-        except grpc.RpcError as exc:
-            raise self._translate(exc) from exc
+        self._unary("ResetSlot", request)
 
     def save_prefix(self, request: stage_pb2.SavePrefixRequest) -> stage_pb2.SavePrefixReply:
-        try:
-            reply: stage_pb2.SavePrefixReply = self._stub.SavePrefix(request, timeout=UNARY_TIMEOUT_S)
-        except grpc.RpcError as exc:
-            raise self._translate(exc) from exc
+        reply: stage_pb2.SavePrefixReply = self._unary("SavePrefix", request)
         return reply
 
     def restore_prefix(self, request: stage_pb2.RestorePrefixRequest) -> stage_pb2.RestorePrefixReply:
-        try:
-            reply: stage_pb2.RestorePrefixReply = self._stub.RestorePrefix(request, timeout=UNARY_TIMEOUT_S)
-        except grpc.RpcError as exc:
-            raise self._translate(exc) from exc
+        reply: stage_pb2.RestorePrefixReply = self._unary("RestorePrefix", request)
         return reply
 
     def claim(self, request: stage_pb2.ClaimRequest) -> None:
+        self._unary("Claim", request)
+
+    def _unary(self, method: str, request: object) -> Any:
+        """One unary call to the next stage; its failure becomes the StageError this stage answers with."""
         try:
-            self._stub.Claim(request, timeout=UNARY_TIMEOUT_S)
+            return getattr(self._stub, method)(request, timeout=UNARY_TIMEOUT_S)
         except grpc.RpcError as exc:
             raise self._translate(exc) from exc
 

@@ -227,17 +227,7 @@ class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # gener
         self, request: stage_pb2.SavePrefixRequest, context: grpc.ServicerContext
     ) -> stage_pb2.SavePrefixReply:
         def save() -> stage_pb2.SavePrefixReply:
-            self._admit(request.fence, request.plan_generation)
-            self._check_key(request.key)
-            with self._engine_lock:
-                kept = self.prefix_cache.save(
-                    pool=self.engine.pool,
-                    slot=request.slot,
-                    generation=request.plan_generation,
-                    key=request.key,
-                    length=request.length,
-                )
-            own = stats_to_proto(self.prefix_cache.stats())
+            kept, own = self._on_prefix(request, self.prefix_cache.save)
             if self.next_stage is None:
                 return stage_pb2.SavePrefixReply(kept=kept, stats=own)
             onward = self.next_stage.save_prefix(request)
@@ -249,17 +239,7 @@ class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # gener
         self, request: stage_pb2.RestorePrefixRequest, context: grpc.ServicerContext
     ) -> stage_pb2.RestorePrefixReply:
         def restore() -> stage_pb2.RestorePrefixReply:
-            self._admit(request.fence, request.plan_generation)
-            self._check_key(request.key)
-            with self._engine_lock:
-                restored = self.prefix_cache.restore(
-                    pool=self.engine.pool,
-                    slot=request.slot,
-                    generation=request.plan_generation,
-                    key=request.key,
-                    length=request.length,
-                )
-            own = stats_to_proto(self.prefix_cache.stats())
+            restored, own = self._on_prefix(request, self.prefix_cache.restore)
             if self.next_stage is None:
                 return stage_pb2.RestorePrefixReply(restored=restored, stats=own)
             # Passed on even after a miss here, so every stage's figures come back; the coordinator then resets
@@ -270,6 +250,23 @@ class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # gener
             )
 
         return self._guard(context, restore)
+
+    def _on_prefix(
+        self, request: stage_pb2.SavePrefixRequest | stage_pb2.RestorePrefixRequest, act: Callable[..., bool]
+    ) -> tuple[bool, stage_pb2.PrefixCacheStats]:
+        """This stage's part of a prefix call: admit it, run `act` (the cache's save or restore) on the slot under
+        the engine lock, and report whether it did, with this stage's figures."""
+        self._admit(request.fence, request.plan_generation)
+        self._check_key(request.key)
+        with self._engine_lock:
+            done = act(
+                pool=self.engine.pool,
+                slot=request.slot,
+                generation=request.plan_generation,
+                key=request.key,
+                length=request.length,
+            )
+        return done, stats_to_proto(self.prefix_cache.stats())
 
     @staticmethod
     def _check_key(key: bytes) -> None:

@@ -193,7 +193,6 @@ def micro_batch_speeds(
     a time (micro_batches 1) against two steps of half the slots in flight (2), alternating; medians."""
     import stage_decode  # the CPU bench's driver loop, shared
 
-    runs: dict[int, list[float]] = {1: [], 2: []}
     shape = {"slots": PARALLEL, "context": CONTEXT, "prompt": prompt(DECODE_PROMPT, vocab=vocab, seed=3)}
     with ExitStack() as stack:
         port: int | None = None
@@ -203,13 +202,8 @@ def micro_batch_speeds(
             )
         assert port is not None
         wait_loaded(f"127.0.0.1:{port}", timeout_s=600)
-        for micro_batches in runs:  # warm up, and compile the stages' decode step for both batch sizes
-            stage_decode.parallel_decode(port, micro_batches=micro_batches, tokens=8, **shape)
-        for _ in range(rounds):
-            for micro_batches, speeds in runs.items():
-                speeds.append(stage_decode.parallel_decode(port, micro_batches=micro_batches, tokens=64, **shape))
-        peak = stage_decode.peak_in_flight(port)
-    return {f"micro_batches_{g}": statistics.median(speeds) for g, speeds in runs.items()} | {"peak_in_flight": peak}
+        speeds, peak = stage_decode.alternate_micro_batches(port, tokens=64, rounds=rounds, **shape)
+    return {f"micro_batches_{g}": speed for g, speed in speeds.items()} | {"peak_in_flight": peak}
 
 
 @contextmanager

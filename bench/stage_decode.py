@@ -174,7 +174,6 @@ def micro_batch_speeds(
 ) -> tuple[dict[int, float], int]:
     """Median aggregate tokens/s of 4 slots over 2 stages per micro_batches (1, 2), alternating in one run, and
     stage 0's peak of steps in flight afterwards; `threads` per stage (0: torch's default)."""
-    runs: dict[int, list[float]] = {1: [], 2: []}
     with ExitStack() as stack:
         port: int | None = None
         for index, span in reversed(list(enumerate(splits(layers, 2)))):
@@ -185,13 +184,20 @@ def micro_batch_speeds(
             )
             wait_loaded(f"127.0.0.1:{port}", timeout_s=120)
         assert port is not None
-        for micro_batches in runs:  # warm up
-            parallel_decode(port, micro_batches=micro_batches, tokens=8)
-        for _ in range(rounds):
-            for micro_batches, speeds in runs.items():
-                speeds.append(parallel_decode(port, micro_batches=micro_batches, tokens=tokens))
-        peak = peak_in_flight(port)
-    return {g: statistics.median(speeds) for g, speeds in runs.items()}, peak
+        return alternate_micro_batches(port, tokens=tokens, rounds=rounds)
+
+
+def alternate_micro_batches(port: int, *, tokens: int, rounds: int, **shape: Any) -> tuple[dict[int, float], int]:
+    """On running stages: median aggregate tokens/s per micro_batches (1, 2) over `rounds` alternating rounds after a
+    warm-up of each (which also compiles the stages' decode step for both batch sizes), and stage 0's peak of steps
+    in flight afterwards. `shape` as for parallel_decode."""
+    runs: dict[int, list[float]] = {1: [], 2: []}
+    for micro_batches in runs:
+        parallel_decode(port, micro_batches=micro_batches, tokens=8, **shape)
+    for _ in range(rounds):
+        for micro_batches, speeds in runs.items():
+            speeds.append(parallel_decode(port, micro_batches=micro_batches, tokens=tokens, **shape))
+    return {g: statistics.median(speeds) for g, speeds in runs.items()}, peak_in_flight(port)
 
 
 def percentile(values: list[float], q: float) -> float:

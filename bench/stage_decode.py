@@ -221,6 +221,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of micro_batches 1 and 2")
     args = parser.parse_args()
+    if args.layers < 3:
+        parser.error(f"--layers {args.layers}: the model is split into up to 3 stages, so it needs at least 3 layers")
     shape = bench_llama(layers=args.layers)
     rows: list[tuple[str, float, float, float]] = []
     with tempfile.TemporaryDirectory() as folder:

@@ -70,6 +70,15 @@ class DroppedStreamError(aio.AioRpcError):  # type: ignore[misc]  # grpc is unty
     """step_down() or promote() cancelled the stream under a step: they have already failed what ran, and said why."""
 
 
+def rpc_error(code: grpc.StatusCode, details: str, *, kind: type[aio.AioRpcError] = aio.AioRpcError) -> aio.AioRpcError:
+    """A failure the driver raises itself, shaped as one a stage returns, so one handler (`_fail_all`) reads both."""
+    return kind(code, aio.Metadata(), aio.Metadata(), details=details)
+
+
+def stream_dropped() -> aio.AioRpcError:
+    return rpc_error(grpc.StatusCode.CANCELLED, "the stream was dropped", kind=DroppedStreamError)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Sampling:
     temperature: float = 0.0
@@ -535,7 +544,7 @@ class Pipeline:
         f = self._fence
         if f is None or self._clock() >= self._valid_until:
             why = "no coordinator term" if f is None else f"the lease behind term {f.term} was not renewed in time"
-            raise LapsedTermError(grpc.StatusCode.FAILED_PRECONDITION, aio.Metadata(), aio.Metadata(), details=why)
+            raise rpc_error(grpc.StatusCode.FAILED_PRECONDITION, why, kind=LapsedTermError)
         return stage_pb2.Fence(lease_uid=f.lease_uid, term=f.term, holder=f.holder)
 
     async def _unary(self, method: str, request: object) -> Any:
@@ -569,7 +578,7 @@ class Pipeline:
             await call.write(request)
         except asyncio.InvalidStateError as exc:
             self._drop_stream()
-            raise self._unavailable(f"cannot write a step: {exc!r}") from exc
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"cannot write a step: {exc!r}") from exc
         except aio.AioRpcError:
             self._drop_stream()
             raise
@@ -585,7 +594,7 @@ class Pipeline:
             reply = await asyncio.wait_for(call.read(), timeout=self.step_timeout_s)
         except (TimeoutError, asyncio.InvalidStateError) as exc:
             self._drop_stream()
-            raise self._unavailable(f"no reply to a step: {exc!r}") from exc
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"no reply to a step: {exc!r}") from exc
         except aio.AioRpcError:
             self._drop_stream()
             raise
@@ -593,23 +602,18 @@ class Pipeline:
             raise self._dropped_under(call) from None
         still_open = self._call is call  # a bool, so mypy keeps `call` narrowed to an open call below
         if not still_open:  # dropped while the reply was on its way to this task
-            raise DroppedStreamError(
-                grpc.StatusCode.CANCELLED, aio.Metadata(), aio.Metadata(), details="the stream was dropped"
-            )
+            raise stream_dropped()
         if reply is aio.EOF:
             self._drop_stream()
             status = await call.code()
-            raise aio.AioRpcError(status, aio.Metadata(), aio.Metadata(), details=await call.details())
+            raise rpc_error(status, await call.details())
         step = self._in_flight.popleft()
         self.metrics.steps_in_flight.set(len(self._in_flight))
         result: stage_pb2.ForwardReply = reply
         if result.step_id != step.step_id:  # replies pair with requests in order; anything else is a broken stage
             self._drop_stream()
-            raise aio.AioRpcError(
-                grpc.StatusCode.INTERNAL,
-                aio.Metadata(),
-                aio.Metadata(),
-                details=f"the reply to step {result.step_id} came back for step {step.step_id}",
+            raise rpc_error(
+                grpc.StatusCode.INTERNAL, f"the reply to step {result.step_id} came back for step {step.step_id}"
             )
         return step, result
 
@@ -619,13 +623,7 @@ class Pipeline:
         task = asyncio.current_task()
         if (task is not None and task.cancelling()) or self._call is call:
             raise asyncio.CancelledError
-        return DroppedStreamError(
-            grpc.StatusCode.CANCELLED, aio.Metadata(), aio.Metadata(), details="the stream was dropped"
-        )
-
-    @staticmethod
-    def _unavailable(details: str) -> aio.AioRpcError:
-        return aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, aio.Metadata(), aio.Metadata(), details=details)
+        return stream_dropped()
 
     def _drop_stream(self) -> None:
         """Cancel the stream; every step in flight on it is lost, so its slots are no longer in flight."""

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
+import torch
 from kubernetes import client, config
 from strata_testbed.controlplane import ControlPlane
 from strata_testbed.gpu_pool import create_gpu_pool
+
+if not torch.cuda.is_available():
+    # Without a GPU the Triton kernels' tests run them under Triton's interpreter. triton.jit chooses the interpreter
+    # when a function is decorated, Triton's own library functions included, so the flag must be set before anything
+    # imports triton (torch alone does not; the stage worker's modules do).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

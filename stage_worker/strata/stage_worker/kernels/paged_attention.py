@@ -1,0 +1,102 @@
+"""Attention of a step's query rows over the KV pool, read through the pool's table: one function, two bodies.
+
+`attend_pool` is what the model calls. On a CUDA device it runs the Triton kernel (strata.stage_worker.kernels.
+paged_attention_triton), which reads each sequence's cells in place in their stored type; anywhere else, and as the
+kernel's test oracle, it runs `reference`: gather the cells, dequantise them to f32, and let SDPA attend in f32.
+
+The kernel is registered as a torch custom op so that torch.compile keeps it whole inside a compiled block (and a
+CUDA graph replays it): its inputs are device tensors only, so lengths change without a new graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from strata.stage_worker.kv_pool import LayerCache
+from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
+
+
+@dataclass(frozen=True)
+class Sequences:
+    """The sequences of one attention call: which rows of q each one owns and how many positions it sees."""
+
+    slots: Tensor  # [S] row of the pool's table
+    q_starts: Tensor  # [S] first row of q
+    q_lens: Tensor  # [S] rows of q; they sit at the last q_len of the kv_len positions
+    kv_lens: Tensor  # [S] positions 0..kv_len-1 of the slot are visible (the last row sees all of them)
+    max_q_len: int  # a host bound on q_lens: the kernel's grid
+
+
+def reference(q: Tensor, cache: LayerCache, *, table: Tensor, sequences: Sequences, n_head_kv: int) -> Tensor:
+    """The plain function: per sequence, gather its cells, dequantise to f32, causal SDPA in f32. q: [N, H, hd]."""
+    _n, n_head, head_dim = q.shape
+    out = torch.empty_like(q)
+    columns = (sequences.slots, sequences.q_starts, sequences.q_lens, sequences.kv_lens)
+    for slot, q_start, q_len, kv_len in zip(*(c.tolist() for c in columns), strict=True):
+        cells = table[slot, :kv_len]
+        keys = cache.keys.read(cells, dtype=torch.float32).view(1, kv_len, n_head_kv, head_dim).transpose(1, 2)
+        values = cache.values.read(cells, dtype=torch.float32).view(1, kv_len, n_head_kv, head_dim).transpose(1, 2)
+        rows = q[q_start : q_start + q_len].float().transpose(0, 1)[None]  # [1, H, T, hd]
+        mask = causal_lower_right(q_len, kv_len)
+        attended = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, enable_gqa=n_head != n_head_kv)
+        out[q_start : q_start + q_len] = attended[0].transpose(0, 1).to(q.dtype)
+    return out
+
+
+@torch.library.custom_op("strata::paged_attention", mutates_args=())
+def _paged_attention_op(
+    q: Tensor,
+    keys: Tensor,
+    key_scales: Tensor | None,
+    values: Tensor,
+    value_scales: Tensor | None,
+    table: Tensor,
+    slots: Tensor,
+    q_starts: Tensor,
+    q_lens: Tensor,
+    kv_lens: Tensor,
+    max_q_len: int,
+    n_head_kv: int,
+) -> Tensor:
+    from strata.stage_worker.kernels.paged_attention_triton import paged_attention
+
+    return paged_attention(
+        q, keys=keys, key_scales=key_scales, values=values, value_scales=value_scales, table=table, slots=slots,
+        q_starts=q_starts, q_lens=q_lens, kv_lens=kv_lens, max_q_len=max_q_len, n_head_kv=n_head_kv,
+    )  # fmt: skip
+
+
+@_paged_attention_op.register_fake
+def _(
+    q: Tensor,
+    keys: Tensor,
+    key_scales: Tensor | None,
+    values: Tensor,
+    value_scales: Tensor | None,
+    table: Tensor,
+    slots: Tensor,
+    q_starts: Tensor,
+    q_lens: Tensor,
+    kv_lens: Tensor,
+    max_q_len: int,
+    n_head_kv: int,
+) -> Tensor:
+    return torch.empty_like(q)
+
+
+def kernel(q: Tensor, cache: LayerCache, *, table: Tensor, sequences: Sequences, n_head_kv: int) -> Tensor:
+    """The Triton kernel on the same inputs as `reference` (q made contiguous: the kernel walks head_dim densely)."""
+    s = sequences
+    out: Tensor = _paged_attention_op(
+        q.contiguous(), cache.keys.values, cache.keys.scales, cache.values.values, cache.values.scales, table,
+        s.slots, s.q_starts, s.q_lens, s.kv_lens, s.max_q_len, n_head_kv,
+    )  # fmt: skip
+    return out
+
+
+def attend_pool(q: Tensor, cache: LayerCache, *, table: Tensor, sequences: Sequences, n_head_kv: int) -> Tensor:
+    body = kernel if q.device.type == "cuda" else reference
+    return body(q, cache, table=table, sequences=sequences, n_head_kv=n_head_kv)

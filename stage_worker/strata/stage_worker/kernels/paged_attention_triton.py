@@ -1,0 +1,258 @@
+"""Attention over the KV pool in place, in Triton: each sequence's cells are read through its row of the pool's table,
+in their stored type (q8_0 dequantised in registers with its f16 scales), once per GQA group, over exactly the
+positions the sequence holds.
+
+Why a kernel of our own: a decode step at depth is the KV's bytes over memory bandwidth, and every library candidate
+either reads a gathered bf16 copy (SDPA, flash-attn's bf16 pools) or does not read ggml's q8_0 block layout. The
+design follows flash-decoding: a sequence's positions are split across programs (so one stream at 128K fills the
+GPU), each program keeps an online softmax over its split, and a second kernel merges the splits by their
+log-sum-exp. One program takes all query heads of one KV head (the GQA group) and a tile of a sequence's query
+positions, packed into the M dimension of the dot products, so a decode step (one position), a speculative step (a
+few) and a prefill chunk after a cached prefix (many) run the same code.
+
+The table maps a sequence's page to a pool cell: `cell = table[slot, pos // PAGE] * PAGE + pos % PAGE`. Today's pool
+holds one position per cell (PAGE = 1); a paged pool passes its block size.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+Q8_BLOCK = 32
+
+
+@triton.jit
+def _dequantise(values, scales_ptr, cell, stride_sc, first_column, pos_ok, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCKED: tl.constexpr):  # fmt: skip
+    """q8_0 int8 values [N, D] of one KV head times their f16 scales (one per 32 values of a cell's row), in f32.
+
+    When the head starts on a block boundary (BLOCKED), each row's D / 32 scales are loaded once and broadcast over
+    their blocks; otherwise every value loads its own scale (the same bytes, many more load instructions)."""
+    if BLOCKED:
+        offs_b = tl.arange(0, BLOCK_D // 32)
+        scale = tl.load(scales_ptr + cell[:, None] * stride_sc + first_column // 32 + offs_b[None, :],
+                        mask=pos_ok[:, None], other=0.0)  # fmt: skip
+        blocks = tl.reshape(values.to(tl.float32), (BLOCK_N, BLOCK_D // 32, 32))
+        return tl.reshape(blocks * scale.to(tl.float32)[:, :, None], (BLOCK_N, BLOCK_D))
+    offs_d = tl.arange(0, BLOCK_D)
+    scale = tl.load(scales_ptr + cell[:, None] * stride_sc + (first_column + offs_d[None, :]) // 32,
+                    mask=pos_ok[:, None], other=0.0)  # fmt: skip
+    return values.to(tl.float32) * scale.to(tl.float32)
+
+
+@triton.jit
+def _attend_split(
+    q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, table_ptr, slots_ptr, q_starts_ptr, q_lens_ptr, kv_lens_ptr,
+    o_part_ptr, lse_part_ptr,
+    sm_scale,
+    stride_qn, stride_qh,
+    stride_kc, stride_ksc, stride_vc, stride_vsc,
+    stride_table,
+    stride_on, stride_oh, stride_os,
+    stride_ln, stride_lh,
+    n_rep, head_dim, q_tiles,
+    K_Q8: tl.constexpr, V_Q8: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_T: tl.constexpr, REP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    F32_DOT: tl.constexpr, BLOCKED_SCALES: tl.constexpr,
+):  # fmt: skip
+    seq_tile = tl.program_id(0)
+    group = tl.program_id(1)
+    split = tl.program_id(2)
+    splits = tl.num_programs(2)
+    seq = seq_tile // q_tiles
+    tile = seq_tile % q_tiles
+
+    q_len = tl.load(q_lens_ptr + seq)
+    kv_len = tl.load(kv_lens_ptr + seq)
+    if tile * BLOCK_T >= q_len:
+        return
+    q_start = tl.load(q_starts_ptr + seq)
+    slot = tl.load(slots_ptr + seq)
+
+    # Rows of the M dimension: (query position t of the tile, head r of the group).
+    offs_m = tl.arange(0, BLOCK_T * REP)
+    t = tile * BLOCK_T + offs_m // REP
+    r = offs_m % REP
+    row_ok = (t < q_len) & (r < n_rep)
+    head = group * n_rep + r
+    q_pos = kv_len - q_len + t  # the absolute position of each row: it sees keys at positions 0..q_pos
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+
+    # This split's positions: whole tiles, only as far as the tile's last query can see.
+    visible = tl.minimum(kv_len, kv_len - q_len + tl.minimum(q_len, (tile + 1) * BLOCK_T))
+    per_split = tl.cdiv(tl.cdiv(visible, splits), BLOCK_N) * BLOCK_N
+    begin = split * per_split
+    end = tl.minimum(begin + per_split, visible)
+
+    q_rows = (q_start + t).to(tl.int64) * stride_qn + head.to(tl.int64) * stride_qh
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = (q.to(tl.float32) * sm_scale).to(q_ptr.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_T * REP], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_T * REP], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_T * REP, BLOCK_D], dtype=tl.float32)
+    column = group * head_dim + offs_d  # [D] this group's values in a cell's row
+    for start in range(begin, end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pos_ok = pos < end
+        page = tl.load(table_ptr + slot.to(tl.int64) * stride_table + pos // PAGE, mask=pos_ok, other=0)
+        cell = (page * PAGE + pos % PAGE).to(tl.int64)
+        kv_mask = pos_ok[:, None] & d_ok[None, :]
+
+        k = tl.load(k_ptr + cell[:, None] * stride_kc + column[None, :], mask=kv_mask, other=0)
+        if K_Q8:
+            k = _dequantise(k, ks_ptr, cell, stride_ksc, group * head_dim, pos_ok, BLOCK_N, BLOCK_D, BLOCKED_SCALES)
+        k = k.to(q.dtype)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") if F32_DOT else tl.dot(q, tl.trans(k))
+        seen = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])  # [M, N]
+        scores = tl.where(seen, scores, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays empty
+        p = tl.where(seen, tl.exp(scores - m_safe[:, None]), 0.0)
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+
+        v = tl.load(v_ptr + cell[:, None] * stride_vc + column[None, :], mask=kv_mask, other=0)
+        if V_Q8:
+            v = _dequantise(v, vs_ptr, cell, stride_vsc, group * head_dim, pos_ok, BLOCK_N, BLOCK_D, BLOCKED_SCALES)
+        v = v.to(q.dtype)
+        if F32_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    rows = (q_start + t).to(tl.int64)
+    o_off = rows[:, None] * stride_on + head[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+    tl.store(o_part_ptr + o_off, out, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(lse_part_ptr + rows * stride_ln + head * stride_lh + split, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits(
+    o_part_ptr, lse_part_ptr, out_ptr,
+    stride_on, stride_oh, stride_os, stride_ln, stride_lh, stride_outn, stride_outh,
+    splits, head_dim,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < splits
+    lse = tl.load(lse_part_ptr + row * stride_ln + head * stride_lh + offs_s, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    weight = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - top))  # [S]
+    parts = tl.load(
+        o_part_ptr + row * stride_on + head * stride_oh + offs_s[:, None] * stride_os + offs_d[None, :],
+        mask=s_ok[:, None] & (offs_d[None, :] < head_dim) & (weight[:, None] > 0.0),
+        other=0.0,
+    )  # [S, D]
+    out = tl.sum(parts * weight[:, None], axis=0) / tl.sum(weight, axis=0)
+    tl.store(
+        out_ptr + row * stride_outn + head * stride_outh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < head_dim,
+    )
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """The kernel's tile and launch shape; `bench/depth.py --kernel-only` measures the alternatives."""
+
+    block_n: int = 64  # positions per tile (halved for head dims over 128)
+    num_warps: int | None = None  # None: 2 when the sequences alone leave multiprocessors idle, else 4
+    num_stages: int = 2
+    waves: int = 8  # programs per multiprocessor the splits aim for
+    max_splits: int = 128
+
+
+DEFAULT = LaunchConfig()
+
+
+def launch_shape(*, programs: int, device: torch.device, config: LaunchConfig = DEFAULT) -> tuple[int, int]:
+    """(splits per sequence, warps per program), from the batch's shape only, so a CUDA graph replays at any depth.
+
+    Splits give enough programs to fill the GPU `waves` times over, whatever the lengths (empty splits end at once).
+    Measured on an H100 (bench/depth.py --kernel-only): a lone long stream reads fastest with many small programs
+    (2 warps: more gathers in flight per multiprocessor), a full batch with 4."""
+    sms = _multiprocessors(device)
+    splits = max(1, min(config.max_splits, -(-config.waves * sms // max(programs, 1))))
+    warps = config.num_warps or (2 if programs < sms else 4)
+    return splits, warps
+
+
+def paged_attention(
+    q: Tensor,
+    *,
+    keys: Tensor,
+    key_scales: Tensor | None,
+    values: Tensor,
+    value_scales: Tensor | None,
+    table: Tensor,
+    slots: Tensor,
+    q_starts: Tensor,
+    q_lens: Tensor,
+    kv_lens: Tensor,
+    max_q_len: int,
+    n_head_kv: int,
+    page: int = 1,
+    config: LaunchConfig = DEFAULT,
+) -> Tensor:
+    """q: [N, H, hd]; keys/values: [cells, Hkv * hd] as stored (int8 with [cells, Hkv * hd / 32] f16 scales for
+    q8_0); table: [slots, pages]; per sequence (device tensors): its table row, first row in q, query rows and
+    visible positions. Returns [N, H, hd] in q's dtype."""
+    n, n_head, head_dim = q.shape
+    n_rep = n_head // n_head_kv
+    rep = triton.next_power_of_2(n_rep)
+    block_t = max(1, (16 if max_q_len == 1 else 64) // rep)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_n = config.block_n if block_d <= 128 else config.block_n // 2
+    q_tiles = triton.cdiv(max_q_len, block_t)
+    n_seq = slots.shape[0]
+    splits, warps = launch_shape(programs=n_seq * q_tiles * n_head_kv, device=q.device, config=config)
+    o_part = torch.empty(n, n_head, splits, head_dim, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(n, n_head, splits, dtype=torch.float32, device=q.device)
+    _attend_split[(n_seq * q_tiles, n_head_kv, splits)](
+        q, keys, keys if key_scales is None else key_scales, values, values if value_scales is None else value_scales,
+        table, slots, q_starts, q_lens, kv_lens, o_part, lse_part,
+        head_dim**-0.5,
+        q.stride(0), q.stride(1),
+        keys.stride(0), 0 if key_scales is None else key_scales.stride(0),
+        values.stride(0), 0 if value_scales is None else value_scales.stride(0),
+        table.stride(0),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1),
+        n_rep, head_dim, q_tiles,
+        K_Q8=key_scales is not None, V_Q8=value_scales is not None, PAGE=page,
+        BLOCK_T=block_t, REP=rep, BLOCK_N=block_n, BLOCK_D=block_d,
+        F32_DOT=q.dtype == torch.float32, BLOCKED_SCALES=head_dim % 32 == 0 and block_d == head_dim,
+        num_warps=warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    out = torch.empty_like(q)
+    _merge_splits[(n, n_head)](
+        o_part, lse_part, out,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
+        out.stride(0), out.stride(1),
+        splits, head_dim,
+        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+    )  # fmt: skip
+    return out

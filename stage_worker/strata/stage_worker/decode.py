@@ -1,11 +1,11 @@
 """Decode steps as one batched body, captured in CUDA graphs on GPUs.
 
 A decode step (one new position per slot) is the hot loop of serving: it reads every weight once for a handful of
-rows, so on a GPU its time is the weights' bytes over memory bandwidth, plus whatever the host adds. Run eagerly from
-Python, a 32-layer llama issues well over a thousand kernels per token and the host's launch time, not the memory,
-sets the pace. Here the whole step runs as one body whose shapes depend only on the batch size B and a span bucket S
-(the power of two at least one past the longest position, at least MIN_SPAN), so on CUDA it is captured once per
-(B, S) and replayed: one launch per step. The inputs travel in one small host-to-device copy into static buffers;
+rows, and each slot's KV once, so on a GPU its time is those bytes over memory bandwidth, plus whatever the host adds.
+Run eagerly from Python, a 32-layer llama issues well over a thousand kernels per token and the host's launch time,
+not the memory, sets the pace. Here the whole step runs as one body whose shapes depend only on the batch size B
+(attention reads each slot's exact length from a device tensor), so on CUDA it is captured once per B and replayed
+at any depth: one launch per step. The inputs travel in one small host-to-device copy into static buffers;
 greedy tokens and their log-probabilities come back in one device-to-host copy.
 
 On the CPU the same body runs eagerly, so the fidelity tests cover the batched attention too.
@@ -19,8 +19,6 @@ import torch
 from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.model import Rope, RunBlock, StageModel, decode_layout, run_block
 from torch import Tensor
-
-MIN_SPAN = 256
 
 
 @dataclass(frozen=True)
@@ -64,15 +62,13 @@ class Decoder:
         n = pool.parallel
         self.inputs = torch.zeros(4, n, dtype=torch.long, device=self.device)  # slots, positions, cells, tokens
         self.hidden = torch.zeros(n, model.config.dim, dtype=dtype, device=self.device)
-        self._captured: dict[tuple[int, int], _Captured] = {}
+        self._captured: dict[int, _Captured] = {}
+        self._rows = torch.arange(n, dtype=torch.long, device=self.device)
         self._memory = torch.cuda.graph_pool_handle() if graphs else None
 
     @property
     def captured(self) -> int:
         return len(self._captured)
-
-    def span(self, longest_position: int) -> int:
-        return min(self.pool.context, max(MIN_SPAN, 1 << longest_position.bit_length()))
 
     def run(
         self, *, slots: list[int], positions: list[int], cells: list[int], tokens: list[int], hidden: Tensor | None
@@ -82,31 +78,32 @@ class Decoder:
         self.inputs[:, :b].copy_(host, non_blocking=True)
         if hidden is not None:
             self.hidden[:b].copy_(hidden, non_blocking=True)
-        span = self.span(max(positions))
         if not self.graphs:
-            return self._body(b, span)
-        captured = self._captured.get((b, span)) or self._capture(b, span)
+            return self._body(b)
+        captured = self._captured.get(b) or self._capture(b)
         captured.graph.replay()
         return captured.output
 
-    def _capture(self, b: int, span: int) -> _Captured:
+    def _capture(self, b: int) -> _Captured:
         # Warm up on a side stream (the step's real work; the replay repeats it exactly), then capture.
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            self._body(b, span)
+            self._body(b)
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._memory):
-            output = self._body(b, span)
+            output = self._body(b)
         captured = _Captured(graph=graph, output=output)
-        self._captured[(b, span)] = captured
+        self._captured[b] = captured
         return captured
 
-    def _body(self, b: int, span: int) -> DecodeOutput:
+    def _body(self, b: int) -> DecodeOutput:
         slots, positions, cells, tokens = self.inputs[:, :b]
-        layout = decode_layout(table=self.pool.table, slots=slots, positions=positions, cells=cells, span=span)
+        layout = decode_layout(
+            table=self.pool.table, slots=slots, positions=positions, cells=cells, rows=self._rows[:b]
+        )
         x = self.model.embed(tokens) if self.model.is_first else self.hidden[:b]  # [B, D]
         x = self.model(x, rope=self.rope, caches=self.pool.layers, layout=layout, run=self._run)  # [B, D]
         if not self.model.is_last:

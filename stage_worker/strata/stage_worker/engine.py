@@ -15,7 +15,7 @@ import torch
 from strata.stage_worker.decode import Decoder
 from strata.stage_worker.errors import InvalidRequestError
 from strata.stage_worker.kv_pool import KVPool
-from strata.stage_worker.model import ChunkView, Rope, StageModel, StepLayout
+from strata.stage_worker.model import ChunkView, Rope, StageModel, step_layout
 from strata.stage_worker.sampling import Sampled, Sampling, sample
 from torch import Tensor
 
@@ -66,7 +66,7 @@ class Engine:
 
     def warm_up(self) -> None:
         """Compile and capture the decode step for one slot and for several before the stage says it is ready, so
-        no request waits for it (dynamic shapes: these two cover every batch size and span)."""
+        no request waits for it (dynamic shapes: these two cover every batch size and depth)."""
         for batch in sorted({1, min(2, self.pool.parallel)}):
             slots = list(range(batch))
             hidden = (
@@ -124,11 +124,19 @@ class Engine:
             positions.append(torch.arange(chunk.start_position, chunk.start_position + chunk.length))
             writes.append(new_cells)
             views.append(
-                ChunkView(rows=slice(row, row + chunk.length), start_position=chunk.start_position, cells=all_cells)
+                ChunkView(
+                    rows=slice(row, row + chunk.length),
+                    slot=chunk.slot,
+                    start_position=chunk.start_position,
+                    cells=all_cells,
+                )
             )
             row += chunk.length
-        layout = StepLayout(
-            positions=torch.cat(positions).to(self.device), write_cells=torch.cat(writes), chunks=tuple(views)
+        layout = step_layout(
+            positions=torch.cat(positions).to(self.device),
+            write_cells=torch.cat(writes),
+            chunks=tuple(views),
+            table=self.pool.table,
         )
         if hidden is None:
             tokens = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)

@@ -20,10 +20,10 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from strata.stage_worker.kernels.paged_attention import Sequences, attend_pool
 from strata.stage_worker.kv_pool import LayerCache
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 # Prefill attention kernels, best first. Not cuDNN: it builds an execution plan for every new (T, S) shape, and
 # prefill chunks come in every length, so a new prompt would wait for a plan instead of attending.
@@ -71,6 +71,7 @@ class ChunkView:
     """One slot's chunk inside a step: its rows in the flattened batch and the pool cells it reads."""
 
     rows: slice  # rows of the step's [N, D] batch
+    slot: int
     start_position: int  # absolute position of the first row
     cells: Tensor  # [start_position + length] pool cells of positions 0..end, in order
 
@@ -82,59 +83,70 @@ class StepLayout:
     positions: Tensor  # [N] absolute position of each row
     write_cells: Tensor  # [N] pool cell each row's K/V goes to
     chunks: tuple[ChunkView, ...]
+    table: Tensor  # [parallel, context] the pool's table: the cells of each slot's positions
+    continued: Sequences | None  # the chunks after cached positions, read in place from the pool
 
     def attend(self, q: Tensor, cache: LayerCache, config: ModelConfig) -> Tensor:
-        """Causal attention of each chunk's rows over its slot's cells, one chunk at a time."""
+        """Causal attention of each chunk's rows over its slot's cells. A chunk from position 0 attends through
+        flash attention over its own cells; chunks after cached positions (a prefix hit, a long prompt's later
+        chunks) read the pool in place, all in one call."""
         c = config
         out = torch.empty_like(q)  # q: [N, H, hd]
+        if self.continued is not None:
+            out = attend_pool(q, cache, table=self.table, sequences=self.continued, n_head_kv=c.n_head_kv)
         for chunk in self.chunks:
-            keys, values = cache.read(chunk.cells)  # [S, kv_dim] each, S = positions 0..end of the chunk
+            if chunk.start_position > 0:
+                continue
+            keys, values = cache.read(chunk.cells)  # [S, kv_dim] each, S = the chunk's own positions
             s = keys.shape[0]
             qc = q[chunk.rows].transpose(0, 1)[None]  # [1, H, T, hd]
             kc = keys.view(1, s, c.n_head_kv, c.head_dim).transpose(1, 2)  # [1, Hkv, S, hd]
             vc = values.view(1, s, c.n_head_kv, c.head_dim).transpose(1, 2)  # [1, Hkv, S, hd]
-            # Row i sits at position start + i and sees keys at positions 0..start + i: the causal mask aligned to
-            # the lower right corner of [T, S]. Given as a bias object rather than a dense mask, SDPA can run flash
-            # attention on GPUs instead of materialising [H, T, S] scores.
-            mask = causal_lower_right(qc.shape[2], s)
             with sdpa_kernel(PREFILL_ATTENTION):
-                attended = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=c.n_rep > 1)
+                attended = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=c.n_rep > 1)
             out[chunk.rows] = attended[0].transpose(0, 1)  # [T, H, hd]
         return out
 
 
+def step_layout(*, positions: Tensor, write_cells: Tensor, chunks: tuple[ChunkView, ...], table: Tensor) -> StepLayout:
+    """The step's layout, with the chunks that continue a slot described for the pool kernel."""
+    continued = [chunk for chunk in chunks if chunk.start_position > 0]
+    sequences = None
+    if continued:
+        device = table.device
+        columns = [
+            (chunk.slot, chunk.rows.start, chunk.rows.stop - chunk.rows.start, chunk.cells.shape[0])
+            for chunk in continued
+        ]
+        slots, q_starts, q_lens, kv_lens = torch.tensor(columns, dtype=torch.long).T.to(device)
+        sequences = Sequences(
+            slots=slots, q_starts=q_starts, q_lens=q_lens, kv_lens=kv_lens, max_q_len=int(max(c[2] for c in columns))
+        )
+    return StepLayout(positions=positions, write_cells=write_cells, chunks=chunks, table=table, continued=sequences)
+
+
 @dataclass(frozen=True)
 class DecodeLayout:
-    """A decode step: one row per slot, every slot's cells gathered at once from the pool's device table.
+    """A decode step: one row per slot, each attending over exactly its slot's positions, read in place.
 
-    Shapes depend only on (B, S), with S a bucket at least one past the longest position, so the whole step can be
-    captured once in a CUDA graph and replayed. Cells past a slot's position are masked out.
+    Every field is a device tensor whose shape depends on B alone, so the step is captured once per batch size in a
+    CUDA graph and replayed at any depth.
     """
 
     positions: Tensor  # [B] position of each slot's new token
     write_cells: Tensor  # [B] pool cell each row's K/V goes to
-    read_cells: Tensor  # [B, S] pool cell of positions 0..S-1 of each row's slot
-    mask: Tensor  # [B, 1, 1, S] True where the position is at most the row's own
+    table: Tensor  # [parallel, context] the pool's table
+    sequences: Sequences  # row b is slot slots[b] seeing positions 0..positions[b]
 
     def attend(self, q: Tensor, cache: LayerCache, config: ModelConfig) -> Tensor:
-        c = config
-        b, s = self.read_cells.shape
-        keys, values = cache.read(self.read_cells.reshape(-1))  # [B * S, kv_dim] each
-        k = keys.view(b, s, c.n_head_kv, c.head_dim).transpose(1, 2)  # [B, Hkv, S, hd]
-        v = values.view(b, s, c.n_head_kv, c.head_dim).transpose(1, 2)  # [B, Hkv, S, hd]
-        # Query head h reads KV head h // n_rep: the n_rep heads of a group become the group's query rows, so no
-        # K/V copy is repeated per head.
-        qg = q.view(b, c.n_head_kv, c.n_rep, c.head_dim)  # [B, Hkv, n_rep, hd]
-        attended = F.scaled_dot_product_attention(qg, k, v, attn_mask=self.mask)  # [B, Hkv, n_rep, hd]
-        return attended.reshape(b, c.n_head, c.head_dim)
+        return attend_pool(q, cache, table=self.table, sequences=self.sequences, n_head_kv=config.n_head_kv)
 
 
-def decode_layout(*, table: Tensor, slots: Tensor, positions: Tensor, cells: Tensor, span: int) -> DecodeLayout:
-    """Put each row's new cell in the pool's table and gather `span` positions of every row's slot (device only)."""
+def decode_layout(*, table: Tensor, slots: Tensor, positions: Tensor, cells: Tensor, rows: Tensor) -> DecodeLayout:
+    """Put each row's new cell in the pool's table (device only). rows: [B] 0..B-1, made once by the caller."""
     table[slots, positions] = cells
-    read_cells = table[slots, :span]  # [B, S]
-    mask = torch.arange(span, device=table.device)[None, :] <= positions[:, None]  # [B, S]
-    return DecodeLayout(positions=positions, write_cells=cells, read_cells=read_cells, mask=mask[:, None, None, :])
+    sequences = Sequences(slots=slots, q_starts=rows, q_lens=torch.ones_like(rows), kv_lens=positions + 1, max_q_len=1)
+    return DecodeLayout(positions=positions, write_cells=cells, table=table, sequences=sequences)
 
 
 Layout = StepLayout | DecodeLayout

@@ -1,0 +1,296 @@
+"""Decode at the context lengths agents use: Strata's in-process engine against llama.cpp on the same file and GPU.
+
+    python bench/depth.py [--peer .peer/llama-src.tar.xz] [--out DIR] [--depths 300,4096,...]
+
+One run, one table: the pool attention kernel against its reference on the table of named cases (bf16, f16 and f32
+on the GPU); then, on a Llama-3-8B-shape file with random Q8_0 weights (bench/gpu.py's), single-stream decode
+tokens/s after D positions for each depth, with q8_0 and f16 KV, and 16 streams at 4,096 positions each; then
+llama.cpp built from the source carried in the tree (bench/llamacpp.py) on the same file: `llama-bench -d D` and
+`llama-batched-bench -npp 4096 -npl 16`.
+
+Strata's slots are filled to depth D with random K/V written through the pool's own quantiser (attention's cost does
+not depend on the values, and a 128K-token prefill per depth would spend the lease on prefill); llama.cpp fills its
+cache by prefilling D tokens, as llama-bench does. Both then decode greedily: Strata 64 steps after 8 warm-up steps,
+llama.cpp `-n 64`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from strata.gguf.model import CacheType
+from strata.gguf.testmodels import LARGE_SHAPES
+from strata.gguf.testmodels.bulk import write_bulk_q8_model
+from strata.stage_worker.engine import Chunk, Engine
+from strata.stage_worker.kv_pool import KVPool
+from strata_testbed.attention_cases import CASES, run_case, tolerance
+
+sys.path.insert(0, str(Path(__file__).parent))
+import gpu
+import llamacpp
+
+DEPTHS = (300, 4096, 8192, 16384, 32768, 131072)
+F16_DEPTHS = (300, 4096, 8192, 16384, 32768)
+STEPS = 64
+WARM = 8
+STREAMS = 16
+STREAM_DEPTH = 4096
+KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # bf16: the GPUs' compute dtype; f32: the exact path
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def kernel_fidelity(device: torch.device) -> list[dict[str, object]]:
+    rows = []
+    for case in CASES:
+        for dtype in KERNEL_DTYPES:
+            error = run_case(case, device=device, dtype=dtype, seed=1)
+            rows.append({"case": case.name, "dtype": str(dtype)[6:], "error": error, "ok": error <= tolerance(dtype)})
+    return rows
+
+
+def kernel_speed(device: torch.device, *, depths: list[int]) -> dict[str, float]:
+    """One layer's decode attention alone (Llama-3-8B heads, q8_0 KV), replayed from a CUDA graph: achieved GB/s of
+    K/V read, for one stream at each depth and 16 streams at 4,096, under each launch configuration tried."""
+    import triton.testing
+    from strata.stage_worker.kernels import paged_attention_triton as kernels
+
+    configs = {
+        "default": kernels.DEFAULT,
+        "n32": dataclasses.replace(kernels.DEFAULT, block_n=32),
+        "w4": dataclasses.replace(kernels.DEFAULT, num_warps=4),
+        "w2": dataclasses.replace(kernels.DEFAULT, num_warps=2),
+        "s3": dataclasses.replace(kernels.DEFAULT, num_stages=3),
+        "waves4": dataclasses.replace(kernels.DEFAULT, waves=4, max_splits=64),
+    }
+    shapes = [(1, d) for d in depths] + [(STREAMS, STREAM_DEPTH)]
+    speeds = {}
+    for streams, depth in shapes:
+        pool = KVPool(
+            n_layers=1, context=streams * depth + 1, parallel=streams, key_width=1024, value_width=1024,
+            type_k=CacheType.Q8_0, type_v=CacheType.Q8_0, dtype=torch.bfloat16, device=device,
+        )  # fmt: skip
+        for slot in range(streams):
+            cells, _ = pool.extend(slot=slot, start_position=0, length=depth)
+            k, v = torch.randn(depth, 1024, device=device), torch.randn(depth, 1024, device=device)
+            pool.layers[0].write(cells, k, v)
+        q = torch.randn(streams, 32, 128, device=device, dtype=torch.bfloat16)
+        rows = torch.arange(streams, device=device)
+        store_k, store_v = pool.layers[0].keys, pool.layers[0].values
+        arguments = {
+            "keys": store_k.values, "key_scales": store_k.scales, "values": store_v.values,
+            "value_scales": store_v.scales, "table": pool.table, "slots": rows, "q_starts": rows,
+            "q_lens": torch.ones_like(rows), "kv_lens": torch.full_like(rows, depth), "max_q_len": 1, "n_head_kv": 8,
+        }  # fmt: skip
+        for name, config in configs.items():
+            attend = functools.partial(kernels.paged_attention, q, config=config, **arguments)
+            ms = triton.testing.do_bench_cudagraph(attend, return_mode="median")
+            key = f"{streams}x{depth} {name}"
+            speeds[key] = pool.cell_bytes * depth * streams / (ms * 1e-3) / 1e9
+            log(f"kernel alone, {key}: {ms * 1e3:.1f} us, {speeds[key]:.0f} GB/s of q8_0 K/V")
+        del pool
+    return speeds
+
+
+def fill(engine: Engine, *, slot: int, depth: int, generator: torch.Generator) -> None:
+    """Give `slot` `depth` positions of random K/V in every layer, written through the pool's quantiser."""
+    pool = engine.pool
+    pool.reset(slot)
+    cells, _ = pool.extend(slot=slot, start_position=0, length=depth)
+    c = engine.model.config
+    for layer in pool.layers:
+        for start in range(0, depth, 16384):
+            part = cells[start : start + 16384]
+            k = torch.randn(part.shape[0], c.kv_dim, generator=generator, device=pool.device, dtype=engine.dtype)
+            v = torch.randn(part.shape[0], c.kv_dim, generator=generator, device=pool.device, dtype=engine.dtype)
+            layer.write(part, k, v)
+
+
+def decode_speed(engine: Engine, *, depths: dict[int, int]) -> float:
+    """Aggregate tokens/s of greedy decode from slot -> depth, after `fill`."""
+    positions = dict(depths)
+    tokens = dict.fromkeys(depths, 1)
+    times = []
+    for i in range(WARM + STEPS):
+        chunks = [
+            Chunk(slot=s, start_position=p, length=1, token_ids=(tokens[s],), sample=True) for s, p in positions.items()
+        ]
+        gpu.sync(engine.device)
+        begun = time.perf_counter()
+        picked = engine.step(chunks, None).tokens
+        if i >= WARM:
+            times.append(time.perf_counter() - begun)
+        tokens = {s: picked[s].token_id for s in positions}
+        positions = {s: p + 1 for s, p in positions.items()}
+    return len(depths) * len(times) / sum(times)
+
+
+def strata_sweep(model_path: Path, *, depths: list[int], device: torch.device) -> dict[str, dict[str, float]]:
+    shape_layers = LARGE_SHAPES["llama3-8b"].block_count
+    model = gpu.load(model_path, span=(0, shape_layers), device=device, dtype=torch.bfloat16)
+    c = model.config
+    results: dict[str, dict[str, float]] = {}
+    generator = torch.Generator(device=device).manual_seed(0)
+    for cache in (CacheType.Q8_0, CacheType.F16):
+        wanted = [d for d in depths if cache is CacheType.Q8_0 or d in F16_DEPTHS]
+        context = max([*wanted, STREAMS * (STREAM_DEPTH + WARM + STEPS)]) + WARM + STEPS + 256
+        pool = KVPool(
+            n_layers=c.n_layer, context=context, parallel=STREAMS, key_width=c.kv_dim, value_width=c.kv_dim,
+            type_k=cache, type_v=cache, dtype=torch.bfloat16, device=device,
+        )  # fmt: skip
+        engine = Engine(model=model, pool=pool, device=device, dtype=torch.bfloat16)
+        engine.warm_up()
+        speeds: dict[str, float] = {}
+        for depth in wanted:
+            fill(engine, slot=0, depth=depth, generator=generator)
+            speeds[str(depth)] = decode_speed(engine, depths={0: depth})
+            pool.reset(0)
+            log(f"strata {cache.value} KV, depth {depth}: {speeds[str(depth)]:.1f} tok/s")
+        for slot in range(STREAMS):
+            fill(engine, slot=slot, depth=STREAM_DEPTH, generator=generator)
+        speeds[f"{STREAMS}x{STREAM_DEPTH}"] = decode_speed(engine, depths=dict.fromkeys(range(STREAMS), STREAM_DEPTH))
+        log(f"strata {cache.value} KV, {STREAMS} streams at {STREAM_DEPTH}: {speeds[f'{STREAMS}x{STREAM_DEPTH}']:.1f}")
+        results[cache.value] = speeds
+        del engine, pool
+        torch.cuda.empty_cache()
+    del model
+    torch.cuda.empty_cache()
+    return results
+
+
+def peer_sweep(bin_dir: Path, model_path: Path, *, depths: list[int]) -> dict[str, dict[str, float]]:
+    results: dict[str, dict[str, float]] = {}
+    for cache in ("q8_0", "f16"):
+        wanted = [d for d in depths if cache == "q8_0" or d in F16_DEPTHS]
+        speeds = llamacpp.decode_at_depth(
+            bin_dir, model_path, depths=wanted, cache_type=cache, tokens=STEPS, repetitions=1, timeout_s=400
+        )
+        figures = {str(d): s for d, s in speeds.items()}
+        batched = llamacpp.batched(
+            bin_dir, model_path, prompt=STREAM_DEPTH, generate=STEPS, parallel=[STREAMS], cache_type=cache,
+            context=STREAMS * (STREAM_DEPTH + STEPS) + 256, timeout_s=300,
+        )  # fmt: skip
+        figures[f"{STREAMS}x{STREAM_DEPTH}"] = batched[STREAMS]["S_TG"]
+        results[cache] = figures
+        log(f"llama.cpp {cache} KV: {figures}")
+    return results
+
+
+def render(r: dict[str, object]) -> str:
+    machine, strata, peer = r["machine"], r["strata"], r.get("llamacpp", {})
+    assert isinstance(machine, dict)
+    assert isinstance(strata, dict)
+    assert isinstance(peer, dict)
+    lines = [
+        "machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()),
+        f"model: llama3-8b shape, random Q8_0 weights ({r['file_gb']:.2f} GB file), bf16-resident weights, bf16 "
+        f"compute; decode {STEPS} greedy steps after {WARM} warm-up; copy bandwidth {r['bandwidth'] / 1e12:.2f} TB/s",
+        f"pool attention kernel vs reference: {r['kernel_passed']} of {r['kernel_cases']} case x dtype checks pass "
+        f"(worst bf16 error {r['kernel_worst_bf16']:.2e})",
+        "",
+        "| depth | Strata q8_0 KV | / its 300 | llama.cpp q8_0 | / its 300 | ratio | Strata f16 KV | llama.cpp f16 "
+        "| ratio |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    keys = [k for k in strata.get("q8_0", {}) if k.isdigit()]
+    for key in [*keys, f"{STREAMS}x{STREAM_DEPTH}"]:
+        cells = [key if key.isdigit() else f"{STREAMS} streams x {STREAM_DEPTH}"]
+        for cache in ("q8_0", "f16"):
+            ours, theirs = strata.get(cache, {}).get(key), peer.get(cache, {}).get(key)
+            cells.append(f"{ours:.1f}" if ours else "-")
+            if cache == "q8_0":
+                base = strata[cache].get("300")
+                peer_base = peer.get(cache, {}).get("300")
+                cells.append(f"{ours / base:.2f}" if ours and base and key.isdigit() else "")
+                cells.append(f"{theirs:.1f}" if theirs else "-")
+                cells.append(f"{theirs / peer_base:.2f}" if theirs and peer_base and key.isdigit() else "")
+            else:
+                cells.append(f"{theirs:.1f}" if theirs else "-")
+            cells.append(f"{ours / theirs:.2f}x" if ours and theirs else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=Path(tempfile.gettempdir()) / "strata-bench-model.gguf")
+    parser.add_argument("--peer", type=Path, default=Path(".peer/llama-src.tar.xz"))
+    parser.add_argument("--peer-work", type=Path, default=Path(tempfile.gettempdir()) / "strata-llamacpp")
+    parser.add_argument("--depths", default=",".join(map(str, DEPTHS)))
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--kernel-only", action="store_true", help="the kernel's checks and speed alone")
+    parser.add_argument("--no-checks", action="store_true", help="skip the kernel's checks (tuning runs only)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/depth.py measures a GPU; on the CPU, pytest tests/stage_worker/test_paged_attention.py checks "
+                 "the same kernel under Triton's interpreter")  # fmt: skip
+    device = torch.device("cuda:0")
+    depths = [int(d) for d in args.depths.split(",")]
+    # llama.cpp builds on the CPUs (niced) while Strata measures on the GPU; its benches run after Strata's.
+    peer_build = None
+    if args.peer.exists() and not args.kernel_only:
+        script = (
+            f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from pathlib import Path; "
+            f"import llamacpp; print(llamacpp.build(Path({str(args.peer)!r}), work=Path({str(args.peer_work)!r}), "
+            "cuda=True))"
+        )
+        peer_build = subprocess.Popen(
+            ["nice", "-n", "19", sys.executable, "-c", script],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    results: dict[str, object] = {"machine": gpu.machine(device), "bandwidth": gpu.copy_bandwidth(device)}
+    started = time.perf_counter()
+    checks = [] if args.no_checks else kernel_fidelity(device)
+    failed = [c for c in checks if not c["ok"]]
+    results["kernel"] = checks
+    results["kernel_cases"], results["kernel_passed"] = len(checks), len(checks) - len(failed)
+    results["kernel_worst_bf16"] = max((float(c["error"]) for c in checks if c["dtype"] == "bfloat16"), default=0.0)  # type: ignore[arg-type]
+    log(f"kernel checks in {time.perf_counter() - started:.0f} s; failed: {failed or 'none'}")
+    for check in checks:
+        print(
+            f"  {check['case']:52s} {check['dtype']:9s} {float(check['error']):.2e} {'ok' if check['ok'] else 'FAIL'}"
+        )  # type: ignore[arg-type]
+    if args.kernel_only:
+        results["kernel_speed"] = kernel_speed(device, depths=depths)
+        return
+    if not args.model.exists():
+        write_bulk_q8_model(args.model, shape=LARGE_SHAPES["llama3-8b"])
+    results["file_gb"] = args.model.stat().st_size / 1e9
+    results["strata"] = strata_sweep(args.model, depths=depths, device=device)
+    if peer_build is not None:
+        try:
+            output, _ = peer_build.communicate(timeout=900)
+            if peer_build.returncode != 0:
+                raise RuntimeError(f"building llama.cpp failed:\n{output[-4000:]}")
+            results["llamacpp"] = peer_sweep(Path(output.strip().splitlines()[-1]), args.model, depths=depths)
+        except (subprocess.SubprocessError, RuntimeError, OSError) as exc:
+            log(f"llama.cpp failed: {exc}")
+            print(exc)
+            results["llamacpp_error"] = str(exc)
+    else:
+        log(f"no llama.cpp source at {args.peer} (python bench/llamacpp.py prepare .peer): Strata alone")
+    table = render(results)
+    print(table)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "depth.json").write_text(json.dumps(results, indent=1, default=str))
+        (args.out / "depth.md").write_text(table)
+    if failed:
+        sys.exit(f"{len(failed)} kernel checks failed")
+
+
+if __name__ == "__main__":
+    main()

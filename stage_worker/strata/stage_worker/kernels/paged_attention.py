@@ -63,10 +63,11 @@ def _paged_attention_op(
 ) -> Tensor:
     from strata.stage_worker.kernels.paged_attention_triton import paged_attention
 
-    return paged_attention(
-        q, keys=keys, key_scales=key_scales, values=values, value_scales=value_scales, table=table, slots=slots,
-        q_starts=q_starts, q_lens=q_lens, kv_lens=kv_lens, max_q_len=max_q_len, n_head_kv=n_head_kv,
-    )  # fmt: skip
+    with torch.cuda.device(q.device):  # Triton launches on the current device's stream, whatever the tensors say
+        return paged_attention(
+            q, keys=keys, key_scales=key_scales, values=values, value_scales=value_scales, table=table, slots=slots,
+            q_starts=q_starts, q_lens=q_lens, kv_lens=kv_lens, max_q_len=max_q_len, n_head_kv=n_head_kv,
+        )  # fmt: skip
 
 
 @_paged_attention_op.register_fake

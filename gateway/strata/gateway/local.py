@@ -15,6 +15,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -44,10 +45,29 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-class StageProcess:
-    """`strata stage-worker` as a child, configured through STRATA_* as the operator configures a stage pod."""
+class StageStartError(RuntimeError):
+    """The stage worker exited, or printed no port in time, before it listened; carries the end of its log."""
 
-    def __init__(self, *, env: Mapping[str, str], log_path: Path, start_timeout_s: float = 60.0) -> None:
+    def __init__(self, reason: str, *, log_path: Path, log_tail: str) -> None:
+        super().__init__(f"the stage worker did not start ({reason}); its log is {log_path}:\n{log_tail}")
+        self.reason = reason
+        self.log_tail = log_tail
+
+
+class StageProcess:
+    """`strata stage-worker` as a child, configured through STRATA_* as the operator configures a stage pod.
+
+    `cancel`, when set while the worker starts, cuts the start short (the supervisor stopping mid-restart).
+    """
+
+    def __init__(
+        self,
+        *,
+        env: Mapping[str, str],
+        log_path: Path,
+        start_timeout_s: float = 60.0,
+        cancel: threading.Event | None = None,
+    ) -> None:
         self.log_path = log_path
         self._log = log_path.open("ab")
         self._proc = subprocess.Popen(
@@ -59,24 +79,35 @@ class StageProcess:
             start_new_session=True,
             preexec_fn=_die_with_parent,
         )
-        self.port = self._read_port(start_timeout_s)
+        self.port = self._read_port(start_timeout_s, cancel or threading.Event())
 
-    def _read_port(self, timeout_s: float) -> int:
+    def _read_port(self, timeout_s: float, cancel: threading.Event) -> int:
         """The port the worker prints once its server listens ("stage N listening on port P")."""
         assert self._proc.stdout is not None, "stdout is a pipe"
         deadline = time.monotonic() + timeout_s
         line = b""
-        while time.monotonic() < deadline and self._proc.poll() is None:
+        while time.monotonic() < deadline and self._proc.poll() is None and not cancel.is_set():
             readable, _, _ = select.select([self._proc.stdout], [], [], 0.2)
             if readable:
                 line = self._proc.stdout.readline()
                 if b"listening on port" in line:
                     return int(line.split()[-1])
+        if cancel.is_set():
+            reason = "cancelled"
+        elif self._proc.poll() is not None:
+            reason = f"it exited with status {self._proc.returncode}"
+        else:
+            reason = f"no port within {timeout_s:g} s"
         self.stop()
-        raise RuntimeError(f"the stage worker did not start; its log is {self.log_path}:\n{self.log_tail()}")
+        raise StageStartError(reason, log_path=self.log_path, log_tail=self.log_tail())
 
     def running(self) -> bool:
         return self._proc.poll() is None
+
+    @property
+    def exit_code(self) -> int | None:
+        """None while it runs; its status once it has exited (negative: the signal that killed it)."""
+        return self._proc.poll()
 
     def send_signal(self, signum: int) -> None:
         """Signal the stage's process group (SIGSTOP freezes it, SIGKILL kills it as a lost node would)."""

@@ -7,23 +7,37 @@ with the STRATA_* environment the operator would give a stage pod, on loopback. 
 a fixed fencing token and prints its endpoint; Ctrl-C (or SIGTERM) stops the gateway and every stage, and the stages
 die with this process even when it is killed outright. Without MODEL it generates a small demo model (random weights,
 a real tokenizer and chat template): the output is gibberish, but every part of the path is the real one.
+
+A stage that dies is started again on its port after a backoff and claimed under a new coordinator term, as a
+StatefulSet would bring a stage pod back; one that keeps dying ends `serve` with the end of its log
+(strata.gateway.supervision).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import dataclasses
 import os
+import socket
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from strata.gateway.settings import DEFAULT_MICRO_BATCHES
+from strata.gateway.supervision import RestartPolicy
 from strata.gguf.model import CacheType
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+    from strata.gateway.local import StageProcess
+    from strata.gateway.pipeline import Pipeline
     from strata.gateway.serving import Serving
+    from strata.gateway.supervision import StageKeepsDyingError, StageSupervisor
 
 DEMO_LAYERS = 4
 DEFAULT_PREFIX_CACHE_BYTES = 256 << 20  # per stage: a 2,000-token prompt of an 8B-class model in f16 is ~260 MB
@@ -72,20 +86,43 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         f"(default {DEFAULT_MICRO_BATCHES}: one step at a time; a single stage always steps whole)",
     )
     parser.add_argument("--api-keys-file", default="", help="accepted API keys, one per line (or STRATA_API_KEYS)")
+    _add_supervision_options(parser)
     parser.set_defaults(run=run)
 
 
+def _add_supervision_options(parser: argparse.ArgumentParser) -> None:
+    defaults = RestartPolicy()
+    parser.add_argument(
+        "--stage-restarts",
+        type=int,
+        default=defaults.max_restarts,
+        help="restarts of a dead stage allowed within --stage-restart-window; one more death ends serve with the "
+        f"stage's log (default {defaults.max_restarts}; 0: end at the first death)",
+    )
+    parser.add_argument(
+        "--stage-restart-window",
+        type=float,
+        default=defaults.window_s,
+        help=f"seconds over which a stage's restarts are counted (default {defaults.window_s:g})",
+    )
+
+
 def run(args: argparse.Namespace) -> int:
+    # Restarting a stage forks this process while gRPC's threads run, and gRPC's fork support (for children that go
+    # on using gRPC; a stage worker execs at once) prints a warning at each fork. Read when grpc is first imported.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     import logging
 
     from strata.gateway.local import StageProcess
     from strata.gateway.local_plan import available_memory_bytes, plan_local
-    from strata.gateway.server import bind, build, serve
+    from strata.gateway.server import bind, build
     from strata.gateway.settings import GatewaySettings, api_keys
+    from strata.gateway.supervision import StageSupervisor
     from strata.gguf import describe, read_model_header
     from strata.plan import GB
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    policy = _restart_policy(args)
     workdir = Path(tempfile.mkdtemp(prefix="strata-serve-"))
     model = args.model or str(_demo_model(workdir))
     header, size = read_model_header(model)
@@ -111,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
     stages: list[StageProcess] = []
+    envs: list[dict[str, str]] = []
+    failure: StageKeepsDyingError | None = None
     try:
         next_stage = ""
         for index in reversed(range(len(spans))):
@@ -131,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
             }
             stage = StageProcess(env=env, log_path=workdir / f"stage-{index}.log")
             stages.insert(0, stage)
+            envs.insert(0, env)
             next_stage = f"127.0.0.1:{stage.port}"
             print(f"stage {index}: layers [{start}, {end}) on {next_stage}", flush=True)
         settings = GatewaySettings(
@@ -154,11 +194,87 @@ def run(args: argparse.Namespace) -> int:
         print(f"serving {serving.model_name!r} ({len(spans)} stages, {args.parallel} lanes, context {context})")
         print(f"endpoint {base}  (stage logs in {workdir})", flush=True)
         threading.Thread(target=_announce_ready, args=(serving,), daemon=True).start()
-        serve(app, sock)
+        supervisor = StageSupervisor(
+            stages, start=_restarter(stages, envs), policy=policy, report=lambda line: print(line, flush=True)
+        )
+        failure = _serve_supervised(app, sock, pipeline=serving.pipeline, supervisor=supervisor)
     finally:
         for stage in stages:
             stage.stop()
+    if failure is not None:
+        raise SystemExit(f"strata serve: {failure}")
     return 0
+
+
+def _restart_policy(args: argparse.Namespace) -> RestartPolicy:
+    try:
+        return RestartPolicy(max_restarts=args.stage_restarts, window_s=args.stage_restart_window)
+    except ValueError as exc:
+        raise SystemExit(f"strata serve: {exc}") from exc
+
+
+def _restarter(
+    stages: list[StageProcess], envs: list[dict[str, str]]
+) -> Callable[[int, threading.Event], StageProcess]:
+    """Starts stage `index` again as it was first started, on the port it had: the previous stage (or the gateway)
+    still points there. Its log goes on in the same file."""
+    from strata.gateway.local import StageProcess
+
+    ports = [stage.port for stage in stages]
+
+    def start(index: int, cancel: threading.Event) -> StageProcess:
+        env = {**envs[index], "STRATA_LISTEN": f"127.0.0.1:{ports[index]}"}
+        return StageProcess(env=env, log_path=stages[index].log_path, cancel=cancel)
+
+    return start
+
+
+def _serve_supervised(
+    app: FastAPI, sock: socket.socket, *, pipeline: Pipeline, supervisor: StageSupervisor[StageProcess]
+) -> StageKeepsDyingError | None:
+    """Serve HTTP until Ctrl-C, SIGTERM or a stage given up on, with the supervisor watching the stages.
+
+    A stage found dead makes the coordinator take the next term at once: readiness drops, what was running fails
+    with a retryable 503, and the driver claims every stage under the new term once the stage is back and loaded, so
+    no stage keeps slots or prefix snapshots of the old run. A stage given up on shuts the server down as SIGTERM
+    would; the reason is returned. The callbacks come from the supervisor's thread, so they hop onto the event loop.
+    """
+    from strata.gateway.server import http_server
+
+    server = http_server(app)
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+
+        def on_loop(callback: Callable[[], None]) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: serve is on its way out anyway
+                loop.call_soon_threadsafe(callback)
+
+        def shut_down() -> None:
+            server.should_exit = True
+
+        supervisor.start(
+            on_lost=lambda _index: on_loop(lambda: _next_term(pipeline)), on_gave_up=lambda _error: on_loop(shut_down)
+        )
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            supervisor.stop()
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down; that is the normal way out
+        pass
+    finally:
+        supervisor.stop()
+    return supervisor.failure
+
+
+def _next_term(pipeline: Pipeline) -> None:
+    """Move the coordinator to the next term, as a won election would: it claims every stage again before serving."""
+    fence = pipeline.fence
+    if fence is not None:
+        pipeline.promote(dataclasses.replace(fence, term=fence.term + 1))
 
 
 def _announce_ready(serving: Serving) -> None:

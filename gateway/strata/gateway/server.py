@@ -147,10 +147,15 @@ def bind(listen: str) -> socket.socket:
     return sock
 
 
+def http_server(app: FastAPI) -> uvicorn.Server:
+    """The gateway's uvicorn server; setting its `should_exit` shuts it down as SIGTERM would."""
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5, lifespan="on")
+    return uvicorn.Server(config)
+
+
 def serve(app: FastAPI, sock: socket.socket) -> None:
     """Run until SIGINT or SIGTERM (uvicorn's handlers), then shut down gracefully."""
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5, lifespan="on")
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        http_server(app).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down; that is the normal way out
         return

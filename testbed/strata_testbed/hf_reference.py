@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 from strata.stage_worker.model import Block, RopeStyle, StageModel
+from strata.stage_worker.weights.linear import PackedEmbedding, PackedLinear
 from torch import Tensor
 from transformers import PreTrainedModel
 
@@ -35,8 +36,8 @@ def hf_from_stage(stage: StageModel) -> PreTrainedModel:
     """HF's LlamaForCausalLM holding a whole-model stage's own weights (no second read of the file).
 
     For files too large for HF's GGUF loader to dequantise in reasonable time (an 8B Q8_0 file on a benchmark
-    machine). The tensors are shared (views into the stage's stacked q/k/v and gate/up matrices), except
-    attn_q/attn_k, which are un-permuted back to HF's order (llama.cpp's converter permutes their rows for "normal"
+    machine). The matrices are the stage's own dequantised to its compute dtype (norms are shared), with attn_q/attn_k
+    un-permuted back to HF's order (llama.cpp's converter permutes their rows for "normal"
     RoPE); HF's own RoPE and attention then compute the reference.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -65,32 +66,40 @@ def hf_from_stage(stage: StageModel) -> PreTrainedModel:
         rows = weight.shape[0]
         return weight.reshape(heads, rows // heads // 2, 2, -1).transpose(1, 2).reshape(weight.shape).contiguous()
 
+    dtype = stage.output_norm.weight.dtype
+
+    def dense(module: torch.nn.Module) -> Tensor:
+        if not isinstance(module, PackedLinear | PackedEmbedding):
+            raise TypeError(f"{type(module).__name__} is not a matrix the loader builds")
+        return module.dense(dtype)
+
     tensors = {
-        "model.embed_tokens.weight": stage.token_embd.weight,
+        "model.embed_tokens.weight": dense(stage.token_embd),
         "model.norm.weight": stage.output_norm.weight,
-        "lm_head.weight": stage.output.weight,
+        "lm_head.weight": dense(stage.output),
     }
     for i, block in enumerate(stage.layers):
         if not isinstance(block, Block):
             raise TypeError(f"layer {i} is not a Block")
         p = f"model.layers.{i}."
-        q, k, v = torch.split(block.attn.wqkv.weight, [c.q_dim, c.kv_dim, c.kv_dim])
-        gate, up = torch.split(block.ffn.w_gate_up.weight, c.ffn_dim)
+        q, k, v = torch.split(dense(block.attn.wqkv), [c.q_dim, c.kv_dim, c.kv_dim])
+        gate, up = torch.split(dense(block.ffn.w_gate_up), c.ffn_dim)
         tensors |= {
             p + "self_attn.q_proj.weight": unpermute(q, c.n_head),
             p + "self_attn.k_proj.weight": unpermute(k, c.n_head_kv),
             p + "self_attn.v_proj.weight": v,
-            p + "self_attn.o_proj.weight": block.attn.wo.weight,
+            p + "self_attn.o_proj.weight": dense(block.attn.wo),
             p + "mlp.gate_proj.weight": gate,
             p + "mlp.up_proj.weight": up,
-            p + "mlp.down_proj.weight": block.ffn.w_down.weight,
+            p + "mlp.down_proj.weight": dense(block.ffn.w_down),
             p + "input_layernorm.weight": block.attn_norm.weight,
             p + "post_attention_layernorm.weight": block.ffn_norm.weight,
         }
-    weight = stage.token_embd.weight
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model.load_state_dict(tensors, strict=True, assign=True)
-    model.model.rotary_emb = LlamaRotaryEmbedding(config).to(weight.device)  # built on meta above; rebuilt real
+    model.model.rotary_emb = LlamaRotaryEmbedding(config).to(
+        stage.output_norm.weight.device
+    )  # built on meta above; rebuilt real
     model.eval()  # type: ignore[no-untyped-call]
     return model

@@ -2,13 +2,15 @@
 
 The model is built on the meta device; its parameter names say which GGUF tensors to read (the embedding for the
 first stage, `blk.N.*` for the span, `output_norm` and `output` — or `token_embd` when tied — for the last). Each
-tensor is read by range, dequantised (on the target device for the plain types and Q8_0, with gguf-py otherwise),
-cast to the compute dtype and assigned. LoadProgress counts bytes read against bytes needed so the operator can show
+tensor is read by range; a matrix's tensors of the quantised types a stage keeps become planes of their blocks on the
+target device (strata.stage_worker.weights), everything else is dequantised (plain types on the device, others with
+gguf-py) and cast to the compute dtype. LoadProgress counts bytes read against bytes needed so the operator can show
 load progress.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,8 +21,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 from strata.gguf import GGUFHeader, TensorInfo
 from strata.gguf.cursor import ByteSource
+from strata.gguf.resident import kept_quantised
 from strata.stage_worker.errors import ModelFileError
 from strata.stage_worker.model import ModelConfig, RopeStyle, StageModel
+from strata.stage_worker.weights.formats import split_planes
+from strata.stage_worker.weights.linear import DenseRows, PackedEmbedding, PackedLinear, QuantizedRows, Rows
 from torch import nn
 
 # How llama.cpp rotates each architecture's q/k (llama_model_rope_type); the file's weights are in that order.
@@ -45,7 +50,6 @@ BLOCK_TENSORS: dict[str, tuple[str, ...]] = {
     "ffn.w_down.weight": ("ffn_down.weight",),
 }
 READ_PIECE = 8 << 20
-Q8_0_BLOCK_BYTES = 34
 TORCH_TYPES: dict[GGMLQuantizationType, torch.dtype] = {
     GGMLQuantizationType.F32: torch.float32,
     GGMLQuantizationType.F16: torch.float16,
@@ -136,25 +140,39 @@ def read_raw(source: ByteSource, entry: TensorInfo, *, on_bytes: Callable[[int],
 
 
 def dequantize_on(raw: bytearray, entry: TensorInfo, *, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """One tensor in torch order and `dtype` on `device`.
+    """One tensor as plain values in torch order and `dtype` on `device`, for the types a stage does not keep
+    quantised (and for norms and biases).
 
-    Q8_0, F16, BF16 and F32 travel to the device as stored and are dequantised there (a Q8_0 value is its block's
-    f16 scale times the int8, in f32, exactly as gguf-py computes it): an 8B model then loads at the speed of its
-    reads, not of numpy. Other types go through gguf-py on the CPU.
+    F16, BF16 and F32 travel to the device as stored; other types go through gguf-py on the CPU.
     """
     data = torch.frombuffer(raw, dtype=torch.uint8)
     if entry.ggml_type in TORCH_TYPES:
         values = data.to(device).view(TORCH_TYPES[entry.ggml_type])
-    elif entry.ggml_type == GGMLQuantizationType.Q8_0:
-        blocks = data.to(device).view(-1, Q8_0_BLOCK_BYTES)  # [blocks, 2 + 32]: f16 scale, then 32 int8 values
-        scales = blocks[:, :2].contiguous().view(torch.float16).float()  # [blocks, 1]
-        values = blocks[:, 2:].contiguous().view(torch.int8).float() * scales  # [blocks, 32]
     else:
         block_elements, block_bytes = GGML_QUANT_SIZES[entry.ggml_type]
         row = entry.shape[-1] // block_elements * block_bytes
         dequantised = dequantize(np.frombuffer(raw, dtype=np.uint8).reshape(-1, row), entry.ggml_type)
         values = torch.from_numpy(np.asarray(dequantised, dtype=np.float32)).to(device)
     return values.to(dtype).reshape(entry.shape)
+
+
+def matrix_rows(tensors: list[tuple[TensorInfo, bytearray]], *, device: torch.device, dtype: torch.dtype) -> list[Rows]:
+    """The rows of one model matrix from the GGUF tensors stacked into it: each run of tensors of one kept quantised
+    type becomes one part in its blocks, every other run one part of plain values."""
+    parts: list[Rows] = []
+    for kept, run in itertools.groupby(
+        tensors, key=lambda t: t[0].ggml_type if kept_quantised(t[0].ggml_type) else None
+    ):
+        group = list(run)
+        if kept is None:
+            parts.append(DenseRows(torch.cat([dequantize_on(raw, e, device=device, dtype=dtype) for e, raw in group])))
+            continue
+        split = [
+            split_planes(torch.frombuffer(raw, dtype=torch.uint8).to(device), kept, rows=e.shape[0]) for e, raw in group
+        ]
+        planes = {name: torch.cat([p[name] for p in split]) for name in split[0]}
+        parts.append(QuantizedRows(planes, kept, columns=group[0][0].shape[-1]))
+    return parts
 
 
 def load_stage(
@@ -172,29 +190,52 @@ def load_stage(
     with torch.device("meta"):
         model = StageModel(config, layer_start=layer_start, layer_end=layer_end)
     needed = needed_tensors(model, header)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}  # the meta model's, before matrices move
     progress.bytes_total = sum(header.tensor_by_name[name].nbytes for names in needed for name in names)
 
     def count(n: int) -> None:
         progress.bytes_loaded += n
 
     for names, parameters in needed.items():
-        pieces = []
+        tensors = []
         for name in names:
             if cancelled is not None and cancelled.is_set():
                 raise ModelFileError("loading was cancelled")
             entry = header.tensor_by_name[name]
-            pieces.append(dequantize_on(read_raw(source, entry, on_bytes=count), entry, device=device, dtype=dtype))
-        if any(piece.shape[1:] != pieces[0].shape[1:] for piece in pieces):
-            shapes = ", ".join(f"{name} {tuple(piece.shape)}" for name, piece in zip(names, pieces, strict=True))
-            raise ModelFileError(f"tensors stacked into one matrix must share their columns: {shapes}")
-        values = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        del pieces
+            tensors.append((entry, read_raw(source, entry, on_bytes=count)))
+        _check_shape(tensors, expected=shapes[parameters[0]])
+        owner, _, leaf = parameters[0].rpartition(".")
+        if leaf == "weight" and isinstance(model.get_submodule(owner), nn.Linear | nn.Embedding):
+            _assign_matrix(model, parameters, matrix_rows(tensors, device=device, dtype=dtype), dtype=dtype)
+            continue
+        values = torch.cat([dequantize_on(raw, entry, device=device, dtype=dtype) for entry, raw in tensors])
         for parameter in parameters:
-            expected = model.get_parameter(parameter).shape
-            if tuple(values.shape) != tuple(expected):
-                joined = " + ".join(repr(name) for name in names)
-                raise ModelFileError(f"tensor {joined} has shape {tuple(values.shape)}; expected {tuple(expected)}")
             owner, _, leaf = parameter.rpartition(".")
             setattr(model.get_submodule(owner), leaf, nn.Parameter(values, requires_grad=False))
+        del tensors
     progress.loaded = True
     return model.eval()
+
+
+def _check_shape(tensors: list[tuple[TensorInfo, bytearray]], *, expected: tuple[int, ...]) -> None:
+    """Tensors stacked into one parameter share their columns, and together have the parameter's shape."""
+    names = [entry.name for entry, _ in tensors]
+    if any(entry.shape[1:] != tensors[0][0].shape[1:] for entry, _ in tensors):
+        shapes = ", ".join(f"{entry.name} {tuple(entry.shape)}" for entry, _ in tensors)
+        raise ModelFileError(f"tensors stacked into one matrix must share their columns: {shapes}")
+    shape = (sum(entry.shape[0] for entry, _ in tensors), *tensors[0][0].shape[1:])
+    if shape != expected:
+        joined = " + ".join(repr(name) for name in names)
+        raise ModelFileError(f"tensor {joined} has shape {shape}; expected {expected}")
+
+
+def _assign_matrix(model: StageModel, parameters: list[str], parts: list[Rows], *, dtype: torch.dtype) -> None:
+    """Put a matrix's parts where the meta model has an nn.Linear or nn.Embedding (a tied head shares token_embd's
+    parts with the embedding)."""
+    for parameter in parameters:
+        path = parameter.rpartition(".")[0]
+        parent, _, child = path.rpartition(".")
+        if isinstance(model.get_submodule(path), nn.Embedding):
+            setattr(model.get_submodule(parent), child, PackedEmbedding(parts[0], dtype=dtype))
+        else:
+            setattr(model.get_submodule(parent), child, PackedLinear(parts))

@@ -9,7 +9,9 @@ models so that RoPE rotates adjacent pairs ("normal" RoPE); qwen2/qwen3 keep HF'
 ("neox" RoPE). Applying the matching rotation to the file's weights computes the same function as HF on the
 un-permuted weights.
 
-The model is built on the meta device and its parameters are assigned by the loader (strata.stage_worker.loader).
+The model is built on the meta device with plain nn.Linear/nn.Embedding shapes; the loader (strata.stage_worker.
+loader) puts in their place the matrices as the stage keeps them (strata.stage_worker.weights.linear: quantised
+blocks or plain values) and assigns the other parameters.
 """
 
 from __future__ import annotations
@@ -198,8 +200,8 @@ class Attention(nn.Module):
         self.config = config
         # q, k and v in one matrix (the loader stacks attn_q, attn_k, attn_v): one GEMM reads x once, and at decode
         # one launch replaces three, two of them too small to reach the GPU's bandwidth.
-        self.wqkv = nn.Linear(config.dim, config.q_dim + 2 * config.kv_dim, bias=config.attention_bias)
-        self.wo = nn.Linear(config.q_dim, config.dim, bias=False)
+        self.wqkv: nn.Module = nn.Linear(config.dim, config.q_dim + 2 * config.kv_dim, bias=config.attention_bias)
+        self.wo: nn.Module = nn.Linear(config.q_dim, config.dim, bias=False)
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
 
@@ -224,8 +226,8 @@ class FeedForward(nn.Module):
         super().__init__()
         self.ffn_dim = config.ffn_dim
         # ffn_gate stacked over ffn_up, for the same reason as Attention.wqkv.
-        self.w_gate_up = nn.Linear(config.dim, 2 * config.ffn_dim, bias=False)
-        self.w_down = nn.Linear(config.ffn_dim, config.dim, bias=False)
+        self.w_gate_up: nn.Module = nn.Linear(config.dim, 2 * config.ffn_dim, bias=False)
+        self.w_down: nn.Module = nn.Linear(config.ffn_dim, config.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w_gate_up(x).split(self.ffn_dim, dim=-1)
@@ -273,10 +275,10 @@ class StageModel(nn.Module):
         self.layer_end = layer_end
         self.is_first = layer_start == 0
         self.is_last = layer_end == config.n_layer
-        self.token_embd = nn.Embedding(config.vocab_size, config.dim) if self.is_first else None
+        self.token_embd: nn.Module | None = nn.Embedding(config.vocab_size, config.dim) if self.is_first else None
         self.layers = nn.ModuleList(Block(config) for _ in range(layer_start, layer_end))
         self.output_norm = RMSNorm(config.dim, config.norm_eps) if self.is_last else None
-        self.output = nn.Linear(config.dim, config.vocab_size, bias=False) if self.is_last else None
+        self.output: nn.Module | None = nn.Linear(config.dim, config.vocab_size, bias=False) if self.is_last else None
 
     def embed(self, tokens: Tensor) -> Tensor:
         # tokens: [N] -> [N, D]

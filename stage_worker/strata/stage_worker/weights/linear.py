@@ -1,0 +1,103 @@
+"""The model's matrices as a stage holds them: rows kept in their GGUF blocks, or plain values where the file has them.
+
+A matrix of the model may stack several GGUF tensors (q/k/v, gate/up), and a Q4_K_M file gives them different types
+(attn_v and ffn_down are often Q6_K beside Q4_K). So a `PackedLinear` is a list of parts, each a run of rows of one
+type: `QuantizedRows` keep the file's blocks as planes (strata.stage_worker.weights.formats) and multiply through
+the quantised-matmul op (a fused kernel on GPUs, the reference dequantise-then-matmul elsewhere); `DenseRows` hold
+plain values in the compute dtype (F16, BF16, F32, and the types a stage does not keep quantised). Each part's output
+is a slice of the layer's output columns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from strata.stage_worker.kernels.quant_matmul import dequantize_as, quant_linear
+from strata.stage_worker.weights.formats import Planes, dequantize, plane_names
+from torch import Tensor, nn
+
+
+class QuantizedRows(nn.Module):
+    """Rows of a matrix in one GGUF block type, as planes (buffers, so `.to()` and state dicts see them)."""
+
+    def __init__(self, planes: Planes, ggml_type: GGMLQuantizationType, *, columns: int) -> None:
+        super().__init__()
+        self.ggml_type = ggml_type
+        self.columns = columns
+        self.names = plane_names(ggml_type)
+        for name in self.names:
+            self.register_buffer(name, planes[name])
+        self.rows = planes[self.names[0]].shape[0]
+
+    def planes(self) -> list[Tensor]:
+        return [self.get_buffer(name) for name in self.names]
+
+    def matmul(self, x: Tensor) -> Tensor:
+        return quant_linear(x, self.planes(), self.ggml_type, columns=self.columns)
+
+    def dense(self, dtype: torch.dtype) -> Tensor:
+        """[rows, columns] values in `dtype` (for prefill-sized work and references)."""
+        return dequantize_as(dict(zip(self.names, self.planes(), strict=True)), self.ggml_type, dtype)
+
+    def lookup(self, index: Tensor, dtype: torch.dtype) -> Tensor:
+        """Rows `index` only, dequantised: an embedding lookup reads the blocks of the tokens it needs."""
+        planes = {name: plane[index] for name, plane in zip(self.names, self.planes(), strict=True)}
+        return dequantize(planes, self.ggml_type).to(dtype)
+
+
+class DenseRows(nn.Module):
+    """Rows of a matrix as plain values in the compute dtype."""
+
+    def __init__(self, weight: Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.rows = weight.shape[0]
+
+    def matmul(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight)
+
+    def dense(self, dtype: torch.dtype) -> Tensor:
+        return self.weight.to(dtype)
+
+    def lookup(self, index: Tensor, dtype: torch.dtype) -> Tensor:
+        return self.weight[index].to(dtype)
+
+
+Rows = QuantizedRows | DenseRows
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T (+ b), W the parts' rows stacked in order."""
+
+    def __init__(self, parts: Sequence[Rows], *, bias: Tensor | None = None) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.out_features = sum(part.rows for part in parts)
+
+    def forward(self, x: Tensor) -> Tensor:
+        outs = [part.matmul(x) for part in self.parts]  # type: ignore[operator]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return y if self.bias is None else y + self.bias
+
+    def dense(self, dtype: torch.dtype) -> Tensor:
+        """W as plain values [out_features, in_features] (references, and HF built from a stage)."""
+        return torch.cat([part.dense(dtype) for part in self.parts])  # type: ignore[operator]
+
+
+class PackedEmbedding(nn.Module):
+    """A token embedding whose table may be kept quantised: a lookup dequantises only the rows it reads."""
+
+    def __init__(self, table: Rows, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table = table
+        self.dtype = dtype
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.table.lookup(tokens, self.dtype)
+
+    def dense(self, dtype: torch.dtype) -> Tensor:
+        return self.table.dense(dtype)

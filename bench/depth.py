@@ -194,7 +194,7 @@ def render(r: dict[str, object]) -> str:
     assert isinstance(peer, dict)
     lines = [
         "machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()),
-        f"model: llama3-8b shape, random Q8_0 weights ({r['file_gb']:.2f} GB file), bf16-resident weights, bf16 "
+        f"model: llama3-8b shape, random Q8_0 weights ({r['file_gb']:.2f} GB file) kept in their blocks, bf16 "
         f"compute; decode {STEPS} greedy steps after {WARM} warm-up; copy bandwidth {r['bandwidth'] / 1e12:.2f} TB/s",
         f"pool attention kernel vs reference: {r['kernel_passed']} of {r['kernel_cases']} case x dtype checks pass "
         f"(worst bf16 error {r['kernel_worst_bf16']:.2e})",

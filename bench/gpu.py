@@ -392,9 +392,9 @@ def fidelity(path: Path, engine: Engine, hf_bf16: torch.nn.Module, *, device: to
 
 
 def weight_bytes(model: StageModel) -> int:
-    return sum(
-        p.numel() * p.element_size() for name, p in model.named_parameters() if not name.startswith("token_embd")
-    )
+    """Bytes of the tensors a decode step reads: every parameter and quantised plane but the embedding table."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    return sum(t.numel() * t.element_size() for name, t in tensors if not name.startswith("token_embd"))
 
 
 def main() -> None:

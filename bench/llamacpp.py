@@ -7,13 +7,14 @@ Why this exists: Strata's decode and prefill figures mean little alone; the ques
 compare with llama.cpp on the same GPU and the same GGUF file?". The GPU machine reaches no network, so the source
 travels with the working tree: `prepare` takes the llama.cpp tree vendored in the `llama-cpp-python` sdist (a
 pinned, reproducible version that PyPI serves through pip, no git checkout), keeps what a CUDA and a CPU build of
-`llama-bench` and `llama-batched-bench` need, and packs it small. `build` compiles those two tools with CMake and
-Ninja (CUDA for sm_90a, or the CPU alone), and the measuring functions run them with the flags the earlier
-side-by-side figures used (every layer offloaded, flash attention on) and return numbers, not tables:
+`llama-bench`, `llama-batched-bench` and `llama-quantize` need, and packs it small. `build` compiles those three
+tools with CMake and Ninja (CUDA for sm_90a, or the CPU alone), and the measuring functions run them with the flags
+the earlier side-by-side figures used (every layer offloaded, flash attention on) and return numbers, not tables:
 
 - `decode_at_depth`: single-sequence decode tokens/s with a KV cache already `depth` tokens deep (llama-bench `-d`);
 - `prompt_speed`: prompt-processing tokens/s per prompt length (time to first token ~ length / speed);
-- `batched`: aggregate decode and prefill tokens/s with 1, 4, 16... parallel sequences (llama-batched-bench).
+- `batched`: aggregate decode and prefill tokens/s with 1, 4, 16... parallel sequences (llama-batched-bench);
+- `quantize`: a file requantised to another type (llama-quantize), e.g. the Q4_K_M of a Q8_0 file.
 
 Every subprocess is bounded by a timeout; a failed build or run raises with the tail of what the tool printed.
 """
@@ -35,11 +36,11 @@ from typing import Any
 VERSION = "0.3.36"  # llama-cpp-python, whose sdist vendors llama.cpp's source
 SDIST_ROOT = f"llama_cpp_python-{VERSION}/vendor/llama.cpp"
 TARBALL = "llama-src.tar.xz"
-TARGETS = ("llama-bench", "llama-batched-bench")
+TARGETS = ("llama-bench", "llama-batched-bench", "llama-quantize")
 CUDA_ARCH = "90a"  # H100 / H200
 DEFAULT_NVCC = "/usr/local/cuda/bin/nvcc"
 
-# What a build of the two tools configures: the root CMake project, ggml, libllama, common, the tools/ tree (its
+# What a build of the three tools configures: the root CMake project, ggml, libllama, common, the tools/ tree (its
 # CMakeLists adds every tool, so each tool's sources must exist even though only two are built) and vendor/.
 KEEP_TOP = frozenset(
     {"CMakeLists.txt", "LICENSE", "cmake", "common", "ggml", "include", "licenses", "src", "tools", "vendor"}
@@ -174,7 +175,7 @@ def _logged(argv: list[str], *, log: Path, timeout_s: float, what: str) -> None:
 def build(
     source_tar: Path, *, work: Path, cuda: bool, jobs: int | None = None, timeout_s: float = BUILD_TIMEOUT_S
 ) -> Path:
-    """Extract `source_tar` under `work` and build llama-bench and llama-batched-bench; return their bin dir.
+    """Extract `source_tar` under `work` and build the TARGETS; return their bin dir.
 
     A build already there from the same tarball and flags is reused as it is. `jobs` defaults to every core.
     """
@@ -354,6 +355,12 @@ def batched(
         f"llama-batched-bench reported nothing for npl {missing} in {BATCHED_ATTEMPTS} runs:\n"
         f"{_tail(done.stdout)}\n{_tail(done.stderr)}"
     )
+
+
+def quantize(bin_dir: Path, source: Path, dest: Path, *, kind: str, timeout_s: float) -> Path:
+    """Write `dest`, `source` requantised to `kind` (Q4_K_M, Q5_K_M, ...) by llama-quantize, as people make files."""
+    _run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(source), str(dest), kind], timeout_s=timeout_s)
+    return dest
 
 
 def _ints(text: str) -> list[int]:

@@ -21,7 +21,7 @@ from strata.gguf.testmodels import write_test_model
 from strata.gguf.testmodels.shapes import K_QUANT_SHAPE
 from strata.stage_worker.engine import Chunk, Engine
 from strata.stage_worker.kv_pool import KVPool
-from strata.stage_worker.loader import LoadProgress, load_stage
+from strata.stage_worker.loader import LoadProgress, config_from_header, load_stage
 from strata.stage_worker.model import StageModel
 from strata.stage_worker.weights.formats import FORMATS
 from strata.stage_worker.weights.linear import PackedLinear, QuantizedRows
@@ -55,7 +55,7 @@ def load(path: Path, *, span: tuple[int, int] | None = None, dtype: torch.dtype 
     source = open_source(str(path))
     try:
         header = read_header(source)
-        start, end = span or (0, int(header.metadata["llama.block_count"]))  # type: ignore[call-overload]
+        start, end = span or (0, config_from_header(header).n_layer)
         return load_stage(
             source=source, header=header, layer_start=start, layer_end=end, dtype=dtype, device=CPU,
             progress=LoadProgress(),

@@ -41,5 +41,6 @@ def resident_bytes(ggml_type: GGMLQuantizationType, *, elements: int, stored_byt
     if ggml_type in COMPUTE_WIDTH_TYPES:
         return stored_bytes
     if ggml_type in KEPT_BLOCK_BYTES:
-        return elements // GGML_QUANT_SIZES[ggml_type][0] * KEPT_BLOCK_BYTES[ggml_type]
+        block_elements: int = GGML_QUANT_SIZES[ggml_type][0]
+        return elements // block_elements * KEPT_BLOCK_BYTES[ggml_type]
     return elements * COMPUTE_BYTES_PER_ELEMENT

@@ -1,6 +1,7 @@
 """GGUF weights kept quantised on the GPU: Strata against llama.cpp on the same Q8_0 and Q4_K_M files, one lease.
 
-    python bench/residency.py [--peer .peer/llama-src.tar.xz] [--out DIR] [--skip served,fidelity,peer]
+    python bench/residency.py [--peer .peer/llama-src.tar.xz] [--out DIR] [--files q8_0,q4_k_m]
+                              [--skip served,fidelity,peer]
 
 Writes bench/gpu.py's Llama-3-8B-shape file with random Q8_0 weights, builds llama.cpp from the source carried in
 the tree (bench/llamacpp.py; niced, on the CPUs, while Strata measures the Q8_0 file on the GPU) and makes the Q4_K_M
@@ -57,12 +58,13 @@ def tensor_bytes(path: Path) -> int:
         source.close()
 
 
-def strata_figures(path: Path, *, device: torch.device, skip: set[str], vocab: int) -> dict[str, object]:
+def strata_figures(path: Path, *, device: torch.device, skip: set[str]) -> dict[str, object]:
     figures: dict[str, object] = {"file_tensor_bytes": tensor_bytes(path)}
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated(device)
     model = gpu.load(path, span=(0, SHAPE.block_count), device=device, dtype=torch.bfloat16)
     figures["gpu_weight_bytes"] = torch.cuda.memory_allocated(device) - before
+    vocab = model.config.vocab_size
     figures["weights_per_file"] = int(figures["gpu_weight_bytes"]) / int(figures["file_tensor_bytes"])  # type: ignore[call-overload]
     log(f"{path.name}: {figures['weights_per_file']:.3f}x the file's tensor bytes on the GPU")
     engine = gpu.engine_for(model, device=device, dtype=torch.bfloat16, graphs=True)
@@ -97,6 +99,16 @@ def peer_figures(bin_dir: Path, path: Path) -> dict[str, float]:
         "decode_4": batched[4]["S_TG"],
         "decode_16": batched[16]["S_TG"],
     }
+
+
+def built(peer_build: subprocess.Popen[str] | None, source: Path) -> Path:
+    """The bin dir of the llama.cpp build started in the background."""
+    if peer_build is None:
+        raise RuntimeError(f"llama.cpp was not built (source {source})")
+    output, _ = peer_build.communicate(timeout=900)
+    if peer_build.returncode != 0:
+        raise RuntimeError(f"building llama.cpp failed:\n{output[-4000:]}")
+    return Path(output.strip().splitlines()[-1])
 
 
 def render(r: dict[str, object]) -> str:
@@ -144,6 +156,7 @@ def main() -> None:
     parser.add_argument("--peer", type=Path, default=Path(".peer/llama-src.tar.xz"))
     parser.add_argument("--peer-work", type=Path, default=Path(tempfile.gettempdir()) / "strata-llamacpp")
     parser.add_argument("--skip", default="", help=f"comma-separated parts to leave out: {', '.join(PARTS)}")
+    parser.add_argument("--files", default=",".join(FILES), help=f"which files Strata and llama.cpp run: {FILES}")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     skip = {s for s in args.skip.split(",") if s}
@@ -154,10 +167,13 @@ def main() -> None:
             "bench/residency.py measures a GPU; tests/stage_worker/test_quant_matmul.py checks the kernels on CPUs"
         )
     device = torch.device("cuda:0")
+    files = [f for f in args.files.split(",") if f]
+    if unknown := set(files) - set(FILES):
+        sys.exit(f"--files: unknown files {sorted(unknown)}; known: {', '.join(FILES)}")
     peer_build = None
-    if "peer" not in skip:
+    if "peer" not in skip or "q4_k_m" in files:
         if not args.peer.exists():
-            sys.exit(f"no llama.cpp source at {args.peer}: python bench/llamacpp.py prepare .peer, or --skip peer")
+            sys.exit(f"no llama.cpp source at {args.peer}: python bench/llamacpp.py prepare .peer")
         script = (
             f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from pathlib import Path; "
             f"import llamacpp; print(llamacpp.build(Path({str(args.peer)!r}), work=Path({str(args.peer_work)!r}), "
@@ -168,22 +184,19 @@ def main() -> None:
             text=True,
         )  # fmt: skip
     results: dict[str, object] = {"machine": gpu.machine(device), "bandwidth": gpu.copy_bandwidth(device)}
-    q8 = args.dir / "strata-bench-model.gguf"
-    if not q8.exists():
-        write_bulk_q8_model(q8, shape=SHAPE)
-    vocab = SHAPE.vocab_size
-    results["q8_0"] = strata_figures(q8, device=device, skip=skip, vocab=vocab)
-    if peer_build is not None:
-        output, _ = peer_build.communicate(timeout=900)
-        if peer_build.returncode != 0:
-            sys.exit(f"building llama.cpp failed:\n{output[-4000:]}")
-        bin_dir = Path(output.strip().splitlines()[-1])
-        q4 = args.dir / "strata-bench-model-q4_k_m.gguf"
-        if not q4.exists():
-            llamacpp.quantize(bin_dir, q8, q4, kind="Q4_K_M", timeout_s=600)
-        results["q4_k_m"] = strata_figures(q4, device=device, skip=skip, vocab=vocab)
-        for name, path in (("q8_0", q8), ("q4_k_m", q4)):
-            results[f"llamacpp_{name}"] = peer_figures(bin_dir, path)
+    paths = {"q8_0": args.dir / "strata-bench-model.gguf", "q4_k_m": args.dir / "strata-bench-model-q4_k_m.gguf"}
+    if not paths["q8_0"].exists():
+        write_bulk_q8_model(paths["q8_0"], shape=SHAPE)
+    bin_dir = None
+    for name in files:
+        if not paths[name].exists():  # the Q4_K_M file is llama-quantize's
+            bin_dir = bin_dir or built(peer_build, args.peer)
+            llamacpp.quantize(bin_dir, paths["q8_0"], paths[name], kind="Q4_K_M", timeout_s=600)
+        results[name] = strata_figures(paths[name], device=device, skip=skip)
+    if "peer" not in skip:
+        bin_dir = bin_dir or built(peer_build, args.peer)
+        for name in files:
+            results[f"llamacpp_{name}"] = peer_figures(bin_dir, paths[name])
             log(f"llama.cpp {name}: {results[f'llamacpp_{name}']}")
     table = render(results)
     print(table)

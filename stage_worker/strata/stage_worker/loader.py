@@ -19,6 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 from strata.gguf import GGUFHeader, TensorInfo
 from strata.gguf.cursor import ByteSource
+from strata.gguf.executable import not_executable_reason
 from strata.stage_worker.errors import ModelFileError
 from strata.stage_worker.model import ModelConfig, RopeStyle, StageModel
 from torch import nn
@@ -56,8 +57,9 @@ TORCH_TYPES: dict[GGMLQuantizationType, torch.dtype] = {
 def config_from_header(header: GGUFHeader) -> ModelConfig:
     meta = header.metadata
     arch = str(meta.get("general.architecture", ""))
-    if arch not in ROPE_STYLES:
-        raise ModelFileError(f"architecture {arch!r} is not one the stage worker runs ({', '.join(ROPE_STYLES)})")
+    reason = not_executable_reason(arch)  # the same check `strata serve` and the operator make before starting stages
+    if reason is not None:
+        raise ModelFileError(reason)
 
     def number(key: str, default: float | None = None) -> float:
         value = meta.get(f"{arch}.{key}", default)

@@ -65,8 +65,9 @@ class Engine:
         )
 
     def warm_up(self) -> None:
-        """Compile and capture the decode step for one slot and for several before the stage says it is ready, so
-        no request waits for it (dynamic shapes: these two cover every batch size and depth)."""
+        """Run the decode step (on GPUs: compile and capture it) for one slot and for several before the stage says
+        it is ready, so no request waits for it and no broken path serves (dynamic shapes: these two cover every
+        batch size and depth)."""
         for batch in sorted({1, min(2, self.pool.parallel)}):
             slots = list(range(batch))
             hidden = (

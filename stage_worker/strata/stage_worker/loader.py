@@ -128,11 +128,19 @@ def needed_tensors(model: StageModel, header: GGUFHeader) -> dict[tuple[str, ...
 
 
 def read_raw(source: ByteSource, entry: TensorInfo, *, on_bytes: Callable[[int], None]) -> bytearray:
-    """Read one tensor's bytes by range, in pieces so progress moves while a large tensor loads."""
+    """Read one tensor's bytes by range, in pieces so progress moves while a large tensor loads. A source gives
+    fewer bytes than asked only where the file ends: the header promised more data than the file holds."""
     raw = bytearray(entry.nbytes)
     for start in range(0, entry.nbytes, READ_PIECE):
         size = min(READ_PIECE, entry.nbytes - start)
-        raw[start : start + size] = source.read(entry.offset + start, size)
+        piece = source.read(entry.offset + start, size)
+        if len(piece) != size:
+            end = entry.offset + start + len(piece)
+            raise ModelFileError(
+                f"the file ends at byte {end}, inside tensor {entry.name!r} (bytes {entry.offset} to "
+                f"{entry.offset + entry.nbytes}): its tensor data is cut short"
+            )
+        raw[start : start + size] = piece
         on_bytes(size)
     return raw
 

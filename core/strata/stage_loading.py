@@ -1,0 +1,108 @@
+"""Waiting for stages to load: every wait ends, on a stage's reported failure, on its process ending, or at a deadline.
+
+A stage loads in the background and says how far it got in its load status (GetLoadStatus): bytes loaded, loaded,
+or the error that stopped it (strata.stage_worker.server reports every failure there). Whoever needs loaded stages
+(`strata serve`, tests, benchmarks) waits on all of them at once, so a stage that fails is reported as soon as it
+says so, not after the others have finished loading, and every way out carries that stage's own message. It lives
+below the components because the gateway's `strata serve` and the stage worker's client both wait this way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+from strata.rpc.v1 import stage_pb2, stage_pb2_grpc
+
+STATUS_TIMEOUT_S = 2.0
+# A stage that is not up yet (or is busy) answers these; anything else means the address is not a stage.
+RETRIED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+def _running() -> str | None:
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class WatchedStage:
+    """A stage to wait for: where it answers, what messages call it, and why its process is gone (None while it
+    runs, or when the caller does not own the process)."""
+
+    address: str
+    name: str = ""
+    exited: Callable[[], str | None] = _running
+
+    @property
+    def label(self) -> str:
+        return self.name or f"the stage at {self.address}"
+
+
+class StageLoadError(Exception):
+    """A stage did not load: it reported a failure, its process ended, or it answered as no stage does."""
+
+    def __init__(self, stage: str, reason: str) -> None:
+        super().__init__(f"{stage} failed to load: {reason}")
+        self.stage = stage
+        self.reason = reason
+
+
+class StageLoadTimeoutError(StageLoadError):
+    """A stage had not loaded by the deadline; the message says how far it got."""
+
+
+def wait_all_loaded(
+    stages: Sequence[WatchedStage], *, timeout_s: float, poll_s: float = 0.2
+) -> list[stage_pb2.LoadStatus]:
+    """Poll every stage until all have loaded and return their statuses in order; raise StageLoadError at the first
+    failure and StageLoadTimeoutError when `timeout_s` runs out."""
+    channels = [grpc.insecure_channel(stage.address) for stage in stages]
+    try:
+        stubs = [stage_pb2_grpc.StageStub(channel) for channel in channels]
+        deadline = time.monotonic() + timeout_s
+        loaded: dict[int, stage_pb2.LoadStatus] = {}
+        progress = {index: "no answer yet" for index in range(len(stages))}
+        while True:
+            for index, (stage, stub) in enumerate(zip(stages, stubs, strict=True)):
+                if index in loaded:
+                    continue
+                status = _status(stage, stub)
+                if status is None:
+                    progress[index] = "its load status cannot be read yet"
+                elif status.loaded:
+                    loaded[index] = status
+                else:
+                    progress[index] = f"{status.bytes_loaded} of {status.bytes_total} bytes loaded"
+            if len(loaded) == len(stages):
+                return [loaded[index] for index in range(len(stages))]
+            if time.monotonic() >= deadline:
+                index = min(set(range(len(stages))) - set(loaded))
+                reason = f"not loaded after {timeout_s:g} s ({progress[index]})"
+                raise StageLoadTimeoutError(stages[index].label, reason)
+            time.sleep(poll_s)
+    finally:
+        for channel in channels:
+            channel.close()
+
+
+def wait_loaded(target: str, *, timeout_s: float, poll_s: float = 0.2) -> stage_pb2.LoadStatus:
+    """Wait for the one stage at `target` (host:port) to load; raises as wait_all_loaded does."""
+    return wait_all_loaded([WatchedStage(address=target)], timeout_s=timeout_s, poll_s=poll_s)[0]
+
+
+def _status(stage: WatchedStage, stub: stage_pb2_grpc.StageStub) -> stage_pb2.LoadStatus | None:
+    """The stage's load status; None while it cannot answer yet. Raises StageLoadError for a failure it reports,
+    for a process that ended, and for an answer no stage gives."""
+    try:
+        status: stage_pb2.LoadStatus = stub.GetLoadStatus(stage_pb2.LoadStatusRequest(), timeout=STATUS_TIMEOUT_S)
+    except grpc.RpcError as exc:
+        gone = stage.exited()
+        if gone is not None:
+            raise StageLoadError(stage.label, gone) from None
+        if exc.code() not in RETRIED:
+            raise StageLoadError(stage.label, f"its load status answered {exc.code().name}: {exc.details()}") from None
+        return None
+    if status.error:
+        raise StageLoadError(stage.name or f"stage {status.stage_index} at {stage.address}", status.error)
+    return status

@@ -52,38 +52,66 @@ class StageLoadTimeoutError(StageLoadError):
     """A stage had not loaded by the deadline; the message says how far it got."""
 
 
+class LoadWatch:
+    """The stages a caller waits for, each asked for its load status by `poll`. Stages may be added while another
+    thread polls (`strata serve` watches the stages it has started while it starts the next)."""
+
+    def __init__(self, stages: Sequence[WatchedStage] = ()) -> None:
+        self._stages: list[tuple[WatchedStage, grpc.Channel]] = []
+        self._loaded: dict[int, stage_pb2.LoadStatus] = {}
+        self._progress: dict[int, str] = {}
+        for stage in stages:
+            self.add(stage)
+
+    def add(self, stage: WatchedStage) -> None:
+        self._stages.append((stage, grpc.insecure_channel(stage.address)))
+
+    def poll(self) -> bool:
+        """Ask every stage not loaded yet once; True when every stage added so far has loaded. Raises StageLoadError
+        for the first that failed."""
+        stages = list(self._stages)
+        for index, (stage, channel) in enumerate(stages):
+            if index in self._loaded:
+                continue
+            status = _status(stage, stage_pb2_grpc.StageStub(channel))
+            if status is None:
+                self._progress[index] = "its load status cannot be read yet"
+            elif status.loaded:
+                self._loaded[index] = status
+            else:
+                self._progress[index] = f"{status.bytes_loaded} of {status.bytes_total} bytes loaded"
+        return len(self._loaded) == len(stages)
+
+    def statuses(self) -> list[stage_pb2.LoadStatus]:
+        """The load statuses of the stages, in the order they were added, once `poll` has said all loaded."""
+        return [self._loaded[index] for index in range(len(self._stages))]
+
+    def timed_out(self, timeout_s: float) -> StageLoadTimeoutError:
+        """The error for a deadline that passed: the first stage not loaded, and how far it got."""
+        index = min(set(range(len(self._stages))) - set(self._loaded))
+        progress = self._progress.get(index, "no answer yet")
+        return StageLoadTimeoutError(self._stages[index][0].label, f"not loaded after {timeout_s:g} s ({progress})")
+
+    def close(self) -> None:
+        for _stage, channel in self._stages:
+            channel.close()
+
+
 def wait_all_loaded(
     stages: Sequence[WatchedStage], *, timeout_s: float, poll_s: float = 0.2
 ) -> list[stage_pb2.LoadStatus]:
     """Poll every stage until all have loaded and return their statuses in order; raise StageLoadError at the first
     failure and StageLoadTimeoutError when `timeout_s` runs out."""
-    channels = [grpc.insecure_channel(stage.address) for stage in stages]
+    watch = LoadWatch(stages)
     try:
-        stubs = [stage_pb2_grpc.StageStub(channel) for channel in channels]
         deadline = time.monotonic() + timeout_s
-        loaded: dict[int, stage_pb2.LoadStatus] = {}
-        progress = {index: "no answer yet" for index in range(len(stages))}
-        while True:
-            for index, (stage, stub) in enumerate(zip(stages, stubs, strict=True)):
-                if index in loaded:
-                    continue
-                status = _status(stage, stub)
-                if status is None:
-                    progress[index] = "its load status cannot be read yet"
-                elif status.loaded:
-                    loaded[index] = status
-                else:
-                    progress[index] = f"{status.bytes_loaded} of {status.bytes_total} bytes loaded"
-            if len(loaded) == len(stages):
-                return [loaded[index] for index in range(len(stages))]
+        while not watch.poll():
             if time.monotonic() >= deadline:
-                index = min(set(range(len(stages))) - set(loaded))
-                reason = f"not loaded after {timeout_s:g} s ({progress[index]})"
-                raise StageLoadTimeoutError(stages[index].label, reason)
+                raise watch.timed_out(timeout_s)
             time.sleep(poll_s)
+        return watch.statuses()
     finally:
-        for channel in channels:
-            channel.close()
+        watch.close()
 
 
 def wait_loaded(target: str, *, timeout_s: float, poll_s: float = 0.2) -> stage_pb2.LoadStatus:

@@ -15,6 +15,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -44,10 +45,21 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+class StageStartError(RuntimeError):
+    """A stage worker did not start listening: it exited, ran out of time, or its start was abandoned."""
+
+
 class StageProcess:
     """`strata stage-worker` as a child, configured through STRATA_* as the operator configures a stage pod."""
 
-    def __init__(self, *, env: Mapping[str, str], log_path: Path, start_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        *,
+        env: Mapping[str, str],
+        log_path: Path,
+        start_timeout_s: float = 60.0,
+        abandon: threading.Event | None = None,  # set: stop waiting for this stage to start (another one failed)
+    ) -> None:
         self.log_path = log_path
         self._log = log_path.open("ab")
         self._proc = subprocess.Popen(
@@ -59,21 +71,32 @@ class StageProcess:
             start_new_session=True,
             preexec_fn=_die_with_parent,
         )
-        self.port = self._read_port(start_timeout_s)
+        self.port = self._read_port(start_timeout_s, abandon or threading.Event())
 
-    def _read_port(self, timeout_s: float) -> int:
+    def _read_port(self, timeout_s: float, abandon: threading.Event) -> int:
         """The port the worker prints once its server listens ("stage N listening on port P")."""
         assert self._proc.stdout is not None, "stdout is a pipe"
         deadline = time.monotonic() + timeout_s
         line = b""
-        while time.monotonic() < deadline and self._proc.poll() is None:
+        while time.monotonic() < deadline and self._proc.poll() is None and not abandon.is_set():
             readable, _, _ = select.select([self._proc.stdout], [], [], 0.2)
             if readable:
                 line = self._proc.stdout.readline()
                 if b"listening on port" in line:
                     return int(line.split()[-1])
+        abandoned = abandon.is_set()
         self.stop()
-        raise RuntimeError(f"the stage worker did not start; its log is {self.log_path}:\n{self.log_tail()}")
+        if abandoned:
+            raise StageStartError("the stage worker's start was abandoned")
+        raise StageStartError(f"the stage worker did not start; its log is {self.log_path}:\n{self.log_tail()}")
+
+    def exit_reason(self) -> str | None:
+        """Why the worker is gone, with the end of its log; None while it runs."""
+        code = self._proc.poll()
+        if code is None:
+            return None
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        return f"its process {how}; the end of its log ({self.log_path}):\n{self.log_tail()}"
 
     def running(self) -> bool:
         return self._proc.poll() is None

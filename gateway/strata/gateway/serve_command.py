@@ -2,11 +2,15 @@
 
 The layers are split evenly over `--stages` stage workers (the cluster planner's search is for GPU pools; one machine
 has nothing to choose between) and fitted to the device's free memory by the planner's rules: the largest context that
-fits, or a refusal saying what is missing (strata.gateway.local_plan). Each stage is started as `strata stage-worker`
-with the STRATA_* environment the operator would give a stage pod, on loopback. The gateway runs in this process with
-a fixed fencing token and prints its endpoint; Ctrl-C (or SIGTERM) stops the gateway and every stage, and the stages
-die with this process even when it is killed outright. Without MODEL it generates a small demo model (random weights,
-a real tokenizer and chat template): the output is gibberish, but every part of the path is the real one.
+fits with a q8_0 KV cache unless `--cache-type` says otherwise, or a refusal saying what is missing
+(strata.gateway.local_plan). A model whose architecture the stages do not run is refused before any starts, with the
+reason `strata inspect` shows. Each stage is started as `strata stage-worker` with the STRATA_* environment the
+operator would give a stage pod, on loopback. The gateway runs in this process with a fixed fencing token and prints
+its endpoint, then "ready" once every stage has loaded; a stage that fails to load stops serve at once with that
+stage's error and exit status 1 (strata.gateway.serve_watch). Ctrl-C (or SIGTERM) stops the gateway and every stage,
+and the stages die with this process even when it is killed outright. Without MODEL it generates a small demo model
+(random weights, a real tokenizer and chat template): the output is gibberish, but every part of the path is the real
+one.
 """
 
 from __future__ import annotations
@@ -14,19 +18,17 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import threading
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from strata.fit import DEFAULT_CACHE_TYPE
 from strata.gateway.settings import DEFAULT_MICRO_BATCHES
 from strata.gguf.model import CacheType
 
-if TYPE_CHECKING:
-    from strata.gateway.serving import Serving
-
 DEMO_LAYERS = 4
 DEFAULT_PREFIX_CACHE_BYTES = 256 << 20  # per stage: a 2,000-token prompt of an 8B-class model in f16 is ~260 MB
+DEFAULT_LOAD_TIMEOUT_S = 1800.0  # a 140 GB model read over HTTP at 100 MB/s takes about 1,400 s
+EXIT_STAGE_FAILED = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -50,9 +52,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--retry-after-seconds", type=int, default=1, help="Retry-After on 429 (default 1)")
     parser.add_argument(
         "--cache-type",
-        default=CacheType.F16.value,
+        default=DEFAULT_CACHE_TYPE.value,
         choices=[t.value for t in CacheType],
-        help="KV cache type of the stages (default f16)",
+        help=f"KV cache type of the stages (default {DEFAULT_CACHE_TYPE.value}, as the operator plans)",
     )
     parser.add_argument("--device", default="cpu", help="torch device of the stages (default cpu)")
     parser.add_argument(
@@ -71,6 +73,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="steps of disjoint lanes in flight at once, so two stages or more compute at the same time "
         f"(default {DEFAULT_MICRO_BATCHES}: one step at a time; a single stage always steps whole)",
     )
+    parser.add_argument(
+        "--load-timeout-seconds",
+        type=float,
+        default=DEFAULT_LOAD_TIMEOUT_S,
+        help="give up when the stages have not loaded in this time (default %(default)g)",
+    )
     parser.add_argument("--api-keys-file", default="", help="accepted API keys, one per line (or STRATA_API_KEYS)")
     parser.set_defaults(run=run)
 
@@ -78,19 +86,22 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    from strata.gateway.local import StageProcess
+    from strata.gateway.local import StageProcess, StageStartError
     from strata.gateway.local_plan import available_memory_bytes, plan_local
+    from strata.gateway.serve_watch import ServeWatch
     from strata.gateway.server import bind, build, serve
     from strata.gateway.settings import GatewaySettings, api_keys
-    from strata.gguf import describe, read_model_header
+    from strata.gguf import GGUFError, check_executable, describe, read_model_header
     from strata.plan import GB
+    from strata.stage_loading import WatchedStage
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     workdir = Path(tempfile.mkdtemp(prefix="strata-serve-"))
     model = args.model or str(_demo_model(workdir))
-    header, size = read_model_header(model)
-    info = describe(header, file_bytes=size)
     try:
+        header, size = read_model_header(model)
+        info = describe(header, file_bytes=size)
+        check_executable(info.architecture)  # the check `strata inspect` shows and the operator makes
         local = plan_local(
             model=info,
             stages=args.stages,
@@ -99,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
             available_bytes=available_memory_bytes(args.device),
             context=args.context,
         )
-    except ValueError as exc:  # more stages than layers, or it does not fit (LocalFitError)
+    except (GGUFError, ValueError) as exc:  # unreadable, not executable, more stages than layers, or it does not fit
         raise SystemExit(f"strata serve: {exc}") from exc
     spans, context = local.spans, local.context
     if local.usable_bytes is None:
@@ -107,9 +118,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(
             f"plan: {local.weight_bytes / GB:.2f} GB of weights and {local.kv_bytes / GB:.2f} GB of KV "
-            f"of {local.usable_bytes / GB:.1f} GB usable on {args.device}",
+            f"({args.cache_type}) of {local.usable_bytes / GB:.1f} GB usable on {args.device}",
             flush=True,
         )
+    watch = ServeWatch(load_timeout_s=args.load_timeout_seconds)
+    watch.start()
     stages: list[StageProcess] = []
     try:
         next_stage = ""
@@ -129,9 +142,10 @@ def run(args: argparse.Namespace) -> int:
                 "STRATA_DEVICE": args.device,
                 "STRATA_PREFIX_CACHE_BYTES": str(args.prefix_cache_bytes),
             }
-            stage = StageProcess(env=env, log_path=workdir / f"stage-{index}.log")
+            stage = StageProcess(env=env, log_path=workdir / f"stage-{index}.log", abandon=watch.failed)
             stages.insert(0, stage)
             next_stage = f"127.0.0.1:{stage.port}"
+            watch.add(WatchedStage(address=next_stage, name=f"stage {index}", exited=stage.exit_reason))
             print(f"stage {index}: layers [{start}, {end}) on {next_stage}", flush=True)
         settings = GatewaySettings(
             model_url=model,
@@ -153,18 +167,19 @@ def run(args: argparse.Namespace) -> int:
         base = f"http://{host}:{port}/v1"
         print(f"serving {serving.model_name!r} ({len(spans)} stages, {args.parallel} lanes, context {context})")
         print(f"endpoint {base}  (stage logs in {workdir})", flush=True)
-        threading.Thread(target=_announce_ready, args=(serving,), daemon=True).start()
-        serve(app, sock)
+        pipeline = serving.pipeline
+        watch.all_started(pipeline_ready=lambda: None if pipeline.ready else pipeline.not_ready_reason)
+        serve(app, sock, stop=watch.failed)
+    except StageStartError as exc:
+        if not watch.failed.is_set():  # set: the watch abandoned this start and has printed the failure that did
+            raise SystemExit(f"strata serve: {exc}") from exc
+    except KeyboardInterrupt:  # Ctrl-C before the server took over the signal: stop as it would
+        return EXIT_INTERRUPTED
     finally:
+        watch.close()
         for stage in stages:
             stage.stop()
-    return 0
-
-
-def _announce_ready(serving: Serving) -> None:
-    while not serving.pipeline.ready:
-        time.sleep(0.1)
-    print("ready", flush=True)
+    return EXIT_STAGE_FAILED if watch.failed.is_set() else 0
 
 
 def _demo_model(folder: Path) -> Path:

@@ -60,7 +60,7 @@ SHAPES = {
 CONTEXT = 8192
 PARALLEL = 16
 SLOTS = (1, 4, 16)
-DECODE_PROMPT = 300  # decode positions stay inside one span bucket (256..511)
+DECODE_PROMPT = 300
 DECODE_STEPS = 128
 TTFT_PROMPTS = (512, 4096)
 KV = CacheType.Q8_0
@@ -208,10 +208,17 @@ def micro_batch_speeds(
 
 @contextmanager
 def stage_process(
-    *, model: Path, index: int, span: tuple[int, int], device: str, next_port: int | None
+    *,
+    model: Path,
+    index: int,
+    span: tuple[int, int],
+    device: str,
+    next_port: int | None,
+    extra_env: dict[str, str] | None = None,
 ) -> Iterator[int]:
     env = {
         **os.environ,
+        **(extra_env or {}),
         "STRATA_STAGE_INDEX": str(index), "STRATA_LAYER_START": str(span[0]), "STRATA_LAYER_END": str(span[1]),
         "STRATA_MODEL_URL": str(model), "STRATA_CONTEXT": str(CONTEXT), "STRATA_PARALLEL": str(PARALLEL),
         "STRATA_CACHE_TYPE_K": KV.value, "STRATA_CACHE_TYPE_V": KV.value, "STRATA_DEVICE": device,

@@ -16,8 +16,11 @@ from typing import Any
 # and messages carry a prefill chunk's activations, far above gRPC's 4 MiB default. A server takes a ping without
 # data as abuse unless it is at least min_recv_ping_interval apart (5 minutes by default) and, after two such
 # strikes, closes the connection with GOAWAY "too_many_pings": an idle Forward stream died two minutes after the
-# last request. Servers here accept the pings that their clients send.
+# last request. Servers here accept the pings that their clients send. A channel whose peer went away dials again
+# with a backoff that gRPC grows to 2 minutes by default; a restarted stage (a pod brought back, `strata serve`
+# restarting a stage) listens again within seconds, so the backoff stops at a second and it is found at once.
 KEEPALIVE_MS = 10_000
+RECONNECT_BACKOFF_MAX_MS = 1_000
 GRPC_OPTIONS = [
     ("grpc.keepalive_time_ms", KEEPALIVE_MS),
     ("grpc.keepalive_timeout_ms", 5_000),
@@ -26,6 +29,8 @@ GRPC_OPTIONS = [
     ("grpc.http2.max_ping_strikes", 0),
     ("grpc.max_send_message_length", 256 << 20),
     ("grpc.max_receive_message_length", 256 << 20),
+    ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS // 4),
+    ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS),
 ]
 
 

@@ -1,38 +1,35 @@
-"""Waiting for stages to load: every wait ends, on a stage's reported failure, on its process ending, or at a deadline.
+"""Waiting for stages to load: every wait ends, on a stage's reported failure or at a deadline, with its message.
 
 A stage loads in the background and says how far it got in its load status (GetLoadStatus): bytes loaded, loaded,
 or the error that stopped it (strata.stage_worker.server reports every failure there). Whoever needs loaded stages
 (`strata serve`, tests, benchmarks) waits on all of them at once, so a stage that fails is reported as soon as it
-says so, not after the others have finished loading, and every way out carries that stage's own message. It lives
+says so, not after the others have finished loading, and every way out carries that stage's own message. A stage
+that cannot answer yet (not listening, or started again after its process died) is asked again until its deadline:
+whoever owns the processes (strata.gateway.supervision for `strata serve`) decides what a dead one means. It lives
 below the components because the gateway's `strata serve` and the stage worker's client both wait this way.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
 from strata.rpc.v1 import stage_pb2, stage_pb2_grpc
+from strata.settings import GRPC_OPTIONS
 
 STATUS_TIMEOUT_S = 2.0
 # A stage that is not up yet (or is busy) answers these; anything else means the address is not a stage.
 RETRIED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
-def _running() -> str | None:
-    return None
-
-
 @dataclass(frozen=True, kw_only=True)
 class WatchedStage:
-    """A stage to wait for: where it answers, what messages call it, and why its process is gone (None while it
-    runs, or when the caller does not own the process)."""
+    """A stage to wait for: where it answers, and what messages call it."""
 
     address: str
     name: str = ""
-    exited: Callable[[], str | None] = _running
 
     @property
     def label(self) -> str:
@@ -40,7 +37,7 @@ class WatchedStage:
 
 
 class StageLoadError(Exception):
-    """A stage did not load: it reported a failure, its process ended, or it answered as no stage does."""
+    """A stage did not load: it reported a failure, or it answered as no stage does."""
 
     def __init__(self, stage: str, reason: str) -> None:
         super().__init__(f"{stage} failed to load: {reason}")
@@ -54,17 +51,21 @@ class StageLoadTimeoutError(StageLoadError):
 
 class LoadWatch:
     """The stages a caller waits for, each asked for its load status by `poll`. Stages may be added while another
-    thread polls (`strata serve` watches the stages it has started while it starts the next)."""
+    thread polls (`strata serve` watches the stages it has started while it starts the next). Each stage's deadline
+    counts from when it was added."""
 
     def __init__(self, stages: Sequence[WatchedStage] = ()) -> None:
         self._stages: list[tuple[WatchedStage, grpc.Channel]] = []
+        self._since: dict[int, float] = {}
         self._loaded: dict[int, stage_pb2.LoadStatus] = {}
         self._progress: dict[int, str] = {}
         for stage in stages:
             self.add(stage)
 
     def add(self, stage: WatchedStage) -> None:
-        self._stages.append((stage, grpc.insecure_channel(stage.address)))
+        self._since[len(self._stages)] = time.monotonic()
+        # The shared options: a stage started again on its port is dialled again within a second.
+        self._stages.append((stage, grpc.insecure_channel(stage.address, options=GRPC_OPTIONS)))
 
     def poll(self) -> bool:
         """Ask every stage not loaded yet once; True when every stage added so far has loaded. Raises StageLoadError
@@ -86,11 +87,15 @@ class LoadWatch:
         """The load statuses of the stages, in the order they were added, once `poll` has said all loaded."""
         return [self._loaded[index] for index in range(len(self._stages))]
 
-    def timed_out(self, timeout_s: float) -> StageLoadTimeoutError:
-        """The error for a deadline that passed: the first stage not loaded, and how far it got."""
-        index = min(set(range(len(self._stages))) - set(self._loaded))
-        progress = self._progress.get(index, "no answer yet")
-        return StageLoadTimeoutError(self._stages[index][0].label, f"not loaded after {timeout_s:g} s ({progress})")
+    def overdue(self, timeout_s: float) -> StageLoadTimeoutError | None:
+        """The error for the first stage not loaded `timeout_s` after its deadline started, saying how far it got;
+        None while every stage is loaded or within its time."""
+        now = time.monotonic()
+        for index, (stage, _channel) in enumerate(list(self._stages)):
+            if index not in self._loaded and now - self._since[index] >= timeout_s:
+                progress = self._progress.get(index, "no answer yet")
+                return StageLoadTimeoutError(stage.label, f"not loaded after {timeout_s:g} s ({progress})")
+        return None
 
     def close(self) -> None:
         for _stage, channel in self._stages:
@@ -104,10 +109,10 @@ def wait_all_loaded(
     failure and StageLoadTimeoutError when `timeout_s` runs out."""
     watch = LoadWatch(stages)
     try:
-        deadline = time.monotonic() + timeout_s
         while not watch.poll():
-            if time.monotonic() >= deadline:
-                raise watch.timed_out(timeout_s)
+            late = watch.overdue(timeout_s)
+            if late is not None:
+                raise late
             time.sleep(poll_s)
         return watch.statuses()
     finally:
@@ -120,14 +125,11 @@ def wait_loaded(target: str, *, timeout_s: float, poll_s: float = 0.2) -> stage_
 
 
 def _status(stage: WatchedStage, stub: stage_pb2_grpc.StageStub) -> stage_pb2.LoadStatus | None:
-    """The stage's load status; None while it cannot answer yet. Raises StageLoadError for a failure it reports,
-    for a process that ended, and for an answer no stage gives."""
+    """The stage's load status; None while it cannot answer yet. Raises StageLoadError for a failure it reports and
+    for an answer no stage gives."""
     try:
         status: stage_pb2.LoadStatus = stub.GetLoadStatus(stage_pb2.LoadStatusRequest(), timeout=STATUS_TIMEOUT_S)
     except grpc.RpcError as exc:
-        gone = stage.exited()
-        if gone is not None:
-            raise StageLoadError(stage.label, gone) from None
         if exc.code() not in RETRIED:
             raise StageLoadError(stage.label, f"its load status answered {exc.code().name}: {exc.details()}") from None
         return None

@@ -23,6 +23,7 @@ def local_pipeline(
     prefix_cache_bytes: int = 0,
     plan_generation: int = 0,
     load_timeout_s: float = 60.0,
+    pipeline_chunk: int = 512,
 ) -> Iterator[list[RunningStage]]:
     """Start one stage per span; yields them first to last once all have loaded."""
     stages: list[RunningStage] = []
@@ -43,6 +44,7 @@ def local_pipeline(
                 listen="127.0.0.1:0",
                 prefix_cache_bytes=prefix_cache_bytes,
                 plan_generation=plan_generation,
+                pipeline_chunk=pipeline_chunk,
             )
             stage = RunningStage(settings)
             stages.insert(0, stage)

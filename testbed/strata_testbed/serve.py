@@ -29,6 +29,7 @@ class Served:
     base_url: str  # http://127.0.0.1:PORT/v1
     model: str
     process: subprocess.Popen[bytes]
+    output: OutputLines  # what it printed, stdout and stderr, as it comes
 
     @property
     def root(self) -> str:
@@ -52,7 +53,7 @@ def strata_serve(*args: str, timeout_s: float = 90.0, stop_timeout_s: float = 20
         endpoint = output.wait_for(lambda line: line.startswith("endpoint "), timeout=0) or ""
         serving = output.wait_for(lambda line: line.startswith("serving "), timeout=0) or ""
         base_url, model = endpoint.split()[1], serving.split("'")[1]
-        yield Served(base_url=base_url, model=model, process=process)
+        yield Served(base_url=base_url, model=model, process=process, output=output)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(process.pid, signal.SIGINT)
@@ -98,3 +99,15 @@ def living(*, pids: set[int], groups: set[int]) -> set[int]:
             if fields[0] != "Z" and (int(entry.name) in pids or int(fields[2]) in groups):
                 found.add(int(entry.name))
     return found
+
+
+def stage_pid(serve_pid: int, index: int) -> int | None:
+    """The process of stage `index` under `strata serve` (its STRATA_STAGE_INDEX), None while there is none."""
+    wanted = f"STRATA_STAGE_INDEX={index}".encode()
+    for pid in process_tree(serve_pid):
+        if pid == serve_pid:
+            continue
+        with contextlib.suppress(OSError):
+            if wanted in (PROC / str(pid) / "environ").read_bytes().split(b"\0"):
+                return pid
+    return None

@@ -1,5 +1,7 @@
 """`strata serve` with a stage that cannot load: it prints that stage's error and exits 1 within 10 s of the failure,
-where it used to wait without a word; and it refuses at start a model its stages cannot run.
+where it used to wait without a word; and it refuses at start a model its stages cannot run. A reported load failure
+is never retried; a stage whose process dies while it loads is the supervisor's: started again at once, and given up
+on when it keeps dying.
 
 Failures come from real files (tensor data cut short) and from faults injected into the stage worker processes
 (tests/gateway/stage_faults): memory that runs out, a decode step that runs on no path, a stage killed mid-load.
@@ -7,12 +9,14 @@ Failures come from real files (tensor data cut short) and from faults injected i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +27,43 @@ from strata_testbed.processes import OutputLines
 FAULTS = Path(__file__).parent / "stage_faults"
 FAIL_WITHIN_S = 10.0
 START_TIMEOUT_S = 120.0
+GIVES_UP_WITHIN_S = 60.0  # a stage killed twice: a backoff, a start and a second death
+
+
+def fault_env(fault: str = "") -> dict[str, str]:
+    """This environment with the stage faults on PYTHONPATH, and `fault` for the stage workers."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FAULTS), os.environ.get("PYTHONPATH", "")])}
+    if fault:
+        env["STRATA_TEST_FAULT"] = fault
+    return env
+
+
+@contextlib.contextmanager
+def serve(model: Path, *args: str, env: dict[str, str]) -> Iterator[tuple[subprocess.Popen[bytes], OutputLines]]:
+    """`strata serve MODEL ARGS` and its output as it comes; killed, with its stages, if it still runs at the end."""
+    argv = [sys.executable, "-m", "strata.cli", "serve", str(model), "--port", "0", *args]
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    assert process.stdout is not None
+    try:
+        yield process, OutputLines(process.stdout)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        process.stdout.close()
+
+
+def exit_code(process: subprocess.Popen[bytes], output: OutputLines, *, within_s: float, since: str) -> int:
+    try:
+        return process.wait(timeout=within_s)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"strata serve still runs {within_s:g} s after {since}:\n{output.text()}")
+
+
+def wait_for_line(output: OutputLines, start: str, *, timeout: float) -> str:
+    line = output.wait_for(lambda seen: seen.startswith(start), timeout=timeout)
+    assert line is not None, f"no line starting {start!r} within {timeout:g} s:\n{output.text()}"
+    return line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,42 +93,39 @@ class Case:
             Case(fault="decode-step-fails", message="the decode step runs on no path: eager: RuntimeError: CUDA error"),
             id="a decode step that runs on no path",
         ),
-        pytest.param(
-            Case(fault="killed-while-loading", message="its process was killed by signal 9"),
-            id="a stage killed while it loads",
-        ),
     ],
 )
 def test_a_stage_that_fails_to_load_stops_serve_with_its_error(qwen2_model: Path, tmp_path: Path, case: Case) -> None:
     model = cut_tensor_data(qwen2_model, tmp_path / "cut.gguf", keep=case.keep) if case.keep < 1 else qwen2_model
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FAULTS), os.environ.get("PYTHONPATH", "")])}
-    if case.fault:
-        env["STRATA_TEST_FAULT"] = case.fault
-    argv = [sys.executable, "-m", "strata.cli", "serve", str(model), "--stages", str(case.stages), "--port", "0"]
-    process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    assert process.stdout is not None
-    output = OutputLines(process.stdout)
-    try:
+    with serve(model, "--stages", str(case.stages), env=fault_env(case.fault)) as (process, output):
         # The failing stage starts listening before it loads: from this line on, its failure may happen any time.
-        stage_line = f"stage {case.failing}: layers"
-        assert output.wait_for(lambda line: line.startswith(stage_line), timeout=START_TIMEOUT_S), output.text()
+        wait_for_line(output, f"stage {case.failing}: layers", timeout=START_TIMEOUT_S)
         listening = time.monotonic()
-        try:
-            code = process.wait(timeout=FAIL_WITHIN_S)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"strata serve still runs {FAIL_WITHIN_S:g} s after the stage failed:\n{output.text()}")
+        code = exit_code(process, output, within_s=FAIL_WITHIN_S, since=f"stage {case.failing} started")
         exited = time.monotonic() - listening
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-        process.stdout.close()
-    reported = output.wait_for(lambda line: line.startswith("strata serve: "), timeout=1.0) or ""
+    reported = wait_for_line(output, "strata serve: ", timeout=1.0)
     assert code == 1, output.text()
     assert reported.startswith(f"strata serve: stage {case.failing} failed to load: "), output.text()
     assert case.message in output.text()
     assert "ready" not in output.text().split()
+    assert "restarting it" not in output.text(), "a failed load is not retried"
     print(f"strata serve exited {exited:.1f} s after stage {case.failing} started")
+
+
+def test_a_stage_killed_while_it_loads_is_started_again_and_given_up_on_when_it_keeps_dying(
+    qwen2_model: Path,
+) -> None:
+    env = fault_env("killed-while-loading")
+    with serve(qwen2_model, "--stage-restarts", "1", env=env) as (process, output):
+        wait_for_line(output, "stage 0: layers", timeout=START_TIMEOUT_S)
+        wait_for_line(output, "stage 0 was killed by SIGKILL; restarting it on port", timeout=FAIL_WITHIN_S)
+        code = exit_code(process, output, within_s=GIVES_UP_WITHIN_S, since="stage 0 was killed")
+    reported = wait_for_line(output, "strata serve: ", timeout=1.0)
+    assert code == 1, output.text()
+    assert reported.startswith(
+        "strata serve: stage 0 died 2 times within 60 s, the last time was killed by SIGKILL; giving up."
+    ), output.text()
+    assert "ready" not in output.text().split()
 
 
 def test_serve_refuses_a_model_its_stages_cannot_run(tmp_path: Path) -> None:

@@ -1,11 +1,12 @@
-"""What a tensor takes on a GPU stage: F16 and BF16 as stored, every other type (Q8_0 too) at 2 bytes per element."""
+"""What a tensor takes on a stage: the quantised types people download in their blocks (Q4_K and Q5_K with their
+sub-scales unpacked), F16 and BF16 as stored, every other type at 2 bytes per element."""
 
 from __future__ import annotations
 
 import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
-from strata.gguf.resident import COMPUTE_BYTES_PER_ELEMENT, COMPUTE_WIDTH_TYPES, resident_bytes
+from strata.gguf.resident import COMPUTE_BYTES_PER_ELEMENT, COMPUTE_WIDTH_TYPES, KEPT_BLOCK_BYTES, resident_bytes
 
 ELEMENTS = 4096 * 256  # a whole number of blocks for every type, K-quants' 256 included
 
@@ -21,19 +22,28 @@ def stored(ggml_type: Q) -> int:
         pytest.param(Q.F32, 4 * ELEMENTS, 2 * ELEMENTS, id="F32 shrinks to 2 bytes per element"),
         pytest.param(Q.F16, 2 * ELEMENTS, 2 * ELEMENTS, id="F16 is cast to bf16, the same size"),
         pytest.param(Q.BF16, 2 * ELEMENTS, 2 * ELEMENTS, id="BF16 is kept as stored"),
-        pytest.param(Q.Q8_0, ELEMENTS // 32 * 34, 2 * ELEMENTS, id="Q8_0 is dequantised to 2 bytes per element"),
-        pytest.param(Q.Q4_0, ELEMENTS // 32 * 18, 2 * ELEMENTS, id="Q4_0 grows to 2 bytes per element"),
-        pytest.param(Q.Q4_K, ELEMENTS // 256 * 144, 2 * ELEMENTS, id="Q4_K grows to 2 bytes per element"),
-        pytest.param(Q.Q6_K, ELEMENTS // 256 * 210, 2 * ELEMENTS, id="Q6_K grows to 2 bytes per element"),
+        pytest.param(Q.Q8_0, ELEMENTS // 32 * 34, ELEMENTS // 32 * 34, id="Q8_0 stays in its blocks"),
+        pytest.param(Q.Q4_0, ELEMENTS // 32 * 18, ELEMENTS // 32 * 18, id="Q4_0 stays in its blocks"),
+        pytest.param(Q.Q4_K, ELEMENTS // 256 * 144, ELEMENTS // 256 * 148, id="Q4_K unpacks its sub-scales"),
+        pytest.param(Q.Q5_K, ELEMENTS // 256 * 176, ELEMENTS // 256 * 180, id="Q5_K unpacks its sub-scales"),
+        pytest.param(Q.Q6_K, ELEMENTS // 256 * 210, ELEMENTS // 256 * 210, id="Q6_K stays in its blocks"),
+        pytest.param(Q.Q3_K, ELEMENTS // 256 * 110, 2 * ELEMENTS, id="Q3_K is dequantised to 2 bytes per element"),
+        pytest.param(Q.IQ4_XS, ELEMENTS // 256 * 136, 2 * ELEMENTS, id="IQ4_XS is dequantised"),
     ],
 )
-def test_a_tensor_takes_its_stored_size_or_two_bytes_per_element(ggml_type: Q, file_bytes: int, gpu_bytes: int) -> None:
+def test_a_tensor_takes_what_the_stage_keeps(ggml_type: Q, file_bytes: int, gpu_bytes: int) -> None:
     assert stored(ggml_type) == file_bytes
     assert resident_bytes(ggml_type, elements=ELEMENTS, stored_bytes=file_bytes) == gpu_bytes
 
 
+def test_kept_types_stay_within_five_percent_of_the_file() -> None:
+    for ggml_type in KEPT_BLOCK_BYTES:
+        assert stored(ggml_type) <= resident_bytes(ggml_type, elements=ELEMENTS, stored_bytes=stored(ggml_type))
+        assert resident_bytes(ggml_type, elements=ELEMENTS, stored_bytes=stored(ggml_type)) <= 1.05 * stored(ggml_type)
+
+
 def test_every_other_type_is_dequantised_to_the_compute_width() -> None:
-    dequantised = set(GGML_QUANT_SIZES) - COMPUTE_WIDTH_TYPES
+    dequantised = set(GGML_QUANT_SIZES) - COMPUTE_WIDTH_TYPES - set(KEPT_BLOCK_BYTES)
     assert {Q.F16, Q.BF16} == COMPUTE_WIDTH_TYPES
     assert {resident_bytes(t, elements=ELEMENTS, stored_bytes=stored(t)) for t in dequantised} == {
         COMPUTE_BYTES_PER_ELEMENT * ELEMENTS

@@ -181,13 +181,6 @@ def free_address() -> str:
             id="an unnamed stage is named by its index and address",
         ),
         pytest.param(
-            lambda failing, silent: [WatchedStage(address=silent, name="stage 2", exited=lambda: "exited with -9")],
-            60.0,
-            StageLoadError,
-            "stage 2 failed to load: exited with -9",
-            id="a stage whose process ended ends the wait with why",
-        ),
-        pytest.param(
             lambda failing, silent: [WatchedStage(address=silent, name="stage 3")],
             1.0,
             StageLoadTimeoutError,

@@ -13,10 +13,12 @@ import json
 import sys
 from typing import Any
 
+from gguf import GGMLQuantizationType
 from strata.gguf.errors import GGUFError
 from strata.gguf.executable import not_executable_reason
 from strata.gguf.model import CacheType, ModelInfo
 from strata.gguf.reader import inspect_model
+from strata.gguf.resident import kept_quantised
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -64,6 +66,7 @@ def to_json(info: ModelInfo) -> dict[str, Any]:
         "layer_resident_bytes": list(info.layer_resident_bytes),
         "non_layer_resident_bytes": info.non_layer_resident_bytes,
         "resident_total_bytes": info.resident_total_bytes,
+        "tensor_types": {name: {"tensors": n, "kept_quantised": _kept(name)} for name, n in info.tensor_types.items()},
         "kv_bytes_per_token": {t.value: info.kv_bytes_per_token(type_k=t, type_v=t) for t in CacheType},
         "tokenizer_model": info.tokenizer_model,
         "tokenizer_pre": info.tokenizer_pre,
@@ -81,10 +84,22 @@ def _size(n: int | None) -> str:
 
 
 def _weights(stored: int, resident: int) -> str:
-    """File bytes, and what GPUs hold once loaded where that differs (dequantised types grow, F32 shrinks)."""
+    """File bytes, and what stages hold once loaded where that differs (dequantised types grow, F32 shrinks)."""
     if stored == resident:
         return _size(stored)
-    return f"{_size(stored)} in the file, {_size(resident)} on GPUs"
+    return f"{_size(stored)} in the file, {_size(resident)} loaded"
+
+
+def _kept(type_name: str) -> bool:
+    return kept_quantised(GGMLQuantizationType[type_name])
+
+
+def _types(counts: dict[str, int]) -> str:
+    """Which tensor types a stage keeps in their blocks and which it holds as plain 2-byte values."""
+    kept = [f"{name} x{n}" for name, n in sorted(counts.items()) if _kept(name)]
+    plain = [f"{name} x{n}" for name, n in sorted(counts.items()) if not _kept(name)]
+    parts = [f"{', '.join(kept)} kept in their blocks"] if kept else []
+    return "; ".join([*parts, *([f"{', '.join(plain)} as plain values"] if plain else [])]) or "-"
 
 
 def _executable(info: ModelInfo) -> str:
@@ -119,6 +134,7 @@ def to_table(info: ModelInfo) -> str:
             for role, n in info.non_layer_bytes.items()
         ),
         ("output head", "tied to token_embd" if info.output_tied else "own tensor"),
+        ("tensor types", _types(info.tensor_types)),
         ("total weights", _weights(info.total_bytes, info.resident_total_bytes)),
         *(
             (f"KV/token {t.value}", f"{info.kv_bytes_per_token(type_k=t, type_v=t):,} B")

@@ -8,6 +8,7 @@ pattern table. A key that is missing or of the wrong type raises MetadataError n
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -107,6 +108,7 @@ def describe(header: GGUFHeader, *, file_bytes: int | None = None) -> ModelInfo:
         layer_resident_bytes=tuple(resident.layers),
         non_layer_resident_bytes=resident.roles,
         output_tied="output.weight" not in header.tensor_by_name,
+        tensor_types=dict(Counter(tensor.ggml_type.name for tensor in header.tensors)),
         rope=_rope(keys, arch=arch, key_length=key_length),
         sliding_window=_sliding_window(keys, arch=arch, layers=n_layer),
         expert_count=keys.integer(f"{arch}.expert_count", default=0),

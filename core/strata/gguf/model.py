@@ -90,6 +90,7 @@ class ModelInfo:
     layer_resident_bytes: tuple[int, ...]
     non_layer_resident_bytes: dict[str, int]
     output_tied: bool  # no `output` tensor: the head reuses token_embd
+    tensor_types: dict[str, int] = field(default_factory=dict)  # GGML type name -> how many tensors have it
     rope: RopeSettings | None = None
     sliding_window: SlidingWindow | None = None
     expert_count: int = 0

@@ -46,11 +46,20 @@ def _die_with_parent() -> None:
 
 
 class StageStartError(RuntimeError):
-    """A stage worker did not start listening: it exited, ran out of time, or its start was abandoned."""
+    """The stage worker exited, or printed no port in time, before it listened; carries the end of its log."""
+
+    def __init__(self, reason: str, *, log_path: Path, log_tail: str) -> None:
+        super().__init__(f"the stage worker did not start ({reason}); its log is {log_path}:\n{log_tail}")
+        self.reason = reason
+        self.log_tail = log_tail
 
 
 class StageProcess:
-    """`strata stage-worker` as a child, configured through STRATA_* as the operator configures a stage pod."""
+    """`strata stage-worker` as a child, configured through STRATA_* as the operator configures a stage pod.
+
+    `cancel`, when set while the worker starts, cuts the start short (the supervisor stopping mid-restart, or
+    `strata serve` stopping because a stage it started before this one failed to load).
+    """
 
     def __init__(
         self,
@@ -58,7 +67,7 @@ class StageProcess:
         env: Mapping[str, str],
         log_path: Path,
         start_timeout_s: float = 60.0,
-        abandon: threading.Event | None = None,  # set: stop waiting for this stage to start (another one failed)
+        cancel: threading.Event | None = None,
     ) -> None:
         self.log_path = log_path
         self._log = log_path.open("ab")
@@ -71,35 +80,35 @@ class StageProcess:
             start_new_session=True,
             preexec_fn=_die_with_parent,
         )
-        self.port = self._read_port(start_timeout_s, abandon or threading.Event())
+        self.port = self._read_port(start_timeout_s, cancel or threading.Event())
 
-    def _read_port(self, timeout_s: float, abandon: threading.Event) -> int:
+    def _read_port(self, timeout_s: float, cancel: threading.Event) -> int:
         """The port the worker prints once its server listens ("stage N listening on port P")."""
         assert self._proc.stdout is not None, "stdout is a pipe"
         deadline = time.monotonic() + timeout_s
         line = b""
-        while time.monotonic() < deadline and self._proc.poll() is None and not abandon.is_set():
+        while time.monotonic() < deadline and self._proc.poll() is None and not cancel.is_set():
             readable, _, _ = select.select([self._proc.stdout], [], [], 0.2)
             if readable:
                 line = self._proc.stdout.readline()
                 if b"listening on port" in line:
                     return int(line.split()[-1])
-        abandoned = abandon.is_set()
+        if cancel.is_set():
+            reason = "cancelled"
+        elif self._proc.poll() is not None:
+            reason = f"it exited with status {self._proc.returncode}"
+        else:
+            reason = f"no port within {timeout_s:g} s"
         self.stop()
-        if abandoned:
-            raise StageStartError("the stage worker's start was abandoned")
-        raise StageStartError(f"the stage worker did not start; its log is {self.log_path}:\n{self.log_tail()}")
-
-    def exit_reason(self) -> str | None:
-        """Why the worker is gone, with the end of its log; None while it runs."""
-        code = self._proc.poll()
-        if code is None:
-            return None
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
-        return f"its process {how}; the end of its log ({self.log_path}):\n{self.log_tail()}"
+        raise StageStartError(reason, log_path=self.log_path, log_tail=self.log_tail())
 
     def running(self) -> bool:
         return self._proc.poll() is None
+
+    @property
+    def exit_code(self) -> int | None:
+        """None while it runs; its status once it has exited (negative: the signal that killed it)."""
+        return self._proc.poll()
 
     def send_signal(self, signum: int) -> None:
         """Signal the stage's process group (SIGSTOP freezes it, SIGKILL kills it as a lost node would)."""

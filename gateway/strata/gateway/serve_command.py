@@ -6,23 +6,42 @@ fits with a q8_0 KV cache unless `--cache-type` says otherwise, or a refusal say
 (strata.gateway.local_plan). A model whose architecture the stages do not run is refused before any starts, with the
 reason `strata inspect` shows. Each stage is started as `strata stage-worker` with the STRATA_* environment the
 operator would give a stage pod, on loopback. The gateway runs in this process with a fixed fencing token and prints
-its endpoint, then "ready" once every stage has loaded; a stage that fails to load stops serve at once with that
-stage's error and exit status 1 (strata.gateway.serve_watch). Ctrl-C (or SIGTERM) stops the gateway and every stage,
-and the stages die with this process even when it is killed outright. Without MODEL it generates a small demo model
-(random weights, a real tokenizer and chat template): the output is gibberish, but every part of the path is the real
-one.
+its endpoint, then "ready" once every stage has loaded. Ctrl-C (or SIGTERM) stops the gateway and every stage, and the
+stages die with this process even when it is killed outright. Without MODEL it generates a small demo model (random
+weights, a real tokenizer and chat template): the output is gibberish, but every part of the path is the real one.
+
+Failures end serve with exit status 1 and a message, in two ways. A stage that reports a failed load (a file cut
+short, memory that runs out, a decode step that runs on no path) stops serve at once with that stage's error: a
+restart would fail the same way (strata.gateway.serve_watch). A stage whose process dies is started again on its port
+after a backoff and claimed under a new coordinator term, as a StatefulSet would bring a stage pod back; one that
+keeps dying ends serve with the end of its log (strata.gateway.supervision).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import dataclasses
 import os
+import socket
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from strata.fit import DEFAULT_CACHE_TYPE
 from strata.gateway.settings import DEFAULT_MICRO_BATCHES
+from strata.gateway.supervision import RestartPolicy
 from strata.gguf.model import CacheType
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+    from strata.gateway.local import StageProcess
+    from strata.gateway.pipeline import Pipeline
+    from strata.gateway.serve_watch import ServeWatch
+    from strata.gateway.supervision import StageSupervisor
 
 DEMO_LAYERS = 4
 DEFAULT_PREFIX_CACHE_BYTES = 256 << 20  # per stage: a 2,000-token prompt of an 8B-class model in f16 is ~260 MB
@@ -77,25 +96,47 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--load-timeout-seconds",
         type=float,
         default=DEFAULT_LOAD_TIMEOUT_S,
-        help="give up when the stages have not loaded in this time (default %(default)g)",
+        help="give up when a stage has not loaded this long after it started (default %(default)g)",
     )
     parser.add_argument("--api-keys-file", default="", help="accepted API keys, one per line (or STRATA_API_KEYS)")
+    _add_supervision_options(parser)
     parser.set_defaults(run=run)
 
 
+def _add_supervision_options(parser: argparse.ArgumentParser) -> None:
+    defaults = RestartPolicy()
+    parser.add_argument(
+        "--stage-restarts",
+        type=int,
+        default=defaults.max_restarts,
+        help="restarts of a dead stage allowed within --stage-restart-window; one more death ends serve with the "
+        f"stage's log (default {defaults.max_restarts}; 0: end at the first death)",
+    )
+    parser.add_argument(
+        "--stage-restart-window",
+        type=float,
+        default=defaults.window_s,
+        help=f"seconds over which a stage's restarts are counted (default {defaults.window_s:g})",
+    )
+
+
 def run(args: argparse.Namespace) -> int:
+    # Restarting a stage forks this process while gRPC's threads run, and gRPC's fork support (for children that go
+    # on using gRPC; a stage worker execs at once) prints a warning at each fork. Read when grpc is first imported.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     import logging
 
     from strata.gateway.local import StageProcess, StageStartError
     from strata.gateway.local_plan import available_memory_bytes, plan_local
     from strata.gateway.serve_watch import ServeWatch
-    from strata.gateway.server import bind, build, serve
+    from strata.gateway.server import bind, build
     from strata.gateway.settings import GatewaySettings, api_keys
+    from strata.gateway.supervision import StageSupervisor
     from strata.gguf import GGUFError, check_executable, describe, read_model_header
     from strata.plan import GB
-    from strata.stage_loading import WatchedStage
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    policy = _restart_policy(args)
     workdir = Path(tempfile.mkdtemp(prefix="strata-serve-"))
     model = args.model or str(_demo_model(workdir))
     try:
@@ -124,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
     watch = ServeWatch(load_timeout_s=args.load_timeout_seconds)
     watch.start()
     stages: list[StageProcess] = []
+    envs: list[dict[str, str]] = []
     try:
         next_stage = ""
         for index in reversed(range(len(spans))):
@@ -142,10 +184,16 @@ def run(args: argparse.Namespace) -> int:
                 "STRATA_DEVICE": args.device,
                 "STRATA_PREFIX_CACHE_BYTES": str(args.prefix_cache_bytes),
             }
-            stage = StageProcess(env=env, log_path=workdir / f"stage-{index}.log", abandon=watch.failed)
+            try:
+                stage = StageProcess(env=env, log_path=workdir / f"stage-{index}.log", cancel=watch.failed)
+            except StageStartError as exc:
+                if watch.failed.is_set():  # cancelled: a stage started before failed, and the watch said so
+                    return EXIT_STAGE_FAILED
+                raise SystemExit(f"strata serve: stage {index}: {exc}") from exc
             stages.insert(0, stage)
+            envs.insert(0, env)
             next_stage = f"127.0.0.1:{stage.port}"
-            watch.add(WatchedStage(address=next_stage, name=f"stage {index}", exited=stage.exit_reason))
+            watch.add(index=index, address=next_stage)
             print(f"stage {index}: layers [{start}, {end}) on {next_stage}", flush=True)
         settings = GatewaySettings(
             model_url=model,
@@ -169,10 +217,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"endpoint {base}  (stage logs in {workdir})", flush=True)
         pipeline = serving.pipeline
         watch.all_started(pipeline_ready=lambda: None if pipeline.ready else pipeline.not_ready_reason)
-        serve(app, sock, stop=watch.failed)
-    except StageStartError as exc:
-        if not watch.failed.is_set():  # set: the watch abandoned this start and has printed the failure that did
-            raise SystemExit(f"strata serve: {exc}") from exc
+        supervisor = StageSupervisor(
+            stages, start=_restarter(stages, envs), policy=policy, report=lambda line: print(line, flush=True)
+        )
+        _serve_supervised(app, sock, pipeline=pipeline, supervisor=supervisor, watch=watch)
     except KeyboardInterrupt:  # Ctrl-C before the server took over the signal: stop as it would
         return EXIT_INTERRUPTED
     finally:
@@ -180,6 +228,85 @@ def run(args: argparse.Namespace) -> int:
         for stage in stages:
             stage.stop()
     return EXIT_STAGE_FAILED if watch.failed.is_set() else 0
+
+
+def _restart_policy(args: argparse.Namespace) -> RestartPolicy:
+    try:
+        return RestartPolicy(max_restarts=args.stage_restarts, window_s=args.stage_restart_window)
+    except ValueError as exc:
+        raise SystemExit(f"strata serve: {exc}") from exc
+
+
+def _restarter(
+    stages: list[StageProcess], envs: list[dict[str, str]]
+) -> Callable[[int, threading.Event], StageProcess]:
+    """Starts stage `index` again as it was first started, on the port it had: the previous stage (or the gateway)
+    still points there. Its log goes on in the same file."""
+    from strata.gateway.local import StageProcess
+
+    ports = [stage.port for stage in stages]
+
+    def start(index: int, cancel: threading.Event) -> StageProcess:
+        env = {**envs[index], "STRATA_LISTEN": f"127.0.0.1:{ports[index]}"}
+        return StageProcess(env=env, log_path=stages[index].log_path, cancel=cancel)
+
+    return start
+
+
+def _serve_supervised(
+    app: FastAPI,
+    sock: socket.socket,
+    *,
+    pipeline: Pipeline,
+    supervisor: StageSupervisor[StageProcess],
+    watch: ServeWatch,
+) -> None:
+    """Serve HTTP until Ctrl-C, SIGTERM or a failure, with the supervisor watching the stages' processes and `watch`
+    their loading.
+
+    A stage found dead makes the coordinator take the next term at once: readiness drops, what was running fails
+    with a retryable 503, and the driver claims every stage under the new term once the stage is back and loaded, so
+    no stage keeps slots or prefix snapshots of the old run. A stage given up on, or one that fails to load, is
+    reported through the watch, which then shuts the server down as SIGTERM would. The callbacks come from the
+    supervisor's and the watch's threads, so they hop onto the event loop.
+    """
+    from strata.gateway.server import http_server
+
+    server = http_server(app)
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+
+        def on_loop(callback: Callable[[], None]) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: serve is on its way out anyway
+                loop.call_soon_threadsafe(callback)
+
+        def shut_down() -> None:
+            server.should_exit = True
+
+        watch.on_failure(lambda: on_loop(shut_down))
+        supervisor.start(
+            on_lost=lambda _index: on_loop(lambda: _next_term(pipeline)),
+            on_gave_up=lambda error: watch.fail(str(error)),
+        )
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            supervisor.stop()
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down; that is the normal way out
+        pass
+    finally:
+        supervisor.stop()
+
+
+def _next_term(pipeline: Pipeline) -> None:
+    """Move the coordinator to the next term, as a won election would: it claims every stage again before serving."""
+    fence = pipeline.fence
+    if fence is not None:
+        pipeline.promote(dataclasses.replace(fence, term=fence.term + 1))
 
 
 def _demo_model(folder: Path) -> Path:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
 from collections.abc import Awaitable, Callable
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
@@ -148,18 +147,15 @@ def bind(listen: str) -> socket.socket:
     return sock
 
 
-def serve(app: FastAPI, sock: socket.socket, *, stop: threading.Event | None = None) -> None:
-    """Run until SIGINT or SIGTERM (uvicorn's handlers), or until `stop` is set, then shut down gracefully."""
+def http_server(app: FastAPI) -> uvicorn.Server:
+    """The gateway's uvicorn server; setting its `should_exit` shuts it down as SIGTERM would."""
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5, lifespan="on")
-    server = uvicorn.Server(config)
-    if stop is not None:
-        threading.Thread(target=_exit_when, args=(stop, server), name="serve-stop", daemon=True).start()
+    return uvicorn.Server(config)
+
+
+def serve(app: FastAPI, sock: socket.socket) -> None:
+    """Run until SIGINT or SIGTERM (uvicorn's handlers), then shut down gracefully."""
     try:
-        server.run(sockets=[sock])
+        http_server(app).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down; that is the normal way out
         return
-
-
-def _exit_when(stop: threading.Event, server: uvicorn.Server) -> None:
-    stop.wait()
-    server.should_exit = True  # what uvicorn's own signal handler sets; its main loop looks every 0.1 s

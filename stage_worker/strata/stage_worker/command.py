@@ -17,6 +17,8 @@ the command line wins over the environment.
     STRATA_DTYPE             compute dtype: float32, float16, bfloat16 (default float32 on CPU, bfloat16 on GPUs)
     STRATA_PLAN_GENERATION   the plan generation this stage belongs to (default 0)
     STRATA_PREFIX_CACHE_BYTES  device bytes for prefix snapshots, reserved by the plan (default 0: keep none)
+    STRATA_PIPELINE_CHUNK    the first stage sends a longer prefill on in pieces of this many positions, so the
+                             next stage starts on it at once (default 512; 0 sends each step whole)
 
 torch is imported only when the command runs, so `strata --help` stays fast.
 """
@@ -49,6 +51,7 @@ OPTIONS: tuple[Option, ...] = tuple(
         ("--dtype", "STRATA_DTYPE", str, ""),
         ("--plan-generation", "STRATA_PLAN_GENERATION", int, 0),
         ("--prefix-cache-bytes", "STRATA_PREFIX_CACHE_BYTES", int, 0),
+        ("--pipeline-chunk", "STRATA_PIPELINE_CHUNK", int, 512),
     )
 )
 

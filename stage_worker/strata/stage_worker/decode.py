@@ -85,16 +85,19 @@ class Decoder:
         return captured.output
 
     def _capture(self, b: int) -> _Captured:
-        # Warm up on a side stream (the step's real work; the replay repeats it exactly), then capture.
-        current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            self._body(b)
-        current.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._memory):
-            output = self._body(b)
+        # Warm up on a side stream (the step's real work; the replay repeats it exactly), then capture. Both under the
+        # stage's device: torch.cuda.graph captures on the current device's stream, and a stage on cuda:1 driven from
+        # a thread whose current device is cuda:0 would otherwise capture on the wrong one.
+        with torch.cuda.device(self.device):
+            current = torch.cuda.current_stream(self.device)
+            side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                self._body(b)
+            current.wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._memory):
+                output = self._body(b)
         captured = _Captured(graph=graph, output=output)
         self._captured[b] = captured
         return captured

@@ -9,6 +9,7 @@ position per slot) takes the batched path in strata.stage_worker.decode, capture
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +19,12 @@ from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.model import ChunkView, Rope, StageModel, step_layout
 from strata.stage_worker.sampling import Sampled, Sampling, sample
 from torch import Tensor
+
+
+def on_device(device: torch.device) -> AbstractContextManager[object]:
+    """Make the stage's GPU the current one for a step: gRPC and loader threads start on cuda:0, and graph capture,
+    Triton launches and new streams use the current device, not the tensors'."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,10 @@ class Engine:
         """Run the decode step (on GPUs: compile and capture it) for one slot and for several before the stage says
         it is ready, so no request waits for it and no broken path serves (dynamic shapes: these two cover every
         batch size and depth)."""
+        with on_device(self.device):
+            self._warm_up()
+
+    def _warm_up(self) -> None:
         for batch in sorted({1, min(2, self.pool.parallel)}):
             slots = list(range(batch))
             hidden = (
@@ -112,6 +123,10 @@ class Engine:
     @torch.inference_mode()
     def step(self, chunks: list[Chunk], hidden: Tensor | None) -> StepResult:
         self.validate(chunks, hidden)
+        with on_device(self.device):
+            return self._step(chunks, hidden)
+
+    def _step(self, chunks: list[Chunk], hidden: Tensor | None) -> StepResult:
         if all(chunk.length == 1 and not chunk.return_logits for chunk in chunks):
             return self._decode(chunks, hidden)
         positions: list[Tensor] = []

@@ -12,6 +12,12 @@ before it; nothing behind it is computed. A step the next stage could not answer
 stream) fails with NextStageUnavailableError and its slots are reset here; so are the slots of every step computed
 behind it, whose replies can no longer come back on this stream. A step the next stage refused is passed back with
 its status code, its own slots left as they were (the coordinator resets them), the steps behind it reset.
+
+A long prefill is pipelined inside one step: the first stage cuts a chunk of more than `split` positions into pieces
+(`split_prefill`), sends each piece on as soon as it is computed and computes the next meanwhile, so the stages after
+it work on piece i while this one works on piece i+1; the step's one reply is the last piece's. Without this, a
+4,096-token prompt crossed to the next stage as one 32 MiB message after the whole prefill, and two stages took three
+times as long to the first token as one.
 """
 
 from __future__ import annotations
@@ -29,10 +35,36 @@ from strata.stage_worker.next_stage import PendingReply, StepStream
 
 @dataclass(frozen=True)
 class Launched:
-    """A step computed here and sent on: its slots, and the next stage's reply to come."""
+    """A step computed here and sent on (in one piece or several): its slots, and the next stage's replies to come;
+    the last piece's reply answers the step."""
 
     slots: tuple[int, ...]
-    pending: PendingReply
+    pending: tuple[PendingReply, ...]
+
+
+def split_prefill(request: stage_pb2.ForwardRequest, *, split: int) -> list[stage_pb2.ForwardRequest]:
+    """The request as pieces of at most `split` positions, in order, when it is one slot's chunk of token ids (the
+    first stage's prefill) and asks for no logits; otherwise the request itself. Only the last piece samples."""
+    if split < 1 or len(request.chunks) != 1 or request.HasField("hidden"):
+        return [request]
+    chunk = request.chunks[0]
+    if chunk.length <= split or chunk.return_logits or len(chunk.token_ids) != chunk.length:
+        return [request]
+    pieces = []
+    for offset in range(0, chunk.length, split):
+        length = min(split, chunk.length - offset)
+        piece = stage_pb2.ForwardRequest(
+            fence=request.fence, plan_generation=request.plan_generation, step_id=request.step_id
+        )
+        part = piece.chunks.add()
+        part.CopyFrom(chunk)
+        part.start_position = chunk.start_position + offset
+        part.length = length
+        del part.token_ids[:]
+        part.token_ids.extend(chunk.token_ids[offset : offset + length])
+        part.sample = chunk.sample and offset + length == chunk.length
+        pieces.append(piece)
+    return pieces
 
 
 @dataclass(frozen=True)
@@ -51,11 +83,13 @@ class ForwardStream:
         downstream: StepStream,
         compute: Callable[[stage_pb2.ForwardRequest], tuple[tuple[int, ...], stage_pb2.ForwardRequest]],
         reset: Callable[[Iterable[int]], None],
+        split: int = 0,
     ) -> None:
         self._requests = requests
         self._downstream = downstream
         self._compute = compute  # a request -> its slots and the request for the next stage; raises StageError
         self._reset = reset
+        self._split = split  # positions per piece of a pipelined prefill; 0: never cut a step
         self._lock = threading.Lock()
         self._queue: queue.Queue[object] = queue.Queue()
         self._stopped = False
@@ -70,7 +104,8 @@ class ForwardStream:
                     raise item.error
                 assert isinstance(item, Launched), "the queue holds launched steps, one failure and the end"
                 try:
-                    reply = self._downstream.receive(item.pending)
+                    for pending in item.pending:
+                        reply = self._downstream.receive(pending)
                 except NextStageUnavailableError:
                     self._stop(failed=item.slots)
                     raise
@@ -86,14 +121,18 @@ class ForwardStream:
     def _launch_all(self) -> None:
         try:
             for request in self._requests:
-                if self._stopped:
-                    return
-                slots, onward = self._compute(request)
-                with self._lock:
-                    if self._stopped:  # the stream failed while this step was being computed
-                        self._reset(slots)
+                sent: list[PendingReply] = []
+                for piece in split_prefill(request, split=self._split):
+                    if self._stopped:
                         return
-                    self._queue.put(Launched(slots=slots, pending=self._downstream.send(onward)))
+                    slots, onward = self._compute(piece)
+                    with self._lock:
+                        if self._stopped:  # the stream failed while this step was being computed
+                            self._reset(slots)
+                            return
+                        sent.append(self._downstream.send(onward))
+                with self._lock:
+                    self._queue.put(Launched(slots=slots, pending=tuple(sent)))
         except grpc.RpcError:
             pass  # the caller cancelled the stream: there is no one to answer
         except Exception as exc:  # handed over in order: the replies before it still go back first

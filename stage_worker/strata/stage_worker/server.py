@@ -292,6 +292,7 @@ class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # gener
             downstream=self.next_stage.open_stream(),
             compute=self._step,
             reset=self._reset_slots,
+            split=self.settings.pipeline_chunk,
         )
         try:
             yield from stream.replies()

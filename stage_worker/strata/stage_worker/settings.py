@@ -31,12 +31,15 @@ class StageSettings:
     plan_generation: int = 0
     step_timeout_s: float = 120.0  # how long a step may wait for the next stage's reply
     prefix_cache_bytes: int = 0  # device bytes for prefix snapshots (the plan reserves them); 0 keeps none
+    pipeline_chunk: int = 512  # the first stage sends a longer prefill on in pieces of this many positions; 0: whole
 
     def __post_init__(self) -> None:
         if not 0 <= self.layer_start < self.layer_end:
             raise ValueError(f"layer span [{self.layer_start}, {self.layer_end}) is empty or negative")
         if self.context < 1 or self.parallel < 1:
             raise ValueError(f"context ({self.context}) and parallel ({self.parallel}) must be positive")
+        if self.pipeline_chunk < 0:
+            raise ValueError(f"the pipeline chunk must not be negative, not {self.pipeline_chunk}")
         if self.prefix_cache_bytes < 0:
             raise ValueError(f"the prefix cache budget must not be negative, not {self.prefix_cache_bytes}")
         if self.dtype and self.dtype not in COMPUTE_DTYPES:

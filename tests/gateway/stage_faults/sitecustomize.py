@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 
 def _inject(fault: str) -> None:
@@ -24,6 +25,9 @@ def _inject(fault: str) -> None:
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing (injected)")
 
     def killed(**_: object) -> None:
+        # The loader starts before the worker prints its port: a moment's wait makes this a death mid-load, after
+        # serve knows the stage, rather than a worker that never started.
+        time.sleep(0.5)
         os.kill(os.getpid(), signal.SIGKILL)
 
     if fault == "kv-pool-out-of-memory":

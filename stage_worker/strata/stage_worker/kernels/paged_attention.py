@@ -10,6 +10,7 @@ CUDA graph replays it): its inputs are device tensors only, so lengths change wi
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -63,10 +64,12 @@ def _paged_attention_op(
 ) -> Tensor:
     from strata.stage_worker.kernels.paged_attention_triton import paged_attention
 
-    return paged_attention(
-        q, keys=keys, key_scales=key_scales, values=values, value_scales=value_scales, table=table, slots=slots,
-        q_starts=q_starts, q_lens=q_lens, kv_lens=kv_lens, max_q_len=max_q_len, n_head_kv=n_head_kv,
-    )  # fmt: skip
+    # Triton launches on the current device's stream, whatever the tensors say (under its interpreter, on the CPU).
+    with torch.cuda.device(q.device) if q.device.type == "cuda" else nullcontext():
+        return paged_attention(
+            q, keys=keys, key_scales=key_scales, values=values, value_scales=value_scales, table=table, slots=slots,
+            q_starts=q_starts, q_lens=q_lens, kv_lens=kv_lens, max_q_len=max_q_len, n_head_kv=n_head_kv,
+        )  # fmt: skip
 
 
 @_paged_attention_op.register_fake

@@ -52,7 +52,7 @@ class StageLoadTimeoutError(StageLoadError):
 class LoadWatch:
     """The stages a caller waits for, each asked for its load status by `poll`. Stages may be added while another
     thread polls (`strata serve` watches the stages it has started while it starts the next). Each stage's deadline
-    counts from when it was added."""
+    counts from when it was added, or from when it was last said to be loading again (`reload`)."""
 
     def __init__(self, stages: Sequence[WatchedStage] = ()) -> None:
         self._stages: list[tuple[WatchedStage, grpc.Channel]] = []
@@ -66,6 +66,15 @@ class LoadWatch:
         self._since[len(self._stages)] = time.monotonic()
         # The shared options: a stage started again on its port is dialled again within a second.
         self._stages.append((stage, grpc.insecure_channel(stage.address, options=GRPC_OPTIONS)))
+
+    def reload(self, address: str) -> None:
+        """The stage at `address` loads again (its process was started again): forget that it had loaded, and give
+        it a new deadline. Call it from the thread that polls."""
+        for index, (stage, _channel) in enumerate(self._stages):
+            if stage.address == address:
+                self._loaded.pop(index, None)
+                self._progress[index] = "started again"
+                self._since[index] = time.monotonic()
 
     def poll(self) -> bool:
         """Ask every stage not loaded yet once; True when every stage added so far has loaded. Raises StageLoadError

@@ -1,7 +1,7 @@
 """`strata serve` with a stage that cannot load: it prints that stage's error and exits 1 within 10 s of the failure,
 where it used to wait without a word; and it refuses at start a model its stages cannot run. A reported load failure
-is never retried; a stage whose process dies while it loads is the supervisor's: started again at once, and given up
-on when it keeps dying.
+is never retried, not even in a stage started again after its process died; a stage whose process dies while it
+loads is the supervisor's: started again at once, and given up on when it keeps dying.
 
 Failures come from real files (tensor data cut short) and from faults injected into the stage worker processes
 (tests/gateway/stage_faults): memory that runs out, a decode step that runs on no path, a stage killed mid-load.
@@ -23,6 +23,7 @@ import pytest
 from strata.gguf.testmodels import LARGE_SHAPES, write_header_only_model
 from strata_testbed.broken_models import cut_tensor_data
 from strata_testbed.processes import OutputLines
+from strata_testbed.serve import stage_pid
 
 FAULTS = Path(__file__).parent / "stage_faults"
 FAIL_WITHIN_S = 10.0
@@ -30,11 +31,14 @@ START_TIMEOUT_S = 120.0
 GIVES_UP_WITHIN_S = 60.0  # a stage killed twice: a backoff, a start and a second death
 
 
-def fault_env(fault: str = "") -> dict[str, str]:
-    """This environment with the stage faults on PYTHONPATH, and `fault` for the stage workers."""
+def fault_env(fault: str = "", *, after_first: Path | None = None) -> dict[str, str]:
+    """This environment with the stage faults on PYTHONPATH, and `fault` for the stage workers (after the first one
+    when `after_first` names the marker file)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FAULTS), os.environ.get("PYTHONPATH", "")])}
     if fault:
         env["STRATA_TEST_FAULT"] = fault
+    if after_first is not None:
+        env["STRATA_TEST_FAULT_AFTER_FIRST"] = str(after_first)
     return env
 
 
@@ -126,6 +130,23 @@ def test_a_stage_killed_while_it_loads_is_started_again_and_given_up_on_when_it_
         "strata serve: stage 0 died 2 times within 60 s, the last time was killed by SIGKILL; giving up."
     ), output.text()
     assert "ready" not in output.text().split()
+
+
+def test_a_stage_started_again_that_fails_to_load_stops_serve_with_its_error(qwen2_model: Path, tmp_path: Path) -> None:
+    env = fault_env("kv-pool-out-of-memory", after_first=tmp_path / "first-worker-started")
+    with serve(qwen2_model, env=env) as (process, output):
+        wait_for_line(output, "ready", timeout=START_TIMEOUT_S)
+        pid = stage_pid(process.pid, 0)
+        assert pid is not None, output.text()
+        os.kill(pid, signal.SIGKILL)
+        wait_for_line(output, "stage 0 restarted on port", timeout=FAIL_WITHIN_S)
+        code = exit_code(process, output, within_s=FAIL_WITHIN_S, since="stage 0 started again")
+    reported = wait_for_line(output, "strata serve: ", timeout=1.0)
+    assert code == 1, output.text()
+    assert reported.startswith(
+        "strata serve: stage 0 failed to load: OutOfMemoryError: CUDA out of memory. Tried to allocate"
+    ), output.text()
+    assert output.text().count("restarting it on port") == 1, "the restart's failed load is not retried"
 
 
 def test_serve_refuses_a_model_its_stages_cannot_run(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from strata.gguf.model import CacheType
 from strata.rpc.v1 import stage_pb2, stage_pb2_grpc
-from strata.stage_loading import StageLoadError, StageLoadTimeoutError, WatchedStage, wait_all_loaded
+from strata.stage_loading import LoadWatch, StageLoadError, StageLoadTimeoutError, WatchedStage, wait_all_loaded
 from strata.stage_worker import server
 from strata.stage_worker.engine import Engine
 from strata.stage_worker.server import RunningStage
@@ -31,7 +31,7 @@ REPORT_WITHIN_S = 10.0
 
 
 @contextmanager
-def started_stage(model: Path) -> Iterator[RunningStage]:
+def started_stage(model: Path, *, listen: str = "127.0.0.1:0") -> Iterator[RunningStage]:
     """The whole tiny model as one in-process stage, loading in the background."""
     settings = StageSettings(
         stage_index=0,
@@ -42,7 +42,7 @@ def started_stage(model: Path) -> Iterator[RunningStage]:
         parallel=2,
         cache_type_k=CacheType.F32,
         cache_type_v=CacheType.F32,
-        listen="127.0.0.1:0",
+        listen=listen,
     )
     stage = RunningStage(settings)
     try:
@@ -204,3 +204,31 @@ def test_every_wait_for_loading_ends_with_the_stage_s_message(
             wait_all_loaded(stages(failing, free_address()), timeout_s=timeout_s)
     assert str(ended.value).startswith(message.format(failing=failing)), ended.value
     assert time.monotonic() - started < min(timeout_s, REPORT_WITHIN_S) + 2.0
+
+
+def polled_until(watch: LoadWatch, *, within_s: float = REPORT_WITHIN_S) -> None:
+    """Poll `watch` until every stage has loaded; a failure it reports propagates."""
+    deadline = time.monotonic() + within_s
+    while not watch.poll():
+        assert time.monotonic() < deadline, f"not loaded within {within_s:g} s"
+        time.sleep(0.05)
+
+
+def test_a_stage_started_again_on_its_address_is_watched_loading_again(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """What `strata serve` does when its supervisor starts a dead stage again: the new process's load is what counts."""
+    cut = truncated(tmp_path, tiny_models)
+    with started_stage(tiny_models["llama"]) as first:
+        address = f"127.0.0.1:{first.port}"
+        watch = LoadWatch([WatchedStage(address=address, name="stage 0")])
+        try:
+            polled_until(watch)
+            first.stop(0)
+            with started_stage(cut, listen=address):
+                assert watch.poll(), "a stage once loaded is not asked again until it is said to load again"
+                watch.reload(address)
+                with pytest.raises(StageLoadError, match=r"^stage 0 failed to load: the file ends at byte"):
+                    polled_until(watch)
+        finally:
+            watch.close()

@@ -13,8 +13,8 @@ weights, a real tokenizer and chat template): the output is gibberish, but every
 Failures end serve with exit status 1 and a message, in two ways. A stage that reports a failed load (a file cut
 short, memory that runs out, a decode step that runs on no path) stops serve at once with that stage's error: a
 restart would fail the same way (strata.gateway.serve_watch). A stage whose process dies is started again on its port
-after a backoff and claimed under a new coordinator term, as a StatefulSet would bring a stage pod back; one that
-keeps dying ends serve with the end of its log (strata.gateway.supervision).
+after a backoff and claimed under a new coordinator term, as a StatefulSet would bring a stage pod back, and watched
+while it loads again; one that keeps dying ends serve with the end of its log (strata.gateway.supervision).
 """
 
 from __future__ import annotations
@@ -266,9 +266,9 @@ def _serve_supervised(
 
     A stage found dead makes the coordinator take the next term at once: readiness drops, what was running fails
     with a retryable 503, and the driver claims every stage under the new term once the stage is back and loaded, so
-    no stage keeps slots or prefix snapshots of the old run. A stage given up on, or one that fails to load, is
-    reported through the watch, which then shuts the server down as SIGTERM would. The callbacks come from the
-    supervisor's and the watch's threads, so they hop onto the event loop.
+    no stage keeps slots or prefix snapshots of the old run; the watch follows its new load. A stage given up on, or
+    one that fails to load, is reported through the watch, which then shuts the server down as SIGTERM would. The
+    callbacks come from the supervisor's and the watch's threads, so they hop onto the event loop.
     """
     from strata.gateway.server import http_server
 
@@ -284,11 +284,12 @@ def _serve_supervised(
         def shut_down() -> None:
             server.should_exit = True
 
+        def lost(index: int) -> None:
+            watch.restarted(index)
+            on_loop(lambda: _next_term(pipeline))
+
         watch.on_failure(lambda: on_loop(shut_down))
-        supervisor.start(
-            on_lost=lambda _index: on_loop(lambda: _next_term(pipeline)),
-            on_gave_up=lambda error: watch.fail(str(error)),
-        )
+        supervisor.start(on_lost=lost, on_gave_up=lambda error: watch.fail(str(error)))
         try:
             await server.serve(sockets=[sock])
         finally:

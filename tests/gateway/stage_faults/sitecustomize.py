@@ -2,7 +2,9 @@
 
 The test puts this folder on PYTHONPATH and names a fault in STRATA_TEST_FAULT. Python imports this module at start-up
 in every process; it changes stage workers only, at the one point the fault names, so a real stage fails the way a
-GPU would make it fail. The product's code knows nothing of it.
+GPU would make it fail. The product's code knows nothing of it. With STRATA_TEST_FAULT_AFTER_FIRST naming a file that
+does not exist yet, the first stage worker creates it and runs whole; the fault hits the ones started after it (a
+stage that `strata serve` starts again).
 """
 
 from __future__ import annotations
@@ -40,6 +42,16 @@ def _inject(fault: str) -> None:
         raise SystemExit(f"sitecustomize: unknown STRATA_TEST_FAULT {fault!r}")
 
 
+def _first_worker(marker: str) -> bool:
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL))  # atomic: exactly one worker creates it
+    except FileExistsError:
+        return False
+    return True
+
+
 # At start-up sys.argv holds the arguments after `-m MODULE` (the module's name comes later).
 if "stage-worker" in sys.argv and (_fault := os.environ.get("STRATA_TEST_FAULT")):
-    _inject(_fault)
+    _marker = os.environ.get("STRATA_TEST_FAULT_AFTER_FIRST")
+    if not (_marker and _first_worker(_marker)):
+        _inject(_fault)

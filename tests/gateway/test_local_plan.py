@@ -1,7 +1,8 @@
 """`strata serve` plans for this machine: the largest context that fits beside the weights, or a refusal saying why.
 
-Models are generated GGUF headers (a Llama-3-8B-like shape, so the byte counts are a real model's); the machine's
-memory is given, so each case states exactly how much room there is.
+Models are generated GGUF headers (a Llama-3-8B-like shape, so the byte counts are a real model's), and once the same
+shape in Q3_K described from its tensor dimensions (strata_testbed.model_shapes); the machine's memory is given, so
+each case states exactly how much room there is.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from gguf import GGMLQuantizationType
 from strata.cli import build_parser, main
 from strata.fit import DEFAULT_HEADROOM_FRACTION, KV_BUDGET_PERCENT
 from strata.gateway.local_plan import DEFAULT_CONTEXT_CAP, LocalFitError, plan_local
@@ -16,6 +18,7 @@ from strata.gguf import inspect_model
 from strata.gguf.model import CacheType, ModelInfo
 from strata.gguf.testmodels import write_header_only_model, write_test_model
 from strata.operator.planner import PlanOptions
+from strata_testbed.model_shapes import llama3_8b
 
 TB = 10**12
 CACHE = CacheType.Q8_0
@@ -115,11 +118,37 @@ def test_weights_count_what_each_stage_loads(tmp_path: Path, architecture: str, 
     assert plan.weight_bytes == resident + (written.tensor_resident_bytes(f"{extra}.weight") if extra else 0)
 
 
-def test_a_k_quant_model_is_sized_by_what_it_takes_once_dequantised(llama8b: ModelInfo) -> None:
-    # 5.2 GB of Q4_K/Q6_K in the file is about 16 GB on the device: 12 GB free would have passed by file bytes.
-    assert llama8b.total_bytes < 12 * 10**9 < llama8b.resident_total_bytes
-    with pytest.raises(LocalFitError, match=r"requires 1[67]\.\d GB at context 512, this machine has 10\.8 GB usable"):
-        plan_local(model=llama8b, stages=1, parallel=LANES, cache_type=CACHE, available_bytes=12 * 10**9)
+@pytest.mark.parametrize(
+    ("weights", "loaded", "refusal"),
+    [
+        pytest.param(
+            "Q4_K/Q6_K",
+            5_257_691_136,
+            None,
+            id="Q4_K and Q6_K stay in their blocks: 5.17 GB in the file is 5.26 GB loaded, and 12 GB holds it",
+        ),
+        pytest.param(
+            "Q3_K",
+            16_060_522_496,
+            r"^requires 16\.1 GB at context 512, this machine has 10\.8 GB usable, short by 5\.3 GB$",
+            id="Q3_K is dequantised to 2 bytes per value: 3.45 GB in the file is 16.06 GB loaded, and 12 GB is refused",
+        ),
+    ],
+)
+def test_a_model_is_sized_by_what_its_stages_load_not_by_its_file(
+    llama8b: ModelInfo, weights: str, loaded: int, refusal: str | None
+) -> None:
+    # The same Llama-3-8B shape in the K-quants downloads use (a generated header) and all in Q3_K. 12 GB free is
+    # 10.8 GB usable; 512 cells of q8_0 KV take 35,651,584 B, 41,943,040 B once the 85% rule is applied.
+    model = llama8b if weights == "Q4_K/Q6_K" else llama3_8b(weight_type=GGMLQuantizationType.Q3_K)
+    assert model.total_bytes < 12 * 10**9
+    assert model.resident_total_bytes == loaded
+    if refusal is not None:
+        with pytest.raises(LocalFitError, match=refusal):
+            plan_local(model=model, stages=1, parallel=LANES, cache_type=CACHE, available_bytes=12 * 10**9)
+        return
+    plan = plan_local(model=model, stages=1, parallel=LANES, cache_type=CACHE, available_bytes=12 * 10**9)
+    assert (plan.weight_bytes, plan.context) == (loaded, DEFAULT_CONTEXT_CAP)
 
 
 def test_serve_refuses_a_context_beyond_the_models_before_starting_anything(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 from pathlib import Path
 
 import gguf
@@ -30,6 +31,7 @@ INSPECT_FIELDS = {
     "layer_resident_bytes",
     "non_layer_resident_bytes",
     "resident_total_bytes",
+    "tensor_types",
     "kv_bytes_per_token",
     "sliding_window",
     "header_bytes_read",
@@ -209,6 +211,11 @@ def test_the_command_prints_json_with_the_documented_fields(tmp_path: Path, caps
     assert report["layer_resident_bytes"] == written.layer_resident_bytes()
     assert report["non_layer_resident_bytes"] == expected_non_layer_resident_bytes(written)
     assert report["resident_total_bytes"] == sum(t.resident_bytes for t in written.tensors)
+    assert {name: entry["tensors"] for name, entry in report["tensor_types"].items()} == Counter(
+        t.ggml_type.name for t in written.tensors
+    )
+    kept = {name: entry["kept_quantised"] for name, entry in report["tensor_types"].items()}
+    assert kept == {"F16": False, "F32": False, "Q4_0": True, "Q8_0": True}
     n_kv = written.shape.head_count_kv * written.shape.head_dim * written.shape.block_count
     assert report["kv_bytes_per_token"]["f16"] == 2 * n_kv * 2
     assert report["kv_bytes_per_token"]["q8_0"] == 2 * n_kv // 32 * 34
@@ -235,29 +242,83 @@ def test_the_command_exits_1_on_bad_input(
     assert message in capsys.readouterr().err
 
 
+def write_mixed_types(path: Path) -> Path:
+    """A header-only model whose tensors mix the types a stage keeps in their blocks (Q4_K, Q6_K, Q8_0) with those it
+    holds as plain 2-byte values (an F32 norm, a Q3_K matrix); rows of 256 values, a whole number of K-quant blocks."""
+    tensors = [
+        ("token_embd.weight", (256, 1000), gguf.GGMLQuantizationType.Q4_K),
+        ("blk.0.attn_norm.weight", (256,), gguf.GGMLQuantizationType.F32),
+        ("blk.0.attn_q.weight", (256, 256), gguf.GGMLQuantizationType.Q8_0),
+        ("blk.0.ffn_down.weight", (256, 256), gguf.GGMLQuantizationType.Q3_K),
+        ("output.weight", (256, 1000), gguf.GGMLQuantizationType.Q6_K),
+    ]
+    writer = gguf.GGUFWriter(path, "llama")
+    for key, value in {**BASE, "llama.embedding_length": 256}.items():
+        writer.add_uint32(key, value)
+    for name, dims, ggml_type in tensors:
+        block_values, block_bytes = gguf.GGML_QUANT_SIZES[ggml_type]
+        nbytes = int(np.prod(dims)) // block_values * block_bytes
+        writer.add_tensor_info(name, tuple(reversed(dims)), np.dtype(np.float32), nbytes, raw_dtype=ggml_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    return path
+
+
 @pytest.mark.parametrize(
     ("kind", "shown"),
     [
         pytest.param(
             "llama3-8b",
-            "total weights       5,172,420,608 B (4.82 GiB) in the file, 16,060,522,496 B (14.96 GiB) on GPUs",
-            id="a K-quant model shows its file size and the larger size it takes on GPUs",
+            "total weights       5,172,420,608 B (4.82 GiB) in the file, 5,257,691,136 B (4.90 GiB) loaded",
+            id="a K-quant model shows its file size and the slightly larger size it takes loaded",
+        ),
+        pytest.param(
+            "llama3-8b",
+            "  token_embd        295,501,824 B (281.81 MiB) in the file, 303,710,208 B (289.64 MiB) loaded",
+            id="a Q4_K token_embd takes 148 bytes for each 144-byte block once its sub-scales are unpacked",
+        ),
+        pytest.param(
+            "llama3-8b",
+            "  output            430,940,160 B (410.98 MiB)",
+            id="a Q6_K output head is kept in its blocks, the same size loaded, so it is shown once",
         ),
         pytest.param(
             "llama",
             "  token_embd        256,000 B (0.24 MiB)",
-            id="an F16 token_embd is the same size in the file and on GPUs, so it is shown once",
+            id="an F16 token_embd is the same size in the file and loaded, so it is shown once",
         ),
         pytest.param(
             "llama",
-            "  output            136,000 B (0.13 MiB) in the file, 256,000 B (0.24 MiB) on GPUs",
-            id="a Q8_0 output head grows to 2 bytes per weight on GPUs",
+            "  output            136,000 B (0.13 MiB)",
+            id="a Q8_0 output head is kept in its blocks, so it is shown once",
+        ),
+        pytest.param(
+            "llama",
+            "  output_norm       512 B (0.00 MiB) in the file, 256 B (0.00 MiB) loaded",
+            id="an F32 norm is held at 2 bytes per value, half its size in the file",
+        ),
+        pytest.param(
+            "llama3-8b",
+            "tensor types        Q4_K x161, Q6_K x65 kept in their blocks; F32 x65 as plain values",
+            id="a K-quant download keeps its Q4_K and Q6_K tensors in their blocks and its F32 norms as plain values",
+        ),
+        pytest.param(
+            "mixed",
+            "tensor types        Q4_K x1, Q6_K x1, Q8_0 x1 kept in their blocks; F32 x1, Q3_K x1 as plain values",
+            id="a Q3_K tensor is listed with the plain values: a stage dequantises it",
+        ),
+        pytest.param(
+            "mixed",
+            "total weights       452,816 B (0.43 MiB) in the file, 559,216 B (0.53 MiB) loaded",
+            id="a dequantised Q3_K tensor grows to 2 bytes per value in the loaded total",
         ),
     ],
 )
-def test_the_table_shows_file_and_gpu_sizes_where_they_differ(
+def test_the_table_shows_file_and_loaded_sizes_where_they_differ(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str, shown: str
 ) -> None:
-    written = write(kind, tmp_path)
-    assert main(["inspect", str(written.path)]) == 0
+    path = write_mixed_types(tmp_path / "mixed.gguf") if kind == "mixed" else write(kind, tmp_path).path
+    assert main(["inspect", str(path)]) == 0
     assert shown in capsys.readouterr().out.splitlines()

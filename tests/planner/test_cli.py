@@ -87,7 +87,7 @@ def test_the_table_shows_stages_and_reasons(llama70b: Path, capsys: pytest.Captu
 
 
 def test_overrides_reach_the_plan(qwen_moe: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # Two 48 GB GPUs: the Q4_K file is 17 GB, but dequantised on GPUs it takes about 61 GB.
+    # Two 48 GB GPUs: the Q4_K/Q6_K file is 19.8 GB and its blocks take 20.1 GB once loaded.
     nodes = _write(tmp_path, {"apiVersion": "v1", "kind": "NodeList", "items": [gpu_node("l40s", gpus=2, gib=48)]})
     args = ["--context", "8192", "--parallel", "2", "--cache-type-k", "f16", "--cache-type-v", "q4_0", "--json"]
     assert main(["plan", str(qwen_moe), "--nodes", str(nodes), *args]) == 0
@@ -121,10 +121,14 @@ def test_a_pool_too_small_exits_2_with_the_shortfall(
 def test_an_override_that_cannot_fit_exits_2_saying_what_would(
     llama70b: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # 141 GB of weights once dequantised leave two 80 GiB GPUs room for about half the native context.
-    nodes = _write(tmp_path, {"apiVersion": "v1", "kind": "List", "items": [gpu_node("a100", gpus=2, gib=80)]})
+    # 45.8 GB of Q4_K/Q6_K blocks leave three 24 GiB GPUs room for 101120 of the native 131072 tokens: the first
+    # stage (27 layers and token_embd) keeps 85% of 7.00 GB for KV, 5.95 GB, at 58,752 B a cell: 101,286 cells.
+    nodes = _write(tmp_path, {"apiVersion": "v1", "kind": "List", "items": [gpu_node("a10g", gpus=3, gib=24)]})
     assert main(["plan", str(llama70b), "--nodes", str(nodes), "--context", "131072"]) == 2
-    assert "the largest context that fits is" in capsys.readouterr().err
+    assert capsys.readouterr().err == (
+        "strata plan: does not fit: context 131072 needs 7.7 GB of KV on stage 0 (a10g) which has 6.0 GB free; "
+        "the largest context that fits is 101120\n"
+    )
 
 
 @pytest.mark.parametrize(

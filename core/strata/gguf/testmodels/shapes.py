@@ -74,6 +74,13 @@ SMALL_SHAPES: dict[str, ModelShape] = {
 }  # fmt: skip
 
 
+# A llama small enough for CPU tests whose every row is a whole number of 256-value K-quant blocks.
+K_QUANT_SHAPE = ModelShape(
+    architecture="llama", name="strata-test-llama-k", block_count=2, embedding_length=256, feed_forward_length=512,
+    head_count=8, head_count_kv=2, head_dim=32, context_length=2048, rope_freq_base=500000.0, tokenizer_pre="llama-bpe",
+)  # fmt: skip
+
+
 def bench_llama(*, layers: int, context_length: int | None = None) -> ModelShape:
     """A llama of realistic width (hidden 1024, 16 heads over 8 KV heads) with few layers: what the CPU benchmarks
     run, wide enough that per-token costs look like a real model's and small enough for two cores."""

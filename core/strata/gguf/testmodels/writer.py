@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType, quants
 from strata.gguf.resident import resident_bytes
+from strata.gguf.testmodels.blocks import K_QUANTS, random_blocks
 from strata.gguf.testmodels.shapes import LARGE_SHAPES, SMALL_SHAPES, ModelShape, PlannedTensor, tensor_plan
 from strata.gguf.testmodels.vocabulary import CHAT_TEMPLATE, Vocabulary, vocabulary
 
@@ -66,12 +67,19 @@ class WrittenModel:
 
 
 def write_test_model(
-    path: Path, *, architecture: str, seed: int = 0, block_count: int | None = None, shape: ModelShape | None = None
+    path: Path,
+    *,
+    architecture: str,
+    seed: int = 0,
+    block_count: int | None = None,
+    shape: ModelShape | None = None,
+    weight_type: GGMLQuantizationType | None = None,
 ) -> WrittenModel:
     """A small model of `architecture` (llama, mistral, qwen2, qwen3) with seeded weights, at `path`.
 
     `block_count` overrides the shape's layer count (the stage worker splits models into up to three stages);
-    `shape` replaces the small shape outright (benchmarks want realistic widths).
+    `shape` replaces the small shape outright (benchmarks want realistic widths); `weight_type` stores every matrix
+    in that one type (norms stay F32), so each quantised type can be checked end to end.
     """
     shape = shape or SMALL_SHAPES[architecture]
     if block_count is not None:
@@ -81,6 +89,8 @@ def write_test_model(
     writer = _writer(path, shape=shape, vocab=vocab)
     written = []
     for planned in tensor_plan(shape, vocab_size=len(vocab.tokens)):
+        if weight_type is not None and planned.ggml_type is not GGMLQuantizationType.F32:
+            planned = dataclasses.replace(planned, ggml_type=weight_type)
         data = _weights(planned, rng=rng)
         writer.add_tensor(planned.name, data, raw_dtype=planned.ggml_type)
         written.append(_written(planned, nbytes=data.nbytes))
@@ -133,6 +143,11 @@ def _weights(planned: PlannedTensor, *, rng: np.random.Generator) -> np.ndarray:
         values = 0.02 * rng.standard_normal(numpy_shape, dtype=np.float32)
     if planned.ggml_type in FLOAT_TYPES:
         return values.astype(FLOAT_TYPES[planned.ggml_type])
+    if planned.ggml_type in K_QUANTS:  # gguf-py cannot quantise these: random blocks of the same spread
+        blocks = random_blocks(
+            planned.ggml_type, rows=values.size // values.shape[-1], columns=values.shape[-1], rng=rng, std=0.02
+        )
+        return blocks.reshape(*values.shape[:-1], -1)
     result: np.ndarray = quants.quantize(values, planned.ggml_type)
     return result
 

@@ -3,8 +3,9 @@
 The search asks "do layers [a, b) fit on this GPU at context c?" thousands of times. ModelInfo answers by walking
 the layers; here the same numbers come from prefix sums: weights, and KV bytes per cell split into full-attention
 layers (which hold `context` cells) and sliding-window layers (which hold min(context, window * slots + ubatch)).
-Weights are the bytes a GPU stage holds once loaded (ModelInfo's resident figures, strata.gguf.resident), not the
-file's: a K-quant file grows when it is dequantised, and planning by its size would overfill the GPU.
+Weights are the bytes a stage holds once loaded (ModelInfo's resident figures, strata.gguf.resident), not the
+file's: the quantised types people download stay in their blocks (Q4_K and Q5_K a few percent larger), and the others
+grow to 2 bytes per value, which planning by file size would not see.
 `kv_bytes` equals ModelInfo.kv_bytes for every span; the tests hold it to that.
 """
 

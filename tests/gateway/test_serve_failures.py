@@ -70,6 +70,12 @@ def wait_for_line(output: OutputLines, start: str, *, timeout: float) -> str:
     return line
 
 
+def failure_line(output: OutputLines, code: int) -> str:
+    """The line serve printed when a failure stopped it; it must have exited with status 1."""
+    assert code == 1, output.text()
+    return wait_for_line(output, "strata serve: ", timeout=1.0)
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     keep: float = 1.0  # the share of the tensor data the file keeps
@@ -107,8 +113,7 @@ def test_a_stage_that_fails_to_load_stops_serve_with_its_error(qwen2_model: Path
         listening = time.monotonic()
         code = exit_code(process, output, within_s=FAIL_WITHIN_S, since=f"stage {case.failing} started")
         exited = time.monotonic() - listening
-    reported = wait_for_line(output, "strata serve: ", timeout=1.0)
-    assert code == 1, output.text()
+    reported = failure_line(output, code)
     assert reported.startswith(f"strata serve: stage {case.failing} failed to load: "), output.text()
     assert case.message in output.text()
     assert "ready" not in output.text().split()
@@ -124,8 +129,7 @@ def test_a_stage_killed_while_it_loads_is_started_again_and_given_up_on_when_it_
         wait_for_line(output, "stage 0: layers", timeout=START_TIMEOUT_S)
         wait_for_line(output, "stage 0 was killed by SIGKILL; restarting it on port", timeout=FAIL_WITHIN_S)
         code = exit_code(process, output, within_s=GIVES_UP_WITHIN_S, since="stage 0 was killed")
-    reported = wait_for_line(output, "strata serve: ", timeout=1.0)
-    assert code == 1, output.text()
+    reported = failure_line(output, code)
     assert reported.startswith(
         "strata serve: stage 0 died 2 times within 60 s, the last time was killed by SIGKILL; giving up."
     ), output.text()
@@ -141,8 +145,7 @@ def test_a_stage_started_again_that_fails_to_load_stops_serve_with_its_error(qwe
         os.kill(pid, signal.SIGKILL)
         wait_for_line(output, "stage 0 restarted on port", timeout=FAIL_WITHIN_S)
         code = exit_code(process, output, within_s=FAIL_WITHIN_S, since="stage 0 started again")
-    reported = wait_for_line(output, "strata serve: ", timeout=1.0)
-    assert code == 1, output.text()
+    reported = failure_line(output, code)
     assert reported.startswith(
         "strata serve: stage 0 failed to load: OutOfMemoryError: CUDA out of memory. Tried to allocate"
     ), output.text()

@@ -151,6 +151,17 @@ def create(api: client.ApiClient, namespace: str, body: dict[str, Any]) -> None:
     )
 
 
+def pod_runner(control_plane: ControlPlane, *, core: client.CoreV1Api, namespace: str, folder: Path) -> PodRunner:
+    """Runs the pods of `namespace` as local processes (the real stage and gateway code), logs under `folder`/pods."""
+    return PodRunner(
+        core=core,
+        namespaces=[namespace],
+        log_dir=folder / "pods",
+        api_server=control_plane.server,
+        ca=control_plane.pki.ca.cert,
+    )
+
+
 def planned_and_running(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any] | None:
     body = read(api, namespace, name)
     plan = (body.get("status") or {}).get("plan")
@@ -199,13 +210,7 @@ def test_status_shows_each_stage_loading_its_bytes_from_the_real_stage_process(
 ) -> None:
     tiny = write_test_model(tmp_path / "tiny.gguf", architecture="llama").path
     create(cluster, namespace, deployment("tiny", tiny, context=512, parallel=2))
-    with PodRunner(
-        core=client.CoreV1Api(cluster),
-        namespaces=[namespace],
-        log_dir=tmp_path / "pods",
-        api_server=control_plane.server,
-        ca=control_plane.pki.ca.cert,
-    ) as runner:
+    with pod_runner(control_plane, core=client.CoreV1Api(cluster), namespace=namespace, folder=tmp_path) as runner:
 
         def loaded() -> list[dict[str, Any]] | None:
             progress = (read(cluster, namespace, "tiny").get("status") or {}).get("loadProgress") or []
@@ -265,13 +270,7 @@ def test_a_model_that_cannot_load_says_why_in_a_condition_and_an_event(
 ) -> None:
     core = client.CoreV1Api(cluster)
     create(cluster, namespace, deployment("broken", model(tmp_path), context=512, parallel=2))
-    with PodRunner(
-        core=core,
-        namespaces=[namespace],
-        log_dir=tmp_path / "pods",
-        api_server=control_plane.server,
-        ca=control_plane.pki.ca.cert,
-    ) as runner:
+    with pod_runner(control_plane, core=core, namespace=namespace, folder=tmp_path) as runner:
 
         def reported() -> dict[str, Any] | None:
             found = condition(read(cluster, namespace, "broken"), kind)
@@ -421,13 +420,7 @@ def test_requests_are_answered_by_the_old_generation_while_the_new_one_cannot_st
     scheduler = control_plane.process("kube-scheduler")
     node = ""
     try:
-        with PodRunner(
-            core=core,
-            namespaces=[namespace],
-            log_dir=tmp_path / "pods",
-            api_server=control_plane.server,
-            ca=control_plane.pki.ca.cert,
-        ) as runner:
+        with pod_runner(control_plane, core=core, namespace=namespace, folder=tmp_path) as runner:
             url = eventually(
                 lambda: gateway_url(core, namespace=namespace, deployment="held"), timeout=180, what=f"{runner.errors}"
             )

@@ -3,8 +3,8 @@
 Until GGUF headers of these shapes are generated (strata.gguf.testmodels), planner tests and benches describe
 models directly. Byte counts follow from the shapes: a Llama-3-70B layer holds 855 M weights (attention
 q/k/v/o plus a 28672-wide gated FFN), which is 0.48 GB in the file at Q4_0's 4.5 bits per weight and 0.91 GB at
-Q8_0's 8.5. On a GPU both are dequantised to 2 bytes per weight, 1.71 GB a layer (strata.gguf.resident); norms are
-F32 in the file and 2 bytes per element on a GPU.
+Q8_0's 8.5. A stage keeps both in their blocks, at the same size (strata.gguf.resident); norms are F32 in the file
+and 2 bytes per element on a GPU.
 """
 
 from __future__ import annotations

@@ -136,10 +136,11 @@ def main() -> None:
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="strata-bench-"))
     model = write_test_model(workdir / "qwen2.gguf", architecture="qwen2", block_count=4).path
-    lanes = ("--parallel", str(args.lanes), "--context", "4096")
+    kv = ("--cache-type", "f16")  # as the direct stage below, so the difference is the gateway's alone
+    lanes = ("--parallel", str(args.lanes), "--context", "4096", *kv)
     with strata_serve(str(model), *lanes) as served:
         result = asyncio.run(burst(served, size=args.burst))
-    with strata_serve(str(model), "--parallel", "1", "--context", "4096") as served:
+    with strata_serve(str(model), "--parallel", "1", "--context", "4096", *kv) as served:
         gateway_s, streamed = gateway_per_token(served, tokens=args.tokens)
         from strata.gateway.tokenizer import GGUFTokenizer, TokenizerSpec
         from strata.gguf import read_model_header

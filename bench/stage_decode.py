@@ -136,7 +136,10 @@ async def _parallel_decode(
     )
     await driver.start()
     try:
-        await asyncio.wait_for(ready.wait(), timeout=120)
+        try:
+            await asyncio.wait_for(ready.wait(), timeout=120)
+        except TimeoutError:
+            raise TimeoutError(f"the pipeline was not ready after 120 s: {driver.not_ready_reason}") from None
         started = time.perf_counter()
         generations = [
             driver.submit(

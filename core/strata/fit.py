@@ -4,7 +4,7 @@ Contexts: a context is only worth serving if it holds a real conversation (the f
 allocate KV in blocks, so a plan snaps down: to a multiple of 256 by default, or to a power of two. The native
 context (what the model was trained for) caps everything; a model whose native context is below the floor is offered
 exactly its native context. Memory: headroom stays free on every device, and the KV cache takes 85% of what the
-rest leaves.
+rest leaves, stored as q8_0 unless the user says otherwise.
 
 They live here, below every component, so the gateway's single-machine plan follows the same rules without
 importing the operator.
@@ -14,12 +14,16 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from strata.gguf.model import CacheType
+
 CONTEXT_FLOOR = 512
 CONTEXT_STEP = 256
 # GPU memory kept free by default, beside (at least) the backend's runtime overhead.
 DEFAULT_HEADROOM_FRACTION = 0.10
 # The KV cache gets this share of what weights, buffers and the prefix cache leave; the rest absorbs fragmentation.
 KV_BUDGET_PERCENT = 85  # kv_budget = (usable - weights - buffers - prefix cache) * 0.85
+# The KV cache type unless the user picks one: half of f16's memory, with negligible quality loss.
+DEFAULT_CACHE_TYPE = CacheType.Q8_0
 
 
 class ContextSnap(StrEnum):

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 from gguf import GGMLQuantizationType
-from strata.cli import main
+from strata.cli import build_parser, main
 from strata.fit import DEFAULT_HEADROOM_FRACTION, KV_BUDGET_PERCENT
 from strata.gateway.local_plan import DEFAULT_CONTEXT_CAP, LocalFitError, plan_local
 from strata.gguf import inspect_model
 from strata.gguf.model import CacheType, ModelInfo
 from strata.gguf.testmodels import write_header_only_model, write_test_model
+from strata.operator.planner import PlanOptions
 from strata_testbed.model_shapes import llama3_8b
 
 TB = 10**12
@@ -155,3 +156,9 @@ def test_serve_refuses_a_context_beyond_the_models_before_starting_anything(tmp_
     with pytest.raises(SystemExit) as exited:
         main(["serve", str(written.path), "--context", "1000000", "--port", "0"])
     assert str(exited.value.code).startswith("strata serve: context 1000000 exceeds the model's native context")
+
+
+def test_serve_plans_a_q8_0_kv_cache_by_default_as_the_operator_does() -> None:
+    operator_default = PlanOptions()
+    assert operator_default.cache_type_k == operator_default.cache_type_v == CacheType.Q8_0
+    assert build_parser().parse_args(["serve"]).cache_type == CacheType.Q8_0.value

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -26,6 +26,7 @@ from strata.gguf.testmodels.writer import write_header_only_model, write_test_mo
 from strata.operator.crd import render_crd
 from strata.operator.names import LABEL_GENERATION, LABEL_INSTANCE
 from strata.operator.spec import GROUP, PLURAL, VERSION
+from strata_testbed.broken_models import cut_tensor_data
 from strata_testbed.controlplane import ControlPlane
 from strata_testbed.demo import gateway_url
 from strata_testbed.pod_runner import PodRunner
@@ -150,6 +151,17 @@ def create(api: client.ApiClient, namespace: str, body: dict[str, Any]) -> None:
     )
 
 
+def pod_runner(control_plane: ControlPlane, *, core: client.CoreV1Api, namespace: str, folder: Path) -> PodRunner:
+    """Runs the pods of `namespace` as local processes (the real stage and gateway code), logs under `folder`/pods."""
+    return PodRunner(
+        core=core,
+        namespaces=[namespace],
+        log_dir=folder / "pods",
+        api_server=control_plane.server,
+        ca=control_plane.pki.ca.cert,
+    )
+
+
 def planned_and_running(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any] | None:
     body = read(api, namespace, name)
     plan = (body.get("status") or {}).get("plan")
@@ -198,13 +210,7 @@ def test_status_shows_each_stage_loading_its_bytes_from_the_real_stage_process(
 ) -> None:
     tiny = write_test_model(tmp_path / "tiny.gguf", architecture="llama").path
     create(cluster, namespace, deployment("tiny", tiny, context=512, parallel=2))
-    with PodRunner(
-        core=client.CoreV1Api(cluster),
-        namespaces=[namespace],
-        log_dir=tmp_path / "pods",
-        api_server=control_plane.server,
-        ca=control_plane.pki.ca.cert,
-    ) as runner:
+    with pod_runner(control_plane, core=client.CoreV1Api(cluster), namespace=namespace, folder=tmp_path) as runner:
 
         def loaded() -> list[dict[str, Any]] | None:
             progress = (read(cluster, namespace, "tiny").get("status") or {}).get("loadProgress") or []
@@ -216,6 +222,80 @@ def test_status_shows_each_stage_loading_its_bytes_from_the_real_stage_process(
     assert [p["stage"] for p in progress] == [s["index"] for s in body["status"]["plan"]["stages"]]
     header, _ = read_model_header(str(tiny))
     assert sum(p["bytesTotal"] for p in progress) == sum(t.nbytes for t in header.tensors)
+
+
+def cut_tiny(folder: Path) -> Path:
+    """A tiny model whose tensor data stops halfway: it plans, its stage pods start, and their load fails."""
+    return cut_tensor_data(write_test_model(folder / "tiny.gguf", architecture="llama").path, folder / "cut.gguf")
+
+
+def gemma3(folder: Path) -> Path:
+    """A header of an architecture the stages do not run."""
+    shape = dataclasses.replace(LARGE_SHAPES["llama3-8b"], architecture="gemma3", block_count=4)
+    return write_header_only_model(folder / "gemma3.gguf", shape=shape).path
+
+
+@pytest.mark.usefixtures("operator")
+@pytest.mark.parametrize(
+    ("model", "kind", "reason", "message", "phase"),
+    [
+        pytest.param(
+            cut_tiny,
+            "StagesReady",
+            "LoadFailed",
+            "stage 0 failed to load: the file ends at byte",
+            "Failed",
+            id="a stage whose tensor data is cut short reports LoadFailed with its message",
+        ),
+        pytest.param(
+            gemma3,
+            "Planned",
+            "ModelNotExecutable",
+            "architecture 'gemma3' is not one the stage worker runs",
+            "Failed",
+            id="a model the stages cannot run is refused before any stage starts",
+        ),
+    ],
+)
+def test_a_model_that_cannot_load_says_why_in_a_condition_and_an_event(
+    control_plane: ControlPlane,
+    cluster: client.ApiClient,
+    namespace: str,
+    tmp_path: Path,
+    model: Callable[[Path], Path],
+    kind: str,
+    reason: str,
+    message: str,
+    phase: str,
+) -> None:
+    core = client.CoreV1Api(cluster)
+    create(cluster, namespace, deployment("broken", model(tmp_path), context=512, parallel=2))
+    with pod_runner(control_plane, core=core, namespace=namespace, folder=tmp_path) as runner:
+
+        def reported() -> dict[str, Any] | None:
+            found = condition(read(cluster, namespace, "broken"), kind)
+            return found if found and found["reason"] == reason else None
+
+        # The stage pod's process starts (about 10 s here), fails to load in well under a second, and the operator
+        # asks every 5 s: two minutes leaves room on a busy two-core machine.
+        found = eventually(reported, timeout=120, what=f"{kind} with reason {reason}; pod runner: {runner.errors}")
+
+        def recorded() -> list[client.CoreV1Event]:
+            return [
+                e
+                for e in core.list_namespaced_event(namespace=namespace).items
+                if e.reason == reason and e.involved_object.name == "broken"
+            ]
+
+        eventually(recorded, timeout=30, what=f"a {reason} Event")
+        time.sleep(2 * 5.0)  # two more looks by the operator's monitor at the same failure
+        events = recorded()
+    assert found["status"] == "False"
+    assert message in found["message"], found
+    assert read(cluster, namespace, "broken")["status"]["phase"] == phase
+    assert len(events) == 1, "one Event for one failure, not one per look"
+    assert events[0].type == "Warning"
+    assert message in events[0].message
 
 
 @pytest.mark.usefixtures("operator")
@@ -340,13 +420,7 @@ def test_requests_are_answered_by_the_old_generation_while_the_new_one_cannot_st
     scheduler = control_plane.process("kube-scheduler")
     node = ""
     try:
-        with PodRunner(
-            core=core,
-            namespaces=[namespace],
-            log_dir=tmp_path / "pods",
-            api_server=control_plane.server,
-            ca=control_plane.pki.ca.cert,
-        ) as runner:
+        with pod_runner(control_plane, core=core, namespace=namespace, folder=tmp_path) as runner:
             url = eventually(
                 lambda: gateway_url(core, namespace=namespace, deployment="held"), timeout=180, what=f"{runner.errors}"
             )

@@ -1,7 +1,8 @@
 """Reading GGUF model files: the header, the typed model description, and test-model generation."""
 
-from strata.gguf.describe import EXECUTABLE_ARCHITECTURES, describe
+from strata.gguf.describe import describe
 from strata.gguf.errors import GGUFError, GGUFFormatError, MetadataError, RangeNotSupportedError, SourceError
+from strata.gguf.executable import EXECUTABLE_ARCHITECTURES, NotExecutableError, check_executable, not_executable_reason
 from strata.gguf.header import GGUFHeader, TensorInfo, read_header
 from strata.gguf.limits import Limits
 from strata.gguf.model import CacheType, ModelInfo, RopeSettings, SlidingWindow, row_bytes
@@ -16,13 +17,16 @@ __all__ = [
     "Limits",
     "MetadataError",
     "ModelInfo",
+    "NotExecutableError",
     "RangeNotSupportedError",
     "RopeSettings",
     "SlidingWindow",
     "SourceError",
     "TensorInfo",
+    "check_executable",
     "describe",
     "inspect_model",
+    "not_executable_reason",
     "read_header",
     "read_model_header",
     "row_bytes",

@@ -15,6 +15,7 @@ from typing import Any
 
 from gguf import GGMLQuantizationType
 from strata.gguf.errors import GGUFError
+from strata.gguf.executable import not_executable_reason
 from strata.gguf.model import CacheType, ModelInfo
 from strata.gguf.reader import inspect_model
 from strata.gguf.resident import kept_quantised
@@ -45,6 +46,7 @@ def to_json(info: ModelInfo) -> dict[str, Any]:
         "name": info.name,
         "architecture": info.architecture,
         "executable": info.executable,
+        "not_executable_reason": not_executable_reason(info.architecture),
         "block_count": info.block_count,
         "embedding_length": info.embedding_length,
         "head_count": info.head_count,
@@ -100,11 +102,17 @@ def _types(counts: dict[str, int]) -> str:
     return "; ".join([*parts, *([f"{', '.join(plain)} as plain values"] if plain else [])]) or "-"
 
 
+def _executable(info: ModelInfo) -> str:
+    """The same answer `strata serve` and the operator act on (strata.gguf.executable)."""
+    reason = not_executable_reason(info.architecture)
+    return "executable" if reason is None else f"not executable by Strata: {reason}"
+
+
 def to_table(info: ModelInfo) -> str:
     kv_heads = sorted(set(info.head_count_kv))
     rows = [
         ("name", info.name or "-"),
-        ("architecture", f"{info.architecture} ({'executable' if info.executable else 'not executable by Strata'})"),
+        ("architecture", f"{info.architecture} ({_executable(info)})"),
         ("layers", str(info.block_count)),
         ("embedding", str(info.embedding_length)),
         ("heads / kv heads", f"{info.head_count} / {','.join(map(str, kv_heads))}"),

@@ -18,7 +18,6 @@ from strata.gguf.model import ModelInfo, RopeSettings, SlidingWindow
 from strata.gguf.resident import resident_bytes
 from strata.gguf.values import Value
 
-EXECUTABLE_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 MAX_BLOCK_COUNT = 1 << 16
 KV_SECTION_OFFSET = 24  # magic, version, tensor_count, kv_count
 
@@ -118,7 +117,6 @@ def describe(header: GGUFHeader, *, file_bytes: int | None = None) -> ModelInfo:
         tokenizer_model=keys.string("tokenizer.ggml.model"),
         tokenizer_pre=keys.string("tokenizer.ggml.pre"),
         has_chat_template=keys.get("tokenizer.chat_template") is not None,
-        executable=arch in EXECUTABLE_ARCHITECTURES,
         header_bytes=header.data_offset,
         header_bytes_read=header.bytes_fetched,
         file_bytes=file_bytes,

@@ -12,6 +12,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from strata.gguf.executable import not_executable_reason
+
 
 class CacheType(StrEnum):
     """KV-cache element types a plan may choose (llama.cpp's `--cache-type-k/-v` names)."""
@@ -97,7 +99,6 @@ class ModelInfo:
     tokenizer_model: str | None = None
     tokenizer_pre: str | None = None
     has_chat_template: bool = False
-    executable: bool = False
     header_bytes: int = 0  # the header's size: where the tensor data starts
     header_bytes_read: int = 0  # bytes fetched to read the header (HTTP: the sum of the Range responses)
     file_bytes: int | None = None  # the whole file's size, when the source states it
@@ -112,6 +113,11 @@ class ModelInfo:
         if any(count != self.block_count for count in per_layer.values()):
             counts = ", ".join(f"{name} has {count}" for name, count in per_layer.items())
             raise ValueError(f"per-layer fields must have block_count={self.block_count} entries: {counts}")
+
+    @property
+    def executable(self) -> bool:
+        """Strata's stages run this model's architecture (strata.gguf.executable says why not otherwise)."""
+        return not_executable_reason(self.architecture) is None
 
     @property
     def total_bytes(self) -> int:

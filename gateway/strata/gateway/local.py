@@ -57,7 +57,8 @@ class StageStartError(RuntimeError):
 class StageProcess:
     """`strata stage-worker` as a child, configured through STRATA_* as the operator configures a stage pod.
 
-    `cancel`, when set while the worker starts, cuts the start short (the supervisor stopping mid-restart).
+    `cancel`, when set while the worker starts, cuts the start short (the supervisor stopping mid-restart, or
+    `strata serve` stopping because a stage it started before this one failed to load).
     """
 
     def __init__(

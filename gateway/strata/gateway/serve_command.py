@@ -2,15 +2,19 @@
 
 The layers are split evenly over `--stages` stage workers (the cluster planner's search is for GPU pools; one machine
 has nothing to choose between) and fitted to the device's free memory by the planner's rules: the largest context that
-fits, or a refusal saying what is missing (strata.gateway.local_plan). Each stage is started as `strata stage-worker`
-with the STRATA_* environment the operator would give a stage pod, on loopback. The gateway runs in this process with
-a fixed fencing token and prints its endpoint; Ctrl-C (or SIGTERM) stops the gateway and every stage, and the stages
-die with this process even when it is killed outright. Without MODEL it generates a small demo model (random weights,
-a real tokenizer and chat template): the output is gibberish, but every part of the path is the real one.
+fits with a q8_0 KV cache unless `--cache-type` says otherwise, or a refusal saying what is missing
+(strata.gateway.local_plan). A model whose architecture the stages do not run is refused before any starts, with the
+reason `strata inspect` shows. Each stage is started as `strata stage-worker` with the STRATA_* environment the
+operator would give a stage pod, on loopback. The gateway runs in this process with a fixed fencing token and prints
+its endpoint, then "ready" once every stage has loaded. Ctrl-C (or SIGTERM) stops the gateway and every stage, and the
+stages die with this process even when it is killed outright. Without MODEL it generates a small demo model (random
+weights, a real tokenizer and chat template): the output is gibberish, but every part of the path is the real one.
 
-A stage that dies is started again on its port after a backoff and claimed under a new coordinator term, as a
-StatefulSet would bring a stage pod back; one that keeps dying ends `serve` with the end of its log
-(strata.gateway.supervision).
+Failures end serve with exit status 1 and a message, in two ways. A stage that reports a failed load (a file cut
+short, memory that runs out, a decode step that runs on no path) stops serve at once with that stage's error: a
+restart would fail the same way (strata.gateway.serve_watch). A stage whose process dies is started again on its port
+after a backoff and claimed under a new coordinator term, as a StatefulSet would bring a stage pod back, and watched
+while it loads again; one that keeps dying ends serve with the end of its log (strata.gateway.supervision).
 """
 
 from __future__ import annotations
@@ -23,11 +27,11 @@ import os
 import socket
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from strata.fit import DEFAULT_CACHE_TYPE
 from strata.gateway.settings import DEFAULT_MICRO_BATCHES
 from strata.gateway.supervision import RestartPolicy
 from strata.gguf.model import CacheType
@@ -36,11 +40,14 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
     from strata.gateway.local import StageProcess
     from strata.gateway.pipeline import Pipeline
-    from strata.gateway.serving import Serving
-    from strata.gateway.supervision import StageKeepsDyingError, StageSupervisor
+    from strata.gateway.serve_watch import ServeWatch
+    from strata.gateway.supervision import StageSupervisor
 
 DEMO_LAYERS = 4
 DEFAULT_PREFIX_CACHE_BYTES = 256 << 20  # per stage: a 2,000-token prompt of an 8B-class model in f16 is ~260 MB
+DEFAULT_LOAD_TIMEOUT_S = 1800.0  # a 140 GB model read over HTTP at 100 MB/s takes about 1,400 s
+EXIT_STAGE_FAILED = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -64,9 +71,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--retry-after-seconds", type=int, default=1, help="Retry-After on 429 (default 1)")
     parser.add_argument(
         "--cache-type",
-        default=CacheType.F16.value,
+        default=DEFAULT_CACHE_TYPE.value,
         choices=[t.value for t in CacheType],
-        help="KV cache type of the stages (default f16)",
+        help=f"KV cache type of the stages (default {DEFAULT_CACHE_TYPE.value}, as the operator plans)",
     )
     parser.add_argument("--device", default="cpu", help="torch device of the stages (default cpu)")
     parser.add_argument(
@@ -84,6 +91,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=DEFAULT_MICRO_BATCHES,
         help="steps of disjoint lanes in flight at once, so two stages or more compute at the same time "
         f"(default {DEFAULT_MICRO_BATCHES}: one step at a time; a single stage always steps whole)",
+    )
+    parser.add_argument(
+        "--load-timeout-seconds",
+        type=float,
+        default=DEFAULT_LOAD_TIMEOUT_S,
+        help="give up when a stage has not loaded this long after it started (default %(default)g)",
     )
     parser.add_argument("--api-keys-file", default="", help="accepted API keys, one per line (or STRATA_API_KEYS)")
     _add_supervision_options(parser)
@@ -113,21 +126,23 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     import logging
 
-    from strata.gateway.local import StageProcess
+    from strata.gateway.local import StageProcess, StageStartError
     from strata.gateway.local_plan import available_memory_bytes, plan_local
+    from strata.gateway.serve_watch import ServeWatch
     from strata.gateway.server import bind, build
     from strata.gateway.settings import GatewaySettings, api_keys
     from strata.gateway.supervision import StageSupervisor
-    from strata.gguf import describe, read_model_header
+    from strata.gguf import GGUFError, check_executable, describe, read_model_header
     from strata.plan import GB
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     policy = _restart_policy(args)
     workdir = Path(tempfile.mkdtemp(prefix="strata-serve-"))
     model = args.model or str(_demo_model(workdir))
-    header, size = read_model_header(model)
-    info = describe(header, file_bytes=size)
     try:
+        header, size = read_model_header(model)
+        info = describe(header, file_bytes=size)
+        check_executable(info.architecture)  # the check `strata inspect` shows and the operator makes
         local = plan_local(
             model=info,
             stages=args.stages,
@@ -136,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
             available_bytes=available_memory_bytes(args.device),
             context=args.context,
         )
-    except ValueError as exc:  # more stages than layers, or it does not fit (LocalFitError)
+    except (GGUFError, ValueError) as exc:  # unreadable, not executable, more stages than layers, or it does not fit
         raise SystemExit(f"strata serve: {exc}") from exc
     spans, context = local.spans, local.context
     if local.usable_bytes is None:
@@ -144,12 +159,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(
             f"plan: {local.weight_bytes / GB:.2f} GB of weights and {local.kv_bytes / GB:.2f} GB of KV "
-            f"of {local.usable_bytes / GB:.1f} GB usable on {args.device}",
+            f"({args.cache_type}) of {local.usable_bytes / GB:.1f} GB usable on {args.device}",
             flush=True,
         )
+    watch = ServeWatch(load_timeout_s=args.load_timeout_seconds)
+    watch.start()
     stages: list[StageProcess] = []
     envs: list[dict[str, str]] = []
-    failure: StageKeepsDyingError | None = None
     try:
         next_stage = ""
         for index in reversed(range(len(spans))):
@@ -168,10 +184,16 @@ def run(args: argparse.Namespace) -> int:
                 "STRATA_DEVICE": args.device,
                 "STRATA_PREFIX_CACHE_BYTES": str(args.prefix_cache_bytes),
             }
-            stage = StageProcess(env=env, log_path=workdir / f"stage-{index}.log")
+            try:
+                stage = StageProcess(env=env, log_path=workdir / f"stage-{index}.log", cancel=watch.failed)
+            except StageStartError as exc:
+                if watch.failed.is_set():  # cancelled: a stage started before failed, and the watch said so
+                    return EXIT_STAGE_FAILED
+                raise SystemExit(f"strata serve: stage {index}: {exc}") from exc
             stages.insert(0, stage)
             envs.insert(0, env)
             next_stage = f"127.0.0.1:{stage.port}"
+            watch.add(index=index, address=next_stage)
             print(f"stage {index}: layers [{start}, {end}) on {next_stage}", flush=True)
         settings = GatewaySettings(
             model_url=model,
@@ -193,17 +215,19 @@ def run(args: argparse.Namespace) -> int:
         base = f"http://{host}:{port}/v1"
         print(f"serving {serving.model_name!r} ({len(spans)} stages, {args.parallel} lanes, context {context})")
         print(f"endpoint {base}  (stage logs in {workdir})", flush=True)
-        threading.Thread(target=_announce_ready, args=(serving,), daemon=True).start()
+        pipeline = serving.pipeline
+        watch.all_started(pipeline_ready=lambda: None if pipeline.ready else pipeline.not_ready_reason)
         supervisor = StageSupervisor(
             stages, start=_restarter(stages, envs), policy=policy, report=lambda line: print(line, flush=True)
         )
-        failure = _serve_supervised(app, sock, pipeline=serving.pipeline, supervisor=supervisor)
+        _serve_supervised(app, sock, pipeline=pipeline, supervisor=supervisor, watch=watch)
+    except KeyboardInterrupt:  # Ctrl-C before the server took over the signal: stop as it would
+        return EXIT_INTERRUPTED
     finally:
+        watch.close()
         for stage in stages:
             stage.stop()
-    if failure is not None:
-        raise SystemExit(f"strata serve: {failure}")
-    return 0
+    return EXIT_STAGE_FAILED if watch.failed.is_set() else 0
 
 
 def _restart_policy(args: argparse.Namespace) -> RestartPolicy:
@@ -230,14 +254,21 @@ def _restarter(
 
 
 def _serve_supervised(
-    app: FastAPI, sock: socket.socket, *, pipeline: Pipeline, supervisor: StageSupervisor[StageProcess]
-) -> StageKeepsDyingError | None:
-    """Serve HTTP until Ctrl-C, SIGTERM or a stage given up on, with the supervisor watching the stages.
+    app: FastAPI,
+    sock: socket.socket,
+    *,
+    pipeline: Pipeline,
+    supervisor: StageSupervisor[StageProcess],
+    watch: ServeWatch,
+) -> None:
+    """Serve HTTP until Ctrl-C, SIGTERM or a failure, with the supervisor watching the stages' processes and `watch`
+    their loading.
 
     A stage found dead makes the coordinator take the next term at once: readiness drops, what was running fails
     with a retryable 503, and the driver claims every stage under the new term once the stage is back and loaded, so
-    no stage keeps slots or prefix snapshots of the old run. A stage given up on shuts the server down as SIGTERM
-    would; the reason is returned. The callbacks come from the supervisor's thread, so they hop onto the event loop.
+    no stage keeps slots or prefix snapshots of the old run; the watch follows its new load. A stage given up on, or
+    one that fails to load, is reported through the watch, which then shuts the server down as SIGTERM would. The
+    callbacks come from the supervisor's and the watch's threads, so they hop onto the event loop.
     """
     from strata.gateway.server import http_server
 
@@ -253,9 +284,12 @@ def _serve_supervised(
         def shut_down() -> None:
             server.should_exit = True
 
-        supervisor.start(
-            on_lost=lambda _index: on_loop(lambda: _next_term(pipeline)), on_gave_up=lambda _error: on_loop(shut_down)
-        )
+        def lost(index: int) -> None:
+            watch.restarted(index)
+            on_loop(lambda: _next_term(pipeline))
+
+        watch.on_failure(lambda: on_loop(shut_down))
+        supervisor.start(on_lost=lost, on_gave_up=lambda error: watch.fail(str(error)))
         try:
             await server.serve(sockets=[sock])
         finally:
@@ -267,7 +301,6 @@ def _serve_supervised(
         pass
     finally:
         supervisor.stop()
-    return supervisor.failure
 
 
 def _next_term(pipeline: Pipeline) -> None:
@@ -275,12 +308,6 @@ def _next_term(pipeline: Pipeline) -> None:
     fence = pipeline.fence
     if fence is not None:
         pipeline.promote(dataclasses.replace(fence, term=fence.term + 1))
-
-
-def _announce_ready(serving: Serving) -> None:
-    while not serving.pipeline.ready:
-        time.sleep(0.1)
-    print("ready", flush=True)
 
 
 def _demo_model(folder: Path) -> Path:

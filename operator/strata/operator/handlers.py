@@ -107,7 +107,7 @@ def monitor_deployment(
     meta = body["metadata"]
     outcome = reconciler.advance(dict(body))
     reconciler.observe(
-        namespace=meta["namespace"], name=meta["name"], status=outcome.status, generation=int(meta.get("generation", 1))
+        namespace=meta["namespace"], name=meta["name"], outcome=outcome, generation=int(meta.get("generation", 1))
     )
     reconciler.observe_coordinator(namespace=meta["namespace"], name=meta["name"], outcome=outcome)
     _publish(outcome, body=body, patch=patch)

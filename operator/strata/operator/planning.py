@@ -12,13 +12,14 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from strata.gguf import NotExecutableError, check_executable
 from strata.gguf.model import ModelInfo
 from strata.operator.names import LABEL_INSTANCE, fit
 from strata.operator.planner import PlanOptions, build_inventory, plan_placement
 from strata.operator.planner.errors import PlanningError
 from strata.operator.planner.scheduling import Toleration
 from strata.operator.spec import ModelDeploymentSpec
-from strata.operator.status import ModelDeploymentStatus
+from strata.operator.status import EventReason, ModelDeploymentStatus
 from strata.plan import Plan
 
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$")
@@ -30,6 +31,16 @@ _SCALE = {
 
 class PlanRefused(Exception):
     """The spec asks for something no plan can honour (an override that cannot fit); the message says why."""
+
+    reason = "OverrideCannotFit"  # the Planned condition's
+    event = EventReason.CAPACITY_SHORTFALL
+
+
+class ModelNotExecutable(PlanRefused):
+    """Strata's stages do not run the model's architecture: every stage would fail to load it."""
+
+    reason = EventReason.MODEL_NOT_EXECUTABLE.value
+    event = EventReason.MODEL_NOT_EXECUTABLE
 
 
 def quantity_bytes(value: str) -> int:
@@ -73,8 +84,13 @@ def plan_deployment(
     pods: Sequence[Mapping[str, Any]],
     spec: ModelDeploymentSpec,
 ) -> Plan:
+    """A placement for the model, or PlanRefused; a model the stages cannot run is refused before placing it, by
+    the check `strata inspect` and `strata serve` make."""
     try:
+        check_executable(model.architecture)
         return plan_placement(model=model, nodes=nodes, pods=pods, options=options_for(spec))
+    except NotExecutableError as e:
+        raise ModelNotExecutable(str(e)) from e
     except PlanningError as e:
         raise PlanRefused(str(e)) from e
 

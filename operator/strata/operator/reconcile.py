@@ -17,7 +17,7 @@ from strata.operator.kube import Cluster
 from strata.operator.models import ModelCache, ModelUnreadable
 from strata.operator.names import Names
 from strata.operator.planning import PlanRefused, foreign_pods, plan_deployment
-from strata.operator.progress import load_progress
+from strata.operator.progress import load_failure, load_progress
 from strata.operator.spec import ModelDeploymentSpec
 from strata.operator.status import (
     Condition,
@@ -145,15 +145,10 @@ class Reconciler:
             plan = plan_deployment(model=model, nodes=nodes, pods=others, spec=spec)
         except PlanRefused as e:
             set_condition(
-                status,
-                ConditionType.PLANNED,
-                ok=False,
-                reason="OverrideCannotFit",
-                message=str(e),
-                generation=generation,
+                status, ConditionType.PLANNED, ok=False, reason=e.reason, message=str(e), generation=generation
             )
             status.phase = Phase.FAILED
-            outcome.events.append(Event("Warning", EventReason.CAPACITY_SHORTFALL, str(e)))
+            outcome.events.append(Event("Warning", e.event, str(e)))
             return outcome
 
         status.excluded = [Excluded(node=x.node, reason=x.reason) for x in plan.excluded]
@@ -223,7 +218,7 @@ class Reconciler:
             generation=generation,
         )
         status.endpoint = Names(name, namespace).gateway_url()
-        self.observe(namespace=namespace, name=name, status=status, generation=generation)
+        self.observe(namespace=namespace, name=name, outcome=outcome, generation=generation)
         self.observe_coordinator(namespace=namespace, name=name, outcome=outcome)
         return outcome
 
@@ -268,23 +263,31 @@ class Reconciler:
         )
         return outcome
 
-    def observe(self, *, namespace: str, name: str, status: ModelDeploymentStatus, generation: int) -> None:
-        """Fold the children's readiness into the status."""
+    def observe(self, *, namespace: str, name: str, outcome: Outcome, generation: int) -> None:
+        """Fold the children's readiness, and the load failures the stages report, into the status; a LoadFailed
+        Event each time the failure says something new."""
+        status = outcome.status
         if status.plan is None:
             return
         stages = self.cluster.stage_readiness(namespace=namespace, deployment=name, generation=status.plan.generation)
         pods = self.cluster.stage_pods(namespace=namespace, deployment=name, generation=status.plan.generation)
-        status.load_progress = load_progress(pods)
+        loads = load_progress(pods)
+        status.load_progress = [load.progress() for load in loads]
+        failed = load_failure(loads)
         ready = sum(s.ready for s in stages)
         total = len(status.plan.stages)
         status.ready = f"{ready}/{total}"
         stages_ok = ready == total
+        if failed is not None:
+            before = next((c for c in status.conditions if c.type == ConditionType.STAGES_READY), None)
+            if before is None or (before.reason, before.message) != (EventReason.LOAD_FAILED.value, failed):
+                outcome.events.append(Event("Warning", EventReason.LOAD_FAILED, failed))
         set_condition(
             status,
             ConditionType.STAGES_READY,
-            ok=stages_ok,
-            reason="Ready" if stages_ok else "Loading",
-            message=f"{ready} of {total} stages ready",
+            ok=stages_ok and failed is None,
+            reason=EventReason.LOAD_FAILED.value if failed else "Ready" if stages_ok else "Loading",
+            message=failed or f"{ready} of {total} stages ready",
             generation=generation,
         )
         gateway_ok = self.cluster.gateway_available(namespace=namespace, name=Names(name, namespace).gateway)
@@ -304,8 +307,10 @@ class Reconciler:
                 f"generation {serving.generation} serves while generation {status.plan.generation} loads "
                 f"({ready} of {total} stages ready)"
             )
+            if failed:
+                note = f"generation {serving.generation} serves; generation {status.plan.generation}: {failed}"
         else:
-            serving_ok, note = stages_ok, "serving" if stages_ok else "waiting for stages"
+            serving_ok, note = stages_ok, "serving" if stages_ok else failed or "waiting for stages"
         all_ok = serving_ok and gateway_ok
         set_condition(
             status,
@@ -315,7 +320,7 @@ class Reconciler:
             message=note if gateway_ok else f"{note}; no gateway replica available",
             generation=generation,
         )
-        status.phase = Phase.READY if all_ok else Phase.LOADING
+        status.phase = Phase.READY if all_ok else Phase.FAILED if failed else Phase.LOADING
 
     def observe_coordinator(self, *, namespace: str, name: str, outcome: Outcome) -> None:
         """The gateway replica holding the coordinator Lease into status; an Event when the holder or term moves."""

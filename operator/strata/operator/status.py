@@ -11,6 +11,8 @@ from enum import StrEnum
 from pydantic import BaseModel, ConfigDict, Field
 from strata.modeldeployment import COORDINATOR_FENCED
 
+MAX_CONDITION_MESSAGE_CHARS = 32768  # the API's limit on a condition's message
+
 
 class ConditionType(StrEnum):
     PLANNED = "Planned"
@@ -25,9 +27,11 @@ class EventReason(StrEnum):
     CAPACITY_SHORTFALL = "CapacityShortfall"
     REPLANNED = "Replanned"
     STAGE_LOST = "StageLost"
+    LOAD_FAILED = "LoadFailed"  # also StagesReady's reason while a stage reports that its load failed
     CUT_OVER = "CutOver"
     INVALID_SPEC = "InvalidSpec"
     MODEL_UNREADABLE = "ModelUnreadable"
+    MODEL_NOT_EXECUTABLE = "ModelNotExecutable"  # also Planned's reason: Strata's stages do not run the model
     COORDINATOR_CHANGED = "CoordinatorChanged"
     COORDINATOR_FENCED = COORDINATOR_FENCED  # recorded by the gateway, listed here with the others
 
@@ -48,7 +52,7 @@ class Condition(_Status):
     type: ConditionType
     status: str = Field(pattern="^(True|False|Unknown)$")
     reason: str = Field(pattern="^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", max_length=1024)
-    message: str = Field(default="", max_length=32768)
+    message: str = Field(default="", max_length=MAX_CONDITION_MESSAGE_CHARS)
     observed_generation: int = Field(default=0, alias="observedGeneration", ge=0)
     last_transition_time: str = Field(alias="lastTransitionTime")
 

@@ -3,39 +3,22 @@
 Every step carries one chunk per active slot: a slice of the prompt (long prompts prefill `prefill_chunk` tokens
 at a time) or the last sampled token. A slot that finishes is reset and handed to the next waiting request in the
 same loop, so short and long requests share steps. The gateway's coordinator drives the pipeline the same way;
-tests and benchmarks use this module directly.
+tests and benchmarks use this module directly, and wait for the stages to load with `wait_loaded` (from
+strata.stage_loading, which `strata serve` shares), which ends on a stage's failure or a deadline with its message.
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import grpc
 import torch
-from strata.rpc.v1 import stage_pb2, stage_pb2_grpc
+from strata.rpc.v1 import stage_pb2
+from strata.stage_loading import StageLoadError, wait_loaded
 from strata.stage_worker.next_stage import NextStage
 from strata.stage_worker.wire import tensor_from_proto
 
-
-def wait_loaded(target: str, *, timeout_s: float, poll_s: float = 0.2) -> stage_pb2.LoadStatus:
-    """Poll a stage's load status until it has loaded; raise TimeoutError with its last status otherwise."""
-    with grpc.insecure_channel(target) as channel:
-        stub = stage_pb2_grpc.StageStub(channel)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                status: stage_pb2.LoadStatus = stub.GetLoadStatus(stage_pb2.LoadStatusRequest(), timeout=poll_s * 10)
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
-                    raise
-            else:
-                if status.loaded:
-                    return status
-                if status.error or time.monotonic() > deadline:
-                    raise TimeoutError(f"stage at {target} did not load: {status}")
-            time.sleep(poll_s)
+__all__ = ["Completion", "Pipeline", "Request", "StageLoadError", "wait_loaded"]
 
 
 @dataclass(frozen=True)

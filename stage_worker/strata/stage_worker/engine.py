@@ -72,8 +72,9 @@ class Engine:
         )
 
     def warm_up(self) -> None:
-        """Compile and capture the decode step for one slot and for several before the stage says it is ready, so
-        no request waits for it (dynamic shapes: these two cover every batch size and depth)."""
+        """Run the decode step (on GPUs: compile and capture it) for one slot and for several before the stage says
+        it is ready, so no request waits for it and no broken path serves (dynamic shapes: these two cover every
+        batch size and depth)."""
         with on_device(self.device):
             self._warm_up()
 

@@ -21,6 +21,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 from strata.gguf import GGUFHeader, TensorInfo
 from strata.gguf.cursor import ByteSource
+from strata.gguf.executable import not_executable_reason
 from strata.gguf.resident import kept_quantised
 from strata.stage_worker.errors import ModelFileError
 from strata.stage_worker.model import ModelConfig, RopeStyle, StageModel
@@ -60,8 +61,9 @@ TORCH_TYPES: dict[GGMLQuantizationType, torch.dtype] = {
 def config_from_header(header: GGUFHeader) -> ModelConfig:
     meta = header.metadata
     arch = str(meta.get("general.architecture", ""))
-    if arch not in ROPE_STYLES:
-        raise ModelFileError(f"architecture {arch!r} is not one the stage worker runs ({', '.join(ROPE_STYLES)})")
+    reason = not_executable_reason(arch)  # the same check `strata serve` and the operator make before starting stages
+    if reason is not None:
+        raise ModelFileError(reason)
 
     def number(key: str, default: float | None = None) -> float:
         value = meta.get(f"{arch}.{key}", default)
@@ -130,11 +132,19 @@ def needed_tensors(model: StageModel, header: GGUFHeader) -> dict[tuple[str, ...
 
 
 def read_raw(source: ByteSource, entry: TensorInfo, *, on_bytes: Callable[[int], None]) -> bytearray:
-    """Read one tensor's bytes by range, in pieces so progress moves while a large tensor loads."""
+    """Read one tensor's bytes by range, in pieces so progress moves while a large tensor loads. A source gives
+    fewer bytes than asked only where the file ends: the header promised more data than the file holds."""
     raw = bytearray(entry.nbytes)
     for start in range(0, entry.nbytes, READ_PIECE):
         size = min(READ_PIECE, entry.nbytes - start)
-        raw[start : start + size] = source.read(entry.offset + start, size)
+        piece = source.read(entry.offset + start, size)
+        if len(piece) != size:
+            end = entry.offset + start + len(piece)
+            raise ModelFileError(
+                f"the file ends at byte {end}, inside tensor {entry.name!r} (bytes {entry.offset} to "
+                f"{entry.offset + entry.nbytes}): its tensor data is cut short"
+            )
+        raw[start : start + size] = piece
         on_bytes(size)
     return raw
 

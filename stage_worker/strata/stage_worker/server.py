@@ -1,9 +1,10 @@
 """The gRPC edge of a stage: service Stage, the standard health service, and the one place errors become codes.
 
 The server answers at once and loads the weights in the background, so the operator can read load progress while
-the stage fills. The coordinator talks to the first stage only: Forward, ResetSlot, Claim, SavePrefix and
-RestorePrefix run here and are passed on to the next stage, and the last stage's sampled tokens (and the prefix
-cache's answers, summed over the stages) travel back up the same calls.
+the stage fills; a load that fails, for any reason, leaves its message in the load status for every caller to read.
+The coordinator talks to the first stage only: Forward, ResetSlot, Claim, SavePrefix and RestorePrefix run here and
+are passed on to the next stage, and the last stage's sampled tokens (and the prefix cache's answers, summed over
+the stages) travel back up the same calls.
 
 Forward does not wait for the next stage's reply before computing the next request of the same stream
 (strata.stage_worker.forward_stream): a coordinator that keeps several steps in flight (micro-batches of disjoint
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from typing import NoReturn, TypeVar
@@ -41,10 +41,10 @@ from strata.stage_worker.fencing import Holder, TermFence
 from strata.stage_worker.forward_stream import ForwardStream
 from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.loader import LoadProgress, load_stage
-from strata.stage_worker.model import StageModel
 from strata.stage_worker.next_stage import CHANNEL_OPTIONS, NextStage, RemoteStageError
 from strata.stage_worker.prefix_cache import PrefixCache
 from strata.stage_worker.settings import StageSettings
+from strata.stage_worker.warm_up import warm_engine
 from strata.stage_worker.wire import (
     chunk_from_proto,
     reply_from_result,
@@ -83,6 +83,14 @@ def abort(context: grpc.ServicerContext, error: StageError) -> NoReturn:
     raise AssertionError("grpc's abort() returns only by raising")
 
 
+def exc_message(error: Exception) -> str:
+    """A load failure as a person reads it: a typed error's own message, anything else with its type (an
+    OutOfMemoryError or a RuntimeError from a kernel says little without it)."""
+    if isinstance(error, StageError | GGUFError):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
+
+
 class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # generated code is untyped
     def __init__(self, settings: StageSettings, *, health_servicer: health.HealthServicer) -> None:
         self.settings = settings
@@ -102,64 +110,63 @@ class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # gener
     # Loading.
 
     def load(self) -> None:
+        """Load the weights, allocate the KV pool and warm the decode step up; runs on the loader thread.
+
+        Whatever goes wrong on the way (a typed error, running out of memory, a failing compile or capture, a bug)
+        ends here as the load status's error, which every wait for this stage reads: an exception that escaped
+        would end the thread in silence and leave the stage loading forever.
+        """
         s = self.settings
         try:
-            source = open_source(s.model_url)
-            try:
-                header = read_header(source)
-                model = load_stage(
-                    source=source,
-                    header=header,
-                    layer_start=s.layer_start,
-                    layer_end=s.layer_end,
-                    dtype=s.compute_dtype,
-                    device=s.torch_device,
-                    progress=self.progress,
-                    cancelled=self._cancel,
-                )
-            finally:
-                source.close()
-            c = model.config
-            pool = KVPool(
-                n_layers=s.layer_end - s.layer_start,
-                context=s.context,
-                parallel=s.parallel,
-                key_width=c.kv_dim,
-                value_width=c.kv_dim,
-                type_k=s.cache_type_k,
-                type_v=s.cache_type_v,
-                dtype=s.compute_dtype,
-                device=s.torch_device,
-            )
-            if model.is_last == bool(s.next_stage):
-                raise InvalidRequestError(
-                    f"layers [{s.layer_start}, {s.layer_end}) of {c.n_layer} "
-                    + ("end the model, yet a next stage is set" if model.is_last else "need a next stage")
-                )
-        except (StageError, GGUFError, OSError, ValueError) as exc:
-            self.progress.error = str(exc)
-            log.error("stage %d failed to load: %s", s.stage_index, exc)
+            engine = self._load_engine()
+        except Exception as exc:
+            self.progress.error = exc_message(exc)
+            log.exception("stage %d failed to load layers [%d, %d)", s.stage_index, s.layer_start, s.layer_end)
             return
-        self._engine = self._warm_engine(model=model, pool=pool)
+        self._engine = engine
         for service in ("", SERVICE_NAME):
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        log.info("stage %d loaded layers [%d, %d): %d bytes", s.stage_index, s.layer_start, s.layer_end, pool.nbytes)
+        log.info(
+            "stage %d loaded layers [%d, %d): %d bytes", s.stage_index, s.layer_start, s.layer_end, engine.pool.nbytes
+        )
 
-    def _warm_engine(self, *, model: StageModel, pool: KVPool) -> Engine:
-        """The engine, its decode step compiled and captured; CUDA graphs alone where compiling fails."""
+    def _load_engine(self) -> Engine:
         s = self.settings
-        engine = Engine(model=model, pool=pool, device=s.torch_device, dtype=s.compute_dtype)
-        if not engine.decoder.graphs:
-            return engine
-        started = time.monotonic()
+        source = open_source(s.model_url)
         try:
-            engine.warm_up()
-        except RuntimeError as exc:  # torch.compile's errors are RuntimeErrors; the plain graphs still work
-            log.warning("stage %d: compiling the decode step failed (%s); using CUDA graphs alone", s.stage_index, exc)
-            engine = Engine(model=model, pool=pool, device=s.torch_device, dtype=s.compute_dtype, compiled=False)
-            engine.warm_up()
-        log.info("stage %d: decode step compiled and captured in %.1f s", s.stage_index, time.monotonic() - started)
-        return engine
+            header = read_header(source)
+            model = load_stage(
+                source=source,
+                header=header,
+                layer_start=s.layer_start,
+                layer_end=s.layer_end,
+                dtype=s.compute_dtype,
+                device=s.torch_device,
+                progress=self.progress,
+                cancelled=self._cancel,
+            )
+        finally:
+            source.close()
+        c = model.config
+        if model.is_last == bool(s.next_stage):
+            raise InvalidRequestError(
+                f"layers [{s.layer_start}, {s.layer_end}) of {c.n_layer} "
+                + ("end the model, yet a next stage is set" if model.is_last else "need a next stage")
+            )
+        pool = KVPool(
+            n_layers=s.layer_end - s.layer_start,
+            context=s.context,
+            parallel=s.parallel,
+            key_width=c.kv_dim,
+            value_width=c.kv_dim,
+            type_k=s.cache_type_k,
+            type_v=s.cache_type_v,
+            dtype=s.compute_dtype,
+            device=s.torch_device,
+        )
+        return warm_engine(
+            model=model, pool=pool, device=s.torch_device, dtype=s.compute_dtype, stage_index=s.stage_index
+        )
 
     def close(self) -> None:
         self._cancel.set()

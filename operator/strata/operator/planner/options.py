@@ -5,14 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from strata.fit import DEFAULT_HEADROOM_FRACTION, ContextSnap
+from strata.fit import DEFAULT_CACHE_TYPE, DEFAULT_HEADROOM_FRACTION, ContextSnap
 from strata.gguf.model import CacheType
 from strata.operator.planner.errors import InvalidOptionError
 from strata.operator.planner.memory import DEFAULT_PREFIX_CACHE_FRACTION
 from strata.operator.planner.scheduling import Toleration
 
 DEFAULT_PARALLEL = 4  # lanes sharing the KV pool
-DEFAULT_CACHE_TYPE = CacheType.Q8_0  # half of f16's KV memory, with negligible quality loss
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,31 @@
+"""Which models Strata's stages can run: one answer for `strata inspect`, `strata serve` and the operator's planning.
+
+A model of another architecture reads and plans like any other (its header says what it would take), but every stage
+would fail to load it. So the places that decide to run a model ask here first and refuse with this reason, instead
+of starting stages that load nothing: `strata serve` exits before starting any, the operator sets `Planned=False`,
+and `strata inspect` says so. The stage worker's loader (strata.stage_worker.loader) raises the same reason, and a
+test keeps its table of architectures equal to this set.
+"""
+
+from __future__ import annotations
+
+EXECUTABLE_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+class NotExecutableError(ValueError):
+    """The model is of an architecture Strata's stage worker does not run; the message says which ones it runs."""
+
+
+def not_executable_reason(architecture: str) -> str | None:
+    """Why Strata's stages cannot run a model of `architecture`, or None when they can."""
+    if architecture in EXECUTABLE_ARCHITECTURES:
+        return None
+    runs = ", ".join(sorted(EXECUTABLE_ARCHITECTURES))
+    return f"architecture {architecture!r} is not one the stage worker runs ({runs})"
+
+
+def check_executable(architecture: str) -> None:
+    """Raise NotExecutableError unless Strata's stages run models of `architecture`."""
+    reason = not_executable_reason(architecture)
+    if reason is not None:
+        raise NotExecutableError(reason)

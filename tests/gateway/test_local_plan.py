@@ -13,7 +13,7 @@ import pytest
 from gguf import GGMLQuantizationType
 from strata.cli import build_parser, main
 from strata.fit import DEFAULT_HEADROOM_FRACTION, KV_BUDGET_PERCENT
-from strata.gateway.local_plan import DEFAULT_CONTEXT_CAP, LocalFitError, plan_local
+from strata.gateway.local_plan import DEFAULT_CONTEXT_CAP, LocalFitError, plan_local, stage_devices
 from strata.gguf import inspect_model
 from strata.gguf.model import CacheType, ModelInfo
 from strata.gguf.testmodels import write_header_only_model, write_test_model
@@ -38,7 +38,9 @@ def _kv(model: ModelInfo, cells: int) -> int:
 
 def room_for(model: ModelInfo, cells: int, *, stages: int = 1) -> int:
     """Free memory in which the weights and exactly `cells` KV cells fit, by the headroom and 85% rules."""
-    weights = plan_local(model=model, stages=stages, parallel=LANES, cache_type=CACHE, available_bytes=TB).weight_bytes
+    weights = plan_local(
+        model=model, devices=("cpu",) * stages, parallel=LANES, cache_type=CACHE, available={"cpu": TB}
+    ).weight_bytes
     usable = weights + -(-_kv(model, cells) * 100 // KV_BUDGET_PERCENT) + 1
     return int(usable / (1 - DEFAULT_HEADROOM_FRACTION)) + 2
 
@@ -58,12 +60,18 @@ def test_the_context_is_the_largest_that_fits_or_the_one_asked_for(
 ) -> None:
     available = TB if room_cells is None else room_for(llama8b, room_cells, stages=stages)
     plan = plan_local(
-        model=llama8b, stages=stages, parallel=LANES, cache_type=CACHE, available_bytes=available, context=asked
+        model=llama8b,
+        devices=("cpu",) * stages,
+        parallel=LANES,
+        cache_type=CACHE,
+        available={"cpu": available},
+        context=asked,
     )
     assert plan.context == context
     assert plan.kv_bytes == _kv(llama8b, context)
-    assert plan.usable_bytes is not None
-    assert plan.weight_bytes + plan.kv_bytes * 100 // KV_BUDGET_PERCENT <= plan.usable_bytes
+    usable = plan.uses[0].usable_bytes
+    assert usable is not None
+    assert plan.weight_bytes + plan.kv_bytes * 100 // KV_BUDGET_PERCENT <= usable
     assert [end - start for start, end in plan.spans] == [32 // stages] * stages
 
 
@@ -71,7 +79,7 @@ def test_the_context_is_the_largest_that_fits_or_the_one_asked_for(
     ("available", "asked", "stages", "error", "message"),
     [
         pytest.param(
-            4 * 10**9, 0, 1, LocalFitError, r"requires .* GB at context 512, .* short by",
+            4 * 10**9, 0, 1, LocalFitError, r"requires .* GB on cpu at context 512, .* short by",
             id="weights beyond the memory are refused with the shortfall",
         ),
         pytest.param(
@@ -93,12 +101,19 @@ def test_what_does_not_fit_is_refused_saying_why(
     free = room_for(llama8b, 1000) if available == "room-1000" else available
     assert isinstance(free, int)
     with pytest.raises(error, match=message):
-        plan_local(model=llama8b, stages=stages, parallel=LANES, cache_type=CACHE, available_bytes=free, context=asked)
+        plan_local(
+            model=llama8b,
+            devices=("cpu",) * stages,
+            parallel=LANES,
+            cache_type=CACHE,
+            available={"cpu": free},
+            context=asked,
+        )
 
 
 def test_unknown_memory_checks_nothing_and_keeps_the_default_context(llama8b: ModelInfo) -> None:
-    plan = plan_local(model=llama8b, stages=2, parallel=LANES, cache_type=CACHE, available_bytes=None)
-    assert (plan.context, plan.usable_bytes) == (DEFAULT_CONTEXT_CAP, None)
+    plan = plan_local(model=llama8b, devices=("cpu",) * 2, parallel=LANES, cache_type=CACHE, available={"cpu": None})
+    assert (plan.context, plan.uses[0].usable_bytes) == (DEFAULT_CONTEXT_CAP, None)
 
 
 @pytest.mark.parametrize(
@@ -113,7 +128,7 @@ def test_unknown_memory_checks_nothing_and_keeps_the_default_context(llama8b: Mo
 def test_weights_count_what_each_stage_loads(tmp_path: Path, architecture: str, stages: int, extra: str) -> None:
     written = write_test_model(tmp_path / f"{architecture}.gguf", architecture=architecture, block_count=2)
     model = inspect_model(str(written.path))
-    plan = plan_local(model=model, stages=stages, parallel=LANES, cache_type=CACHE, available_bytes=TB)
+    plan = plan_local(model=model, devices=("cpu",) * stages, parallel=LANES, cache_type=CACHE, available={"cpu": TB})
     resident = sum(tensor.resident_bytes for tensor in written.tensors)
     assert plan.weight_bytes == resident + (written.tensor_resident_bytes(f"{extra}.weight") if extra else 0)
 
@@ -130,7 +145,7 @@ def test_weights_count_what_each_stage_loads(tmp_path: Path, architecture: str, 
         pytest.param(
             "Q3_K",
             16_060_522_496,
-            r"^requires 16\.1 GB at context 512, this machine has 10\.8 GB usable, short by 5\.3 GB$",
+            r"^requires 16\.1 GB on cpu at context 512, it has 10\.8 GB usable, short by 5\.3 GB$",
             id="Q3_K is dequantised to 2 bytes per value: 3.45 GB in the file is 16.06 GB loaded, and 12 GB is refused",
         ),
     ],
@@ -145,9 +160,13 @@ def test_a_model_is_sized_by_what_its_stages_load_not_by_its_file(
     assert model.resident_total_bytes == loaded
     if refusal is not None:
         with pytest.raises(LocalFitError, match=refusal):
-            plan_local(model=model, stages=1, parallel=LANES, cache_type=CACHE, available_bytes=12 * 10**9)
+            plan_local(
+                model=model, devices=("cpu",) * 1, parallel=LANES, cache_type=CACHE, available={"cpu": 12 * 10**9}
+            )
         return
-    plan = plan_local(model=model, stages=1, parallel=LANES, cache_type=CACHE, available_bytes=12 * 10**9)
+    plan = plan_local(
+        model=model, devices=("cpu",) * 1, parallel=LANES, cache_type=CACHE, available={"cpu": 12 * 10**9}
+    )
     assert (plan.weight_bytes, plan.context) == (loaded, DEFAULT_CONTEXT_CAP)
 
 
@@ -162,3 +181,94 @@ def test_serve_plans_a_q8_0_kv_cache_by_default_as_the_operator_does() -> None:
     operator_default = PlanOptions()
     assert operator_default.cache_type_k == operator_default.cache_type_v == CacheType.Q8_0
     assert build_parser().parse_args(["serve"]).cache_type == CacheType.Q8_0.value
+
+
+@pytest.mark.parametrize(
+    ("device", "devices", "stages", "gpus", "placed"),
+    [
+        pytest.param("cpu", "", 3, 0, ("cpu",) * 3, id="every stage on the CPU by default"),
+        pytest.param("cuda", "", 3, 2, ("cuda:0", "cuda:1", "cuda:0"), id="cuda deals stage i to GPU i mod the count"),
+        pytest.param("cuda", "", 2, 1, ("cuda:0", "cuda:0"), id="one GPU takes every stage"),
+        pytest.param("cuda:1", "", 2, 2, ("cuda:1", "cuda:1"), id="a named GPU takes every stage"),
+        pytest.param("cpu", "cuda:0, cpu", 2, 1, ("cuda:0", "cpu"), id="devices place a CPU stage beside a GPU one"),
+    ],
+)
+def test_stages_are_placed_on_the_devices_asked_for(
+    device: str, devices: str, stages: int, gpus: int, placed: tuple[str, ...]
+) -> None:
+    assert stage_devices(device=device, devices=devices, stages=stages, gpu_count=gpus) == placed
+
+
+@pytest.mark.parametrize(
+    ("device", "devices", "stages", "gpus", "message"),
+    [
+        pytest.param("cuda", "", 2, 0, "no CUDA GPU is visible", id="cuda without a GPU"),
+        pytest.param("cuda:2", "", 1, 2, r"'cuda:2': this machine has 2 CUDA GPU\(s\)", id="a GPU that is not there"),
+        pytest.param("cpu", "cuda:0,cpu", 3, 1, "names 2 devices for 3 stages", id="devices not one per stage"),
+        pytest.param("tpu", "", 1, 0, "'tpu' is not cpu, cuda or cuda:N", id="a device kind stages do not run on"),
+    ],
+)
+def test_a_placement_that_cannot_be_made_is_refused(
+    device: str, devices: str, stages: int, gpus: int, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        stage_devices(device=device, devices=devices, stages=stages, gpu_count=gpus)
+
+
+def test_each_device_fits_its_own_stages_and_the_smallest_room_sets_the_context(llama8b: ModelInfo) -> None:
+    """Two stages on two devices: each holds half the layers and its own end of the model; the device with room for
+    fewer cells sets the context for both."""
+    roomy = plan_local(
+        model=llama8b, devices=("cuda:0", "cpu"), parallel=LANES, cache_type=CACHE, available={"cuda:0": TB, "cpu": TB}
+    )
+    gpu, cpu = roomy.uses
+    assert (gpu.device, gpu.stages, cpu.device, cpu.stages) == ("cuda:0", (0,), "cpu", (1,))
+    assert gpu.weight_bytes == sum(llama8b.layer_resident_bytes[:16]) + llama8b.resident_embedding_bytes
+    assert cpu.weight_bytes == sum(llama8b.layer_resident_bytes[16:]) + llama8b.resident_head_bytes
+    assert gpu.kv_bytes == cpu.kv_bytes == _kv(llama8b, roomy.context) // 2
+    # Room on the GPU for exactly 1000 cells of its 16 layers: the context snaps to 768 although the CPU has a TB.
+    half_kv = -(-_kv(llama8b, 1000) // 2 * 100 // KV_BUDGET_PERCENT) + 1
+    free = int((gpu.weight_bytes + half_kv) / (1 - DEFAULT_HEADROOM_FRACTION)) + 2
+    tight = plan_local(
+        model=llama8b,
+        devices=("cuda:0", "cpu"),
+        parallel=LANES,
+        cache_type=CACHE,
+        available={"cuda:0": free, "cpu": TB},
+    )
+    assert tight.context == 768
+    with pytest.raises(LocalFitError, match=r"needs .* GB of KV on cuda:0 .* the largest context that fits is 768"):
+        plan_local(
+            model=llama8b, devices=("cuda:0", "cpu"), parallel=LANES, cache_type=CACHE,
+            available={"cuda:0": free, "cpu": TB}, context=4096,
+        )  # fmt: skip
+
+
+def test_stages_sharing_a_device_are_fitted_together(llama8b: ModelInfo) -> None:
+    alone = plan_local(model=llama8b, devices=("cuda:0",), parallel=LANES, cache_type=CACHE, available={"cuda:0": TB})
+    shared = plan_local(
+        model=llama8b, devices=("cuda:0", "cuda:0"), parallel=LANES, cache_type=CACHE, available={"cuda:0": TB}
+    )
+    (use,) = shared.uses
+    assert (use.stages, use.weight_bytes, use.kv_bytes) == ((0, 1), alone.weight_bytes, alone.kv_bytes)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        pytest.param(["--device", "cuda"], "--device cuda: no CUDA GPU is visible", id="cuda on a machine without"),
+        pytest.param(["--device", "cuda:0", "--devices", "cpu"], "give --device or --devices", id="both flags"),
+        pytest.param(["--stages", "2", "--devices", "cpu"], "names 1 devices for 2 stages", id="too few devices"),
+    ],
+)
+def test_serve_refuses_a_placement_before_starting_anything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: list[str], message: str
+) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    written = write_test_model(tmp_path / "qwen2.gguf", architecture="qwen2")
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", str(written.path), "--port", "0", *flags])
+    assert str(exited.value.code).startswith("strata serve: ")
+    assert message in str(exited.value.code)

@@ -1,4 +1,4 @@
-"""Planning `strata serve` for this machine: every stage shares one device, so fitting the model is one sum.
+"""Planning `strata serve` for this machine: stages on its devices, each device's stages fitted to its own memory.
 
 The cluster planner (strata.operator.planner) searches pools of GPUs; the gateway may not import it (an import-linter
 contract keeps operator code out of the data plane), and one machine has nothing to search: its stages take even
@@ -12,6 +12,7 @@ stage computes in float32 and holds up to twice that; ModelInfo does not carry t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,69 +31,128 @@ class LocalFitError(ValueError):
 
 
 @dataclass(frozen=True, kw_only=True)
-class LocalPlan:
-    spans: tuple[tuple[int, int], ...]
-    context: int
-    weight_bytes: int  # every stage's weights as loaded: the first adds token_embd, the last the output head
-    kv_bytes: int  # every stage's KV pool at `context` (the lanes share each pool)
+class DeviceUse:
+    """What the stages on one device take there."""
+
+    device: str
+    stages: tuple[int, ...]
+    weight_bytes: int  # their weights as loaded: the first stage adds token_embd, the last the output head
+    kv_bytes: int  # their KV pools at the plan's context (the lanes share each pool)
     usable_bytes: int | None  # None: the device's memory is unknown and nothing was checked
 
 
-def stage_weight_bytes(model: ModelInfo, spans: list[tuple[int, int]]) -> int:
-    """Resident weights over all stages; a tied output head shares token_embd only when one stage holds both."""
-    head, embeddings = model.resident_head_bytes, model.resident_embedding_bytes
-    if model.output_tied and len(spans) == 1:
-        head -= embeddings
-    return sum(model.layer_resident_bytes) + embeddings + head
+@dataclass(frozen=True, kw_only=True)
+class LocalPlan:
+    spans: tuple[tuple[int, int], ...]
+    devices: tuple[str, ...]  # stage i runs on devices[i]
+    context: int
+    uses: tuple[DeviceUse, ...]  # one per distinct device, in the order stages first name them
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(use.weight_bytes for use in self.uses)
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(use.kv_bytes for use in self.uses)
+
+
+def stage_devices(*, device: str, devices: str, stages: int, gpu_count: int) -> tuple[str, ...]:
+    """The device of each stage. `devices` (a comma-separated list, one per stage) chooses outright; otherwise every
+    stage runs on `device`, and `cuda` alone places stage i on GPU i mod the GPU count."""
+    if devices:
+        chosen = tuple(d.strip() for d in devices.split(","))
+        if len(chosen) != stages:
+            raise ValueError(f"--devices names {len(chosen)} devices for {stages} stages; give one per stage")
+    elif device == "cuda":
+        if gpu_count < 1:
+            raise ValueError("--device cuda: no CUDA GPU is visible")
+        chosen = tuple(f"cuda:{i % gpu_count}" for i in range(stages))
+    else:
+        chosen = (device,) * stages
+    for name in chosen:
+        kind, _, index = name.partition(":")
+        if kind == "cpu" and not index:
+            continue
+        if kind != "cuda" or not index.isdigit():
+            raise ValueError(f"device {name!r} is not cpu, cuda or cuda:N")
+        if int(index) >= gpu_count:
+            raise ValueError(f"device {name!r}: this machine has {gpu_count} CUDA GPU(s)")
+    return chosen
+
+
+def stage_weight_bytes(model: ModelInfo, span: tuple[int, int], *, stages: int) -> int:
+    """One stage's resident weights; a tied output head shares token_embd only when one stage holds both."""
+    start, end = span
+    weights = sum(model.layer_resident_bytes[start:end])
+    if start == 0:
+        weights += model.resident_embedding_bytes
+    if end == model.block_count:
+        weights += model.resident_head_bytes
+        if model.output_tied and stages == 1:
+            weights -= model.resident_embedding_bytes
+    return weights
 
 
 def plan_local(
     *,
     model: ModelInfo,
-    stages: int,
+    devices: tuple[str, ...],
     parallel: int,
     cache_type: CacheType,
-    available_bytes: int | None,
+    available: Mapping[str, int | None],
     context: int = 0,
 ) -> LocalPlan:
-    """Spans, context and the bytes they take on a device with `available_bytes` free; `context` 0: the largest
-    that fits, up to DEFAULT_CONTEXT_CAP. Raises ValueError for more stages than layers, LocalFitError when it does
-    not fit."""
-    spans = even_spans(model.block_count, stages)
-    weights = stage_weight_bytes(model, spans)
+    """Spans, context and the bytes they take on each device, stage i on devices[i], each device with
+    available[device] bytes free (None: unknown); `context` 0: the largest that fits everywhere, up to
+    DEFAULT_CONTEXT_CAP. Raises ValueError for more stages than layers, LocalFitError when it does not fit."""
+    spans = even_spans(model.block_count, len(devices))
     native = model.context_length
     if context > native:
         raise LocalFitError(f"context {context} exceeds the model's native context {native}")
+    on: dict[str, list[int]] = {}
+    for index, device in enumerate(devices):
+        on.setdefault(device, []).append(index)
+    weights = {d: sum(stage_weight_bytes(model, spans[i], stages=len(spans)) for i in idx) for d, idx in on.items()}
 
-    def kv(cells: int) -> int:
-        return model.kv_bytes(n_ctx=cells, type_k=cache_type, type_v=cache_type, n_seq=parallel)
+    def kv(device: str, cells: int) -> int:
+        layers = [layer for i in on[device] for layer in range(*spans[i])]
+        return model.kv_bytes(n_ctx=cells, type_k=cache_type, type_v=cache_type, layers=layers, n_seq=parallel)
 
-    def plan(cells: int, usable: int | None) -> LocalPlan:
-        return LocalPlan(
-            spans=tuple(spans), context=cells, weight_bytes=weights, kv_bytes=kv(cells), usable_bytes=usable
+    usable = {d: int(free * (1 - DEFAULT_HEADROOM_FRACTION)) for d in on if (free := available.get(d)) is not None}
+    budget = {d: max(0, u - weights[d]) * KV_BUDGET_PERCENT // 100 for d, u in usable.items()}
+
+    def plan(cells: int) -> LocalPlan:
+        uses = tuple(
+            DeviceUse(
+                device=d, stages=tuple(i), weight_bytes=weights[d], kv_bytes=kv(d, cells), usable_bytes=usable.get(d)
+            )
+            for d, i in on.items()
         )
+        return LocalPlan(spans=tuple(spans), devices=devices, context=cells, uses=uses)
 
-    if available_bytes is None:
-        return plan(context or min(native, DEFAULT_CONTEXT_CAP), None)
-    usable = int(available_bytes * (1 - DEFAULT_HEADROOM_FRACTION))
-    budget = max(0, usable - weights) * KV_BUDGET_PERCENT // 100
+    if not budget:
+        return plan(context or min(native, DEFAULT_CONTEXT_CAP))
     # Asked for a context, the message names the largest that fits at all; otherwise the default stops at the cap.
     top = native if context else min(native, DEFAULT_CONTEXT_CAP)
     candidates = candidate_contexts(native=top) or [top]
-    fitting = [cells for cells in candidates if kv(cells) <= budget]
+    fitting = [cells for cells in candidates if all(kv(d, cells) <= b for d, b in budget.items())]
     if not fitting:
         smallest = candidates[0]
-        required = weights + kv(smallest) * 100 // KV_BUDGET_PERCENT
+        required = {d: weights[d] + kv(d, smallest) * 100 // KV_BUDGET_PERCENT for d in usable}
+        device = max(usable, key=lambda d: required[d] - usable[d])
         raise LocalFitError(
-            f"requires {required / GB:.1f} GB at context {smallest}, this machine has {usable / GB:.1f} GB usable, "
-            f"short by {(required - usable) / GB:.1f} GB"
+            f"requires {required[device] / GB:.1f} GB on {device} at context {smallest}, it has "
+            f"{usable[device] / GB:.1f} GB usable, short by {(required[device] - usable[device]) / GB:.1f} GB"
         )
-    if context and kv(context) > budget:
+    if context and any(kv(d, context) > b for d, b in budget.items()):
+        device = next(d for d, b in budget.items() if kv(d, context) > b)
         raise LocalFitError(
-            f"context {context} needs {kv(context) / GB:.2f} GB of KV beside {weights / GB:.1f} GB of weights, and "
-            f"{budget / GB:.2f} GB is left for it; the largest context that fits is {fitting[-1]}"
+            f"context {context} needs {kv(device, context) / GB:.2f} GB of KV on {device} beside "
+            f"{weights[device] / GB:.1f} GB of weights, and {budget[device] / GB:.2f} GB is left for it; the largest "
+            f"context that fits is {fitting[-1]}"
         )
-    return plan(context or fitting[-1], usable)
+    return plan(context or fitting[-1])
 
 
 def available_memory_bytes(device: str) -> int | None:

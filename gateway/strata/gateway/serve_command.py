@@ -75,7 +75,17 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         choices=[t.value for t in CacheType],
         help=f"KV cache type of the stages (default {DEFAULT_CACHE_TYPE.value}, as the operator plans)",
     )
-    parser.add_argument("--device", default="cpu", help="torch device of the stages (default cpu)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="torch device of every stage: cpu, cuda:N, or cuda to deal stage i to GPU i mod the GPU count "
+        "(default cpu)",
+    )
+    parser.add_argument(
+        "--devices",
+        default="",
+        help="one device per stage, comma-separated (e.g. cuda:0,cuda:1,cpu): a CPU stage may sit beside GPU stages",
+    )
     parser.add_argument(
         "--prefix-cache-bytes",
         type=int,
@@ -127,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     from strata.gateway.local import StageProcess, StageStartError
-    from strata.gateway.local_plan import available_memory_bytes, plan_local
+    from strata.gateway.local_plan import available_memory_bytes, plan_local, stage_devices
     from strata.gateway.serve_watch import ServeWatch
     from strata.gateway.server import bind, build
     from strata.gateway.settings import GatewaySettings, api_keys
@@ -143,25 +153,26 @@ def run(args: argparse.Namespace) -> int:
         header, size = read_model_header(model)
         info = describe(header, file_bytes=size)
         check_executable(info.architecture)  # the check `strata inspect` shows and the operator makes
+        if args.devices and args.device != "cpu":
+            raise ValueError("give --device or --devices, not both")
+        stages_on = stage_devices(
+            device=args.device, devices=args.devices, stages=args.stages, gpu_count=_gpu_count(args)
+        )
         local = plan_local(
             model=info,
-            stages=args.stages,
+            devices=stages_on,
             parallel=args.parallel,
             cache_type=CacheType(args.cache_type),
-            available_bytes=available_memory_bytes(args.device),
+            available={device: available_memory_bytes(device) for device in set(stages_on)},
             context=args.context,
         )
     except (GGUFError, ValueError) as exc:  # unreadable, not executable, more stages than layers, or it does not fit
         raise SystemExit(f"strata serve: {exc}") from exc
     spans, context = local.spans, local.context
-    if local.usable_bytes is None:
-        print(f"plan: the memory of {args.device} is unknown; not checked", flush=True)
-    else:
-        print(
-            f"plan: {local.weight_bytes / GB:.2f} GB of weights and {local.kv_bytes / GB:.2f} GB of KV "
-            f"({args.cache_type}) of {local.usable_bytes / GB:.1f} GB usable on {args.device}",
-            flush=True,
-        )
+    for use in local.uses:
+        held = f"{use.weight_bytes / GB:.2f} GB of weights and {use.kv_bytes / GB:.2f} GB of KV ({args.cache_type})"
+        room = "memory unknown, not checked" if use.usable_bytes is None else f"{use.usable_bytes / GB:.1f} GB usable"
+        print(f"plan: {use.device} (stages {', '.join(map(str, use.stages))}): {held}; {room}", flush=True)
     watch = ServeWatch(load_timeout_s=args.load_timeout_seconds)
     watch.start()
     stages: list[StageProcess] = []
@@ -181,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
                 "STRATA_CACHE_TYPE_V": args.cache_type,
                 "STRATA_NEXT_STAGE": next_stage,
                 "STRATA_LISTEN": "127.0.0.1:0",
-                "STRATA_DEVICE": args.device,
+                "STRATA_DEVICE": local.devices[index],
                 "STRATA_PREFIX_CACHE_BYTES": str(args.prefix_cache_bytes),
             }
             try:
@@ -194,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
             envs.insert(0, env)
             next_stage = f"127.0.0.1:{stage.port}"
             watch.add(index=index, address=next_stage)
-            print(f"stage {index}: layers [{start}, {end}) on {next_stage}", flush=True)
+            print(f"stage {index}: layers [{start}, {end}) on {local.devices[index]} at {next_stage}", flush=True)
         settings = GatewaySettings(
             model_url=model,
             model_name=args.model_name,
@@ -228,6 +239,14 @@ def run(args: argparse.Namespace) -> int:
         for stage in stages:
             stage.stop()
     return EXIT_STAGE_FAILED if watch.failed.is_set() else 0
+
+
+def _gpu_count(args: argparse.Namespace) -> int:
+    if "cuda" not in args.device + args.devices:
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def _restart_policy(args: argparse.Namespace) -> RestartPolicy:

@@ -240,17 +240,7 @@ def main() -> None:
     # llama.cpp builds on the CPUs (niced) while Strata measures on the GPU; its benches run after Strata's.
     peer_build = None
     if args.peer.exists() and not args.kernel_only:
-        script = (
-            f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from pathlib import Path; "
-            f"import llamacpp; print(llamacpp.build(Path({str(args.peer)!r}), work=Path({str(args.peer_work)!r}), "
-            "cuda=True))"
-        )
-        peer_build = subprocess.Popen(
-            ["nice", "-n", "19", sys.executable, "-c", script],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        peer_build = llamacpp.build_in_background(args.peer, work=args.peer_work)
     results: dict[str, object] = {"machine": gpu.machine(device), "bandwidth": gpu.copy_bandwidth(device)}
     started = time.perf_counter()
     checks = [] if args.no_checks else kernel_fidelity(device)
@@ -272,10 +262,7 @@ def main() -> None:
     results["strata"] = strata_sweep(args.model, depths=depths, device=device)
     if peer_build is not None:
         try:
-            output, _ = peer_build.communicate(timeout=900)
-            if peer_build.returncode != 0:
-                raise RuntimeError(f"building llama.cpp failed:\n{output[-4000:]}")
-            results["llamacpp"] = peer_sweep(Path(output.strip().splitlines()[-1]), args.model, depths=depths)
+            results["llamacpp"] = peer_sweep(llamacpp.built(peer_build), args.model, depths=depths)
         except (subprocess.SubprocessError, RuntimeError, OSError) as exc:
             log(f"llama.cpp failed: {exc}")
             print(exc)

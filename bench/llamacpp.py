@@ -223,6 +223,26 @@ def build(
     return bin_dir
 
 
+def build_in_background(source_tar: Path, *, work: Path) -> subprocess.Popen[str]:
+    """Start `build` (CUDA) in a niced child process, so llama.cpp compiles on the CPUs while Strata measures on the
+    GPU; `built` waits for it."""
+    script = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from pathlib import Path; import llamacpp; "
+        f"print(llamacpp.build(Path({str(source_tar)!r}), work=Path({str(work)!r}), cuda=True))"
+    )
+    return subprocess.Popen(
+        ["nice", "-n", "19", sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def built(child: subprocess.Popen[str], *, timeout_s: float = BUILD_TIMEOUT_S) -> Path:
+    """The bin dir of a build started by `build_in_background`, once it is done."""
+    output, _ = child.communicate(timeout=timeout_s)
+    if child.returncode != 0:
+        raise PeerError(f"building llama.cpp failed:\n{_tail(output)}")
+    return Path(output.strip().splitlines()[-1])
+
+
 def _run(argv: list[str], *, timeout_s: float) -> subprocess.CompletedProcess[str]:
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)

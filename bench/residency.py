@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -101,16 +100,6 @@ def peer_figures(bin_dir: Path, path: Path) -> dict[str, float]:
     }
 
 
-def built(peer_build: subprocess.Popen[str] | None, source: Path) -> Path:
-    """The bin dir of the llama.cpp build started in the background."""
-    if peer_build is None:
-        raise RuntimeError(f"llama.cpp was not built (source {source})")
-    output, _ = peer_build.communicate(timeout=900)
-    if peer_build.returncode != 0:
-        raise RuntimeError(f"building llama.cpp failed:\n{output[-4000:]}")
-    return Path(output.strip().splitlines()[-1])
-
-
 def render(r: dict[str, object]) -> str:
     machine = r["machine"]
     assert isinstance(machine, dict)
@@ -174,15 +163,7 @@ def main() -> None:
     if "peer" not in skip or "q4_k_m" in files:
         if not args.peer.exists():
             sys.exit(f"no llama.cpp source at {args.peer}: python bench/llamacpp.py prepare .peer")
-        script = (
-            f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from pathlib import Path; "
-            f"import llamacpp; print(llamacpp.build(Path({str(args.peer)!r}), work=Path({str(args.peer_work)!r}), "
-            "cuda=True))"
-        )
-        peer_build = subprocess.Popen(
-            ["nice", "-n", "19", sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
+        peer_build = llamacpp.build_in_background(args.peer, work=args.peer_work)
     results: dict[str, object] = {"machine": gpu.machine(device), "bandwidth": gpu.copy_bandwidth(device)}
     paths = {"q8_0": args.dir / "strata-bench-model.gguf", "q4_k_m": args.dir / "strata-bench-model-q4_k_m.gguf"}
     if not paths["q8_0"].exists():
@@ -190,11 +171,11 @@ def main() -> None:
     bin_dir = None
     for name in files:
         if not paths[name].exists():  # the Q4_K_M file is llama-quantize's
-            bin_dir = bin_dir or built(peer_build, args.peer)
+            bin_dir = bin_dir or llamacpp.built(peer_build)
             llamacpp.quantize(bin_dir, paths["q8_0"], paths[name], kind="Q4_K_M", timeout_s=600)
         results[name] = strata_figures(paths[name], device=device, skip=skip)
     if "peer" not in skip:
-        bin_dir = bin_dir or built(peer_build, args.peer)
+        bin_dir = bin_dir or llamacpp.built(peer_build)
         for name in files:
             results[f"llamacpp_{name}"] = peer_figures(bin_dir, paths[name])
             log(f"llama.cpp {name}: {results[f'llamacpp_{name}']}")

@@ -19,6 +19,9 @@ the command line wins over the environment.
     STRATA_PREFIX_CACHE_BYTES  device bytes for prefix snapshots, reserved by the plan (default 0: keep none)
     STRATA_PIPELINE_CHUNK    the first stage sends a longer prefill on in pieces of this many positions, so the
                              next stage starts on it at once (default 512; 0 sends each step whole)
+    STRATA_HOP_SLOTS         slots of the shared-memory ring through which a previous stage on this host sends
+                             activations (default 4; 0: always over gRPC)
+    STRATA_HOP_SLOT_POSITIONS  positions one slot holds; a larger step comes over gRPC (default 1024)
 
 torch is imported only when the command runs, so `strata --help` stays fast.
 """
@@ -52,6 +55,8 @@ OPTIONS: tuple[Option, ...] = tuple(
         ("--plan-generation", "STRATA_PLAN_GENERATION", int, 0),
         ("--prefix-cache-bytes", "STRATA_PREFIX_CACHE_BYTES", int, 0),
         ("--pipeline-chunk", "STRATA_PIPELINE_CHUNK", int, 512),
+        ("--hop-slots", "STRATA_HOP_SLOTS", int, 4),
+        ("--hop-slot-positions", "STRATA_HOP_SLOT_POSITIONS", int, 1024),
     )
 )
 

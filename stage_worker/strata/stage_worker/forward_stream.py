@@ -34,6 +34,16 @@ from strata.stage_worker.next_stage import PendingReply, StepStream
 
 
 @dataclass(frozen=True)
+class Onward:
+    """A step computed here: its slots, the request for the next stage (activations in it, NextStage.carry), and
+    what frees the shared-memory slot they took once the step is answered or failed."""
+
+    slots: tuple[int, ...]
+    request: stage_pb2.ForwardRequest
+    release: Callable[[], None]
+
+
+@dataclass(frozen=True)
 class Launched:
     """A step computed here and sent on (in one piece or several): its slots, and the next stage's replies to come;
     the last piece's reply answers the step."""
@@ -45,7 +55,7 @@ class Launched:
 def split_prefill(request: stage_pb2.ForwardRequest, *, split: int) -> list[stage_pb2.ForwardRequest]:
     """The request as pieces of at most `split` positions, in order, when it is one slot's chunk of token ids (the
     first stage's prefill) and asks for no logits; otherwise the request itself. Only the last piece samples."""
-    if split < 1 or len(request.chunks) != 1 or request.HasField("hidden"):
+    if split < 1 or len(request.chunks) != 1 or request.WhichOneof("activations") is not None:
         return [request]
     chunk = request.chunks[0]
     if chunk.length <= split or chunk.return_logits or len(chunk.token_ids) != chunk.length:
@@ -81,13 +91,13 @@ class ForwardStream:
         *,
         requests: Iterator[stage_pb2.ForwardRequest],
         downstream: StepStream,
-        compute: Callable[[stage_pb2.ForwardRequest], tuple[tuple[int, ...], stage_pb2.ForwardRequest]],
+        compute: Callable[[stage_pb2.ForwardRequest], Onward],
         reset: Callable[[Iterable[int]], None],
         split: int = 0,
     ) -> None:
         self._requests = requests
         self._downstream = downstream
-        self._compute = compute  # a request -> its slots and the request for the next stage; raises StageError
+        self._compute = compute  # a request -> what to send on; raises StageError
         self._reset = reset
         self._split = split  # positions per piece of a pipelined prefill; 0: never cut a step
         self._lock = threading.Lock()
@@ -125,14 +135,15 @@ class ForwardStream:
                 for piece in split_prefill(request, split=self._split):
                     if self._stopped:
                         return
-                    slots, onward = self._compute(piece)
+                    onward = self._compute(piece)
                     with self._lock:
                         if self._stopped:  # the stream failed while this step was being computed
-                            self._reset(slots)
+                            onward.release()
+                            self._reset(onward.slots)
                             return
-                        sent.append(self._downstream.send(onward))
+                        sent.append(self._downstream.send(onward.request, release=onward.release))
                 with self._lock:
-                    self._queue.put(Launched(slots=slots, pending=tuple(sent)))
+                    self._queue.put(Launched(slots=onward.slots, pending=tuple(sent)))
         except grpc.RpcError:
             pass  # the caller cancelled the stream: there is no one to answer
         except Exception as exc:  # handed over in order: the replies before it still go back first

@@ -10,6 +10,10 @@ hangs (no reply within the step timeout) turns into NextStageUnavailableError, t
 still waiting on it fails with the same error, none left to hang. Keepalive pings notice a silent peer between
 steps. The steps sent and not yet answered are counted (StepsInFlight) for the stage's load status. `forward`, one
 step at a time on a stream shared by its callers that dials again after a failure, is for tools and tests.
+
+`carry` puts a step's activations into its request: through the next stage's shared-memory region where the two
+share a host (strata.stage_worker.shared_hop; the region is asked for with GetLoadStatus), else inline. A slot of the
+region stays taken until the step is answered or fails.
 """
 
 from __future__ import annotations
@@ -24,10 +28,18 @@ import grpc
 from strata.rpc.v1 import stage_pb2, stage_pb2_grpc
 from strata.settings import GRPC_OPTIONS
 from strata.stage_worker.errors import NextStageUnavailableError, StageError
+from strata.stage_worker.shared_hop import HopLink
+from strata.stage_worker.wire import tensor_to_proto
+from torch import Tensor
 
 CHANNEL_OPTIONS = GRPC_OPTIONS
 UNARY_TIMEOUT_S = 30.0
+ASK_REGION_TIMEOUT_S = 2.0
 _CLOSE = object()
+
+
+def nothing_to_release() -> None:
+    """The release of activations sent inline."""
 
 
 class RemoteStageError(StageError):
@@ -60,9 +72,12 @@ class PendingReply:
     """The next stage's reply to one step, once the reader thread hands it over (or the error that ended the
     stream it was sent on)."""
 
-    def __init__(self, stream: StepStream, counter: StepsInFlight) -> None:
+    def __init__(
+        self, stream: StepStream, counter: StepsInFlight, release: Callable[[], None] = nothing_to_release
+    ) -> None:
         self.stream = stream
         self._counter = counter
+        self._release = release  # frees the shared-memory slot of the step's activations
         self._settled = threading.Event()
         self.reply: stage_pb2.ForwardReply | None = None
         self.error: StageError | None = None
@@ -79,6 +94,7 @@ class PendingReply:
     def _settle(self) -> None:
         if not self._settled.is_set():
             self._counter.end()
+            self._release()
             self._settled.set()
 
     def wait(self, timeout_s: float) -> bool:
@@ -135,9 +151,12 @@ class StepStream:
         for pending in left:
             pending.fail(self._ended)
 
-    def send(self, request: stage_pb2.ForwardRequest) -> PendingReply:
-        """Send one step without waiting; on a stream that has ended, the step fails at once with its error."""
-        pending = PendingReply(self, self._counter)
+    def send(
+        self, request: stage_pb2.ForwardRequest, *, release: Callable[[], None] = nothing_to_release
+    ) -> PendingReply:
+        """Send one step without waiting; on a stream that has ended, the step fails at once with its error.
+        `release` (from NextStage.carry) runs once the step is answered or has failed."""
+        pending = PendingReply(self, self._counter, release)
         with self._lock:
             if self._ended is not None:
                 pending.fail(self._ended)
@@ -175,6 +194,7 @@ class NextStage:
         self._stub = stage_pb2_grpc.StageStub(self._channel)
         self._lock = threading.Lock()
         self._shared: StepStream | None = None
+        self.hop = HopLink(self._advertised_region)
 
     def open_stream(self) -> StepStream:
         """A Forward stream of its own to the next stage, for one caller's stream into this one."""
@@ -193,6 +213,27 @@ class NextStage:
                 self._shared = self.open_stream()
             stream = self._shared
             return stream.receive(stream.send(request))
+
+    def carry(self, request: stage_pb2.ForwardRequest, hidden: Tensor) -> Callable[[], None]:
+        """Put a step's activations into its request: into a slot of the next stage's shared region where this
+        stage can open it and a slot comes free within the step timeout, else inline. Returns what frees the slot,
+        for `send`."""
+        writer = self.hop.writer()
+        placed = writer.write(hidden, timeout_s=self.step_timeout_s) if writer is not None else None
+        if placed is None:
+            request.hidden.CopyFrom(tensor_to_proto(hidden))
+            return nothing_to_release
+        reference, release = placed
+        request.shared_hidden.CopyFrom(reference)
+        return release
+
+    def _advertised_region(self) -> stage_pb2.SharedRegion | None:
+        try:
+            status = self._stub.GetLoadStatus(stage_pb2.LoadStatusRequest(), timeout=ASK_REGION_TIMEOUT_S)
+        except grpc.RpcError:
+            return None
+        region: stage_pb2.SharedRegion = status.hop_region
+        return region if region.name else None
 
     def reset_slot(self, request: stage_pb2.ResetSlotRequest) -> None:
         self._unary("ResetSlot", request)
@@ -225,5 +266,6 @@ class NextStage:
         code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
         details = error.details() if isinstance(error, grpc.Call) else str(error)
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+            self.hop.ask_again()  # the next stage may come back as a new process, with a region of its own
             return NextStageUnavailableError(f"the next stage {self.target} is unavailable: {details}")
         return RemoteStageError(code, f"the next stage {self.target} refused the step: {details}")

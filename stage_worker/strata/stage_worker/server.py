@@ -12,6 +12,10 @@ slots) has every stage working at once, and replies still come back in request o
 on as a stream of its own, and each request is fenced on its own. A step that cannot reach the next stage frees the
 slots it touched, and those of the steps behind it, and fails with UNAVAILABLE, which the coordinator may retry; the
 stream ends there. The load status counts the steps sent on and not yet answered, so overlap can be seen from outside.
+
+A stage after the first makes a shared-memory region once loaded and advertises it in the load status; a previous
+stage on the same host writes activations there and sends only a reference (strata.stage_worker.shared_hop). The
+load status counts the steps whose activations came each way.
 """
 
 from __future__ import annotations
@@ -38,12 +42,13 @@ from strata.stage_worker.errors import (
     WrongGenerationError,
 )
 from strata.stage_worker.fencing import Holder, TermFence
-from strata.stage_worker.forward_stream import ForwardStream
+from strata.stage_worker.forward_stream import ForwardStream, Onward
 from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.loader import LoadProgress, load_stage
 from strata.stage_worker.next_stage import CHANNEL_OPTIONS, NextStage, RemoteStageError
 from strata.stage_worker.prefix_cache import PrefixCache
 from strata.stage_worker.settings import StageSettings
+from strata.stage_worker.shared_hop import HopRegion
 from strata.stage_worker.warm_up import warm_engine
 from strata.stage_worker.wire import (
     chunk_from_proto,
@@ -51,8 +56,8 @@ from strata.stage_worker.wire import (
     stats_to_proto,
     summed_stats,
     tensor_from_proto,
-    tensor_to_proto,
 )
+from torch import Tensor
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "strata.rpc.v1.Stage"
@@ -101,6 +106,9 @@ class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # gener
         self._engine: Engine | None = None
         self._engine_lock = threading.Lock()
         self._cancel = threading.Event()
+        self.hop_region: HopRegion | None = None
+        self._received_lock = threading.Lock()
+        self.received = {"hidden": 0, "shared_hidden": 0}  # steps by how their activations came
         self.next_stage = (
             NextStage(settings.next_stage, step_timeout_s=settings.step_timeout_s) if settings.next_stage else None
         )
@@ -123,6 +131,8 @@ class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # gener
             self.progress.error = exc_message(exc)
             log.exception("stage %d failed to load layers [%d, %d)", s.stage_index, s.layer_start, s.layer_end)
             return
+        if s.layer_start > 0 and s.hop_slots > 0:
+            self.hop_region = self._make_region(engine)
         self._engine = engine
         for service in ("", SERVICE_NAME):
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -168,8 +178,24 @@ class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # gener
             model=model, pool=pool, device=s.torch_device, dtype=s.compute_dtype, stage_index=s.stage_index
         )
 
+    def _make_region(self, engine: Engine) -> HopRegion | None:
+        s = self.settings
+        slot_bytes = s.hop_slot_positions * engine.model.config.dim * s.compute_dtype.itemsize
+        try:
+            region = HopRegion(slots=s.hop_slots, slot_bytes=slot_bytes)
+        except OSError as exc:
+            log.warning("stage %d takes activations inline only: no shared region (%s)", s.stage_index, exc)
+            return None
+        if self._cancel.is_set():  # stopped while loading: close() has run already
+            region.close()
+            return None
+        log.info("stage %d takes activations from this host in %s", s.stage_index, region.path)
+        return region
+
     def close(self) -> None:
         self._cancel.set()
+        if self.hop_region is not None:
+            self.hop_region.close()
         if self.next_stage is not None:
             self.next_stage.close()
 
@@ -208,6 +234,9 @@ class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # gener
             has_next_stage=self.next_stage is not None,
             steps_in_flight=self.next_stage.in_flight.now if self.next_stage is not None else 0,
             steps_in_flight_peak=self.next_stage.in_flight.peak if self.next_stage is not None else 0,
+            hop_region=self.hop_region.advert() if self.hop_region is not None else None,
+            activations_inline=self.received["hidden"],
+            activations_shared=self.received["shared_hidden"],
         )
 
     def Claim(self, request: stage_pb2.ClaimRequest, context: grpc.ServicerContext) -> stage_pb2.ClaimReply:
@@ -299,26 +328,43 @@ class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # gener
         except StageError as error:
             abort(context, error)
 
+    def _activations(self, request: stage_pb2.ForwardRequest) -> Tensor | None:
+        """The hidden states a step came with, inline or through this stage's shared region; None on the first."""
+        way = request.WhichOneof("activations")
+        if way is None:
+            return None
+        if way == "hidden":
+            hidden = tensor_from_proto(request.hidden)
+        elif self.hop_region is None:
+            raise InvalidRequestError(f"stage {self.settings.stage_index} has no shared region to read activations")
+        else:
+            hidden = self.hop_region.read(request.shared_hidden, device=self.settings.torch_device)
+        with self._received_lock:
+            self.received[way] += 1
+        return hidden
+
     def _last_step(self, request: stage_pb2.ForwardRequest) -> stage_pb2.ForwardReply:
         self._admit(request.fence, request.plan_generation)
         chunks = [chunk_from_proto(c) for c in request.chunks]
-        hidden = tensor_from_proto(request.hidden) if request.HasField("hidden") else None
+        hidden = self._activations(request)
         with self._engine_lock:
             result = self.engine.step(chunks, hidden)
         return reply_from_result(request.step_id, result)
 
-    def _step(self, request: stage_pb2.ForwardRequest) -> tuple[tuple[int, ...], stage_pb2.ForwardRequest]:
+    def _step(self, request: stage_pb2.ForwardRequest) -> Onward:
         """Compute a step on a stage with a next stage: its slots, and the request to send on."""
+        assert self.next_stage is not None, "only a stage with a next stage sends steps on"
         self._admit(request.fence, request.plan_generation)
         chunks = [chunk_from_proto(c) for c in request.chunks]
-        hidden = tensor_from_proto(request.hidden) if request.HasField("hidden") else None
+        hidden = self._activations(request)
         with self._engine_lock:
             result = self.engine.step(chunks, hidden)
         assert result.hidden is not None, "load() refuses a stage that ends the model yet has a next stage"
-        onward = stage_pb2.ForwardRequest()
-        onward.CopyFrom(request)
-        onward.hidden.CopyFrom(tensor_to_proto(result.hidden))
-        return tuple(chunk.slot for chunk in chunks), onward
+        onward = stage_pb2.ForwardRequest(
+            fence=request.fence, plan_generation=request.plan_generation, step_id=request.step_id, chunks=request.chunks
+        )
+        release = self.next_stage.carry(onward, result.hidden)  # outside the engine lock: it may wait for a slot
+        return Onward(slots=tuple(chunk.slot for chunk in chunks), request=onward, release=release)
 
     def _reset_slots(self, slots: Iterable[int]) -> None:
         with self._engine_lock:

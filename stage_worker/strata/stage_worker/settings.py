@@ -32,6 +32,10 @@ class StageSettings:
     step_timeout_s: float = 120.0  # how long a step may wait for the next stage's reply
     prefix_cache_bytes: int = 0  # device bytes for prefix snapshots (the plan reserves them); 0 keeps none
     pipeline_chunk: int = 512  # the first stage sends a longer prefill on in pieces of this many positions; 0: whole
+    # Activations from a previous stage on this host come through a shared-memory ring of `hop_slots` slots of
+    # `hop_slot_positions` positions each (a larger step comes inline); 0 slots: always inline.
+    hop_slots: int = 4
+    hop_slot_positions: int = 1024
 
     def __post_init__(self) -> None:
         if not 0 <= self.layer_start < self.layer_end:
@@ -40,6 +44,11 @@ class StageSettings:
             raise ValueError(f"context ({self.context}) and parallel ({self.parallel}) must be positive")
         if self.pipeline_chunk < 0:
             raise ValueError(f"the pipeline chunk must not be negative, not {self.pipeline_chunk}")
+        if self.hop_slots < 0 or self.hop_slot_positions < 1:
+            raise ValueError(
+                f"the shared hop needs 0 or more slots of 1 or more positions, not {self.hop_slots} of "
+                f"{self.hop_slot_positions}"
+            )
         if self.prefix_cache_bytes < 0:
             raise ValueError(f"the prefix cache budget must not be negative, not {self.prefix_cache_bytes}")
         if self.dtype and self.dtype not in COMPUTE_DTYPES:

@@ -1,0 +1,228 @@
+"""The quantised-matmul kernels on a GPU: time against cuBLAS bf16 on the same values, and check them against the f32
+reference. One run, one table.
+
+    python bench/quant_matmul.py [--types Q8_0,Q4_K,Q6_K] [--sweep] [--out FILE.json]
+
+For each fused type, Llama-3-8B's matrices (N x K: 6144 x 4096 qkv, 4096 x 4096 o, 28672 x 4096 gate_up,
+4096 x 14336 down) and M = 1, 4, 16 rows of bf16 x: the fused kernel (`quant_linear`, the custom op the model calls)
+against `x @ w.T` with w the same values in bf16. Weights are random blocks with finite f16 scales.
+
+Timing: CUDA graphs of many calls (what decode replays), each call on another copy of the weight so that the copies
+together overflow L2 and every call reads its bytes from HBM; the median of the replays, per call. GB/s counts the
+quantised bytes the kernel must read (its planes), and the table gives them as a share of a measured read (a sum).
+
+Fidelity: the worst error of any output, bf16 against the f32 reference, as a share of sum |w x| over that output
+(the bound an accumulation error scales with), for the fused path (M = 1, 4, 16) and the dequantise path (M = 17).
+
+--sweep times the launch shapes of quant_matmul_triton.Config for the three types of Q8_0 and Q4_K_M files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import torch
+import triton
+from gguf import GGMLQuantizationType
+from strata.stage_worker.kernels import quant_matmul_triton
+from strata.stage_worker.kernels.quant_matmul import FUSED_TYPES, quant_linear
+from strata.stage_worker.weights.formats import FORMATS, dequantize, plane_names, planes_bytes, split_planes
+
+Q = GGMLQuantizationType
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+ROWS = (1, 4, 16)
+MAIN_TYPES = (Q.Q8_0, Q.Q4_K, Q.Q6_K)
+SWEEP_ROWS = {"qkv": (1,), "o": (1, 4, 16), "gate_up": (1, 4, 16), "down": (1,)}  # every matrix at M = 1
+L2_OVERFLOW = 256 << 20  # bytes of weight copies per graph: several times any current L2
+C = quant_matmul_triton.Config
+SWEEP = {  # (block_n, chunks, num_warps) per M; splits chosen from the shape
+    1: [C(4, 128, 4), C(8, 128, 4), C(2, 128, 4), C(4, 64, 2), C(8, 64, 2), C(4, 256, 4), C(8, 256, 4)],
+    4: [C(4, 128, 4), C(8, 128, 4), C(16, 128, 4), C(8, 64, 2)],
+    16: [C(2, 128, 4), C(4, 128, 4), C(8, 128, 4)],
+}
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+def random_planes(ggml_type: GGMLQuantizationType, n: int, k: int, *, device: torch.device) -> list[torch.Tensor]:
+    """Random blocks, their f16 fields replaced by finite values of a trained weight's size."""
+    fmt = FORMATS[ggml_type]
+    raw = torch.randint(0, 256, (n * k // fmt.block_elements * fmt.block_bytes,), dtype=torch.uint8, device=device)
+    planes = split_planes(raw, ggml_type, rows=n)
+    for plane in planes.values():
+        if plane.dtype == torch.float16:
+            plane.copy_(torch.randn(plane.shape, device=device) * 2e-3)
+    return [planes[name] for name in plane_names(ggml_type)]
+
+
+def graph_time(calls: Sequence[Callable[[], object]], *, replays: int = 15) -> float:
+    """Seconds per call: the calls captured in one CUDA graph (repeated to at least 40), median of the replays."""
+    for call in calls:
+        call()
+    repeat = math.ceil(40 / len(calls))
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeat):
+            for call in calls:
+                call()
+    times: list[float] = []
+    for i in range(replays + 3):
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1e3 / (repeat * len(calls)))
+    return float(statistics.median(times))
+
+
+def read_bandwidth(device: torch.device) -> float:
+    """Bytes per second of reading 1 GiB (a sum: what a memory-bound kernel that only reads can hope for)."""
+    src = torch.ones(1 << 28, dtype=torch.float32, device=device)
+    seconds = graph_time([lambda: src.sum()], replays=5)
+    return 4 * src.numel() / seconds
+
+
+def worst_error(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
+    """max |y - x w^T| / (|x| |w|^T), in f32."""
+    expected = x.float() @ w.T
+    bound = x.float().abs() @ w.abs().T
+    return float(((y.float() - expected).abs() / bound.clamp_min(1e-30)).max())
+
+
+def fidelity(ggml_type: GGMLQuantizationType, device: torch.device) -> dict[str, float]:
+    """Worst error per M over the shapes."""
+    worst: dict[str, float] = {}
+    for n, k in SHAPES.values():
+        planes = random_planes(ggml_type, n, k, device=device)
+        w = dequantize(dict(zip(plane_names(ggml_type), planes, strict=True)), ggml_type)
+        for m in (*ROWS, 17):
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            error = worst_error(quant_linear(x, planes, ggml_type, columns=k), x, w)
+            worst[f"M={m}"] = max(worst.get(f"M={m}", 0.0), error)
+    return worst
+
+
+def timings(
+    ggml_type: GGMLQuantizationType,
+    n: int,
+    k: int,
+    m: int,
+    device: torch.device,
+    configs: list[quant_matmul_triton.Config | None],
+) -> tuple[float, list[float], int]:
+    """(cuBLAS bf16 seconds, seconds per config (None: the public op), quantised bytes)."""
+    planes = random_planes(ggml_type, n, k, device=device)
+    size = planes_bytes(dict(zip(plane_names(ggml_type), planes, strict=True)))
+    copies = [planes] + [[p.clone() for p in planes] for _ in range(max(1, math.ceil(L2_OVERFLOW / size)) - 1)]
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    ours = []
+    for config in configs:
+        if config is None:
+            calls = [partial(quant_linear, x, p, ggml_type, columns=k) for p in copies]
+        else:
+            calls = [
+                partial(quant_matmul_triton.quant_matmul, x, p, ggml_type, columns=k, config=config) for p in copies
+            ]
+        ours.append(graph_time(calls))
+    del copies
+    dense = quant_matmul_triton.dequantize(planes, ggml_type, columns=k, dtype=torch.bfloat16)
+    dense_copies = [dense] + [dense.clone() for _ in range(max(1, math.ceil(L2_OVERFLOW / dense.nbytes)) - 1)]
+    cublas = graph_time([partial(torch.matmul, x, w.T) for w in dense_copies])
+    return cublas, ours, size
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--types", default=",".join(t.name for t in sorted(FUSED_TYPES)))
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    device = torch.device("cuda:0")
+    types = [Q[name] for name in args.types.split(",")]
+    props = torch.cuda.get_device_properties(device)
+    bandwidth = read_bandwidth(device)
+    versions = f"torch {torch.__version__}, triton {triton.__version__}"
+    log(f"# {props.name}, {props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MiB; {versions}; "
+        f"{time.strftime('%Y-%m-%d')}")  # fmt: skip
+    log(f"# device read: {bandwidth / 1e9:.0f} GB/s (a 1 GiB sum)")
+    results: dict[str, object] = {"device": props.name, "read_gbps": bandwidth / 1e9}
+
+    started = time.perf_counter()
+    log("\n## Fidelity, bf16 vs f32 reference: worst |error| / sum |w x| of any output, over the four matrices")
+    worst = {}
+    for ggml_type in types:
+        try:
+            worst[ggml_type.name] = fidelity(ggml_type, device)
+        except Exception as error:  # a kernel that fails to build or run is reported, and the others measured
+            log(f"{ggml_type.name}: FAILED {error!r}"[:2000])
+            continue
+        log(f"{ggml_type.name:6s} " + "  ".join(f"{m} {e:.1e}" for m, e in worst[ggml_type.name].items()))
+    results["worst_error"] = worst
+    log(f"[{time.perf_counter() - started:.0f} s]")
+    _save(args.out, results)
+
+    log("\n## Fused kernel vs cuBLAS bf16 (x @ w.T on the same values), per call in CUDA graphs, weights from HBM")
+    log(f"{'type':6s} {'matrix':8s} {'N x K':>12s} {'M':>3s} {'ours us':>8s} {'GB/s':>6s} {'%read':>6s} "
+        f"{'cuBLAS us':>9s} {'speedup':>7s}")  # fmt: skip
+    table = []
+    for ggml_type in [t for t in types if t.name in worst]:
+        for shape, (n, k) in SHAPES.items():
+            for m in ROWS:
+                cublas, (ours,), size = timings(ggml_type, n, k, m, device, [None])
+                gbps = size / ours / 1e9
+                row = {"type": ggml_type.name, "matrix": shape, "n": n, "k": k, "m": m, "us": ours * 1e6,
+                       "gbps": gbps, "cublas_us": cublas * 1e6, "speedup": cublas / ours}  # fmt: skip
+                table.append(row)
+                log(f"{ggml_type.name:6s} {shape:8s} {f'{n}x{k}':>12s} {m:3d} {ours * 1e6:8.1f} {gbps:6.0f} "
+                    f"{100 * gbps * 1e9 / bandwidth:5.0f}% {cublas * 1e6:9.1f} {cublas / ours:6.2f}x")  # fmt: skip
+    results["table"] = table
+    log(f"[{time.perf_counter() - started:.0f} s]")
+    _save(args.out, results)
+
+    if args.sweep:
+        log("\n## Launch shapes of the fused kernel (us per call; block_n/chunks/warps)")
+        sweep = []
+        for ggml_type in [t for t in MAIN_TYPES if t.name in worst]:
+            for shape, (n, k) in SHAPES.items():
+                for m in SWEEP_ROWS[shape]:
+                    configs = SWEEP[m]
+                    _, times, size = timings(ggml_type, n, k, m, device, list(configs))
+                    cells = " ".join(
+                        f"{c.block_n}/{c.chunks}/{c.num_warps}={t * 1e6:.1f}"
+                        for c, t in zip(configs, times, strict=True)
+                    )
+                    log(f"{ggml_type.name:5s} {shape:8s} M={m:2d}: {cells}")
+                    sweep.append({"type": ggml_type.name, "matrix": shape, "m": m, "us": [t * 1e6 for t in times]})
+        results["sweep"] = sweep
+        log(f"[{time.perf_counter() - started:.0f} s]")
+        _save(args.out, results)
+
+
+def _save(path: str | None, results: dict[str, object]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Activations times GGUF-quantised weights kept in their blocks: one function, two bodies.
+
+`quant_linear` is what the model calls. On a CUDA device it runs Triton (strata.stage_worker.kernels.
+quant_matmul_triton): for up to FUSED_MAX_ROWS rows of x (decode) a fused kernel reads the planes once and never
+writes the weight out; for more rows the weight is dequantised into x's dtype and cuBLAS multiplies (the fused
+kernel's products run on CUDA cores, one FMA a value and row: past a few rows the tensor cores win despite the
+weight's extra bytes). Anywhere else, and as the kernels' test oracle, it runs `reference`: the f32 values of
+strata.stage_worker.weights.formats, rounded to x's dtype, then `x @ w.T`.
+
+Both are registered as torch custom ops so that torch.compile keeps them whole inside a compiled block (and a CUDA
+graph replays them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
+
+import torch
+from gguf import GGMLQuantizationType
+from strata.stage_worker.weights.formats import FORMATS, dequantize, plane_names
+from torch import Tensor
+
+FUSED_TYPES: frozenset[GGMLQuantizationType] = frozenset(
+    {
+        GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.Q4_0,
+        GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q5_0,
+        GGMLQuantizationType.Q5_1,
+        GGMLQuantizationType.Q4_K,
+        GGMLQuantizationType.Q5_K,
+        GGMLQuantizationType.Q6_K,
+    }
+)
+# Rows of x up to which the fused kernel beats dequantise-then-cuBLAS (bench/quant_matmul.py on an H100: at 4 rows
+# it still wins on Llama-3-8B's matrices, at 16 it is several times slower).
+FUSED_MAX_ROWS = 4
+
+
+def _as_list(planes: Mapping[str, Tensor] | Sequence[Tensor], ggml_type: GGMLQuantizationType) -> list[Tensor]:
+    if isinstance(planes, Mapping):
+        return [planes[name] for name in plane_names(ggml_type)]
+    return list(planes)
+
+
+def _columns(planes: Sequence[Tensor], ggml_type: GGMLQuantizationType) -> int:
+    d = planes[plane_names(ggml_type).index("d")]  # every type has one f16 scale a block
+    return int(d.shape[1]) * FORMATS[ggml_type].block_elements
+
+
+def reference(x: Tensor, planes: Sequence[Tensor], ggml_type: GGMLQuantizationType) -> Tensor:
+    """x [M, K] @ W.T with W the planes' f32 values rounded to x's dtype: the CPU path and the kernels' oracle."""
+    w = dequantize(dict(zip(plane_names(ggml_type), planes, strict=True)), ggml_type)
+    return x @ w.to(x.dtype).T
+
+
+def _device(t: Tensor) -> torch.cuda.device | nullcontext[None]:
+    # Triton launches on the current device's stream, whatever the tensors say (under its interpreter, on the CPU).
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else nullcontext()
+
+
+@torch.library.custom_op("strata::dequantize_planes", mutates_args=())
+def _dequantize_op(planes: list[Tensor], ggml_type: int, columns: int, dtype: torch.dtype) -> Tensor:
+    from strata.stage_worker.kernels import quant_matmul_triton
+
+    with _device(planes[0]):
+        return quant_matmul_triton.dequantize(planes, GGMLQuantizationType(ggml_type), columns=columns, dtype=dtype)
+
+
+@_dequantize_op.register_fake
+def _(planes: list[Tensor], ggml_type: int, columns: int, dtype: torch.dtype) -> Tensor:
+    return planes[0].new_empty((planes[0].shape[0], columns), dtype=dtype)
+
+
+@torch.library.custom_op("strata::quant_linear", mutates_args=())
+def _quant_linear_op(x: Tensor, planes: list[Tensor], ggml_type: int, columns: int) -> Tensor:
+    from strata.stage_worker.kernels import quant_matmul_triton
+
+    t = GGMLQuantizationType(ggml_type)
+    with _device(x):
+        if x.shape[0] <= FUSED_MAX_ROWS and t in FUSED_TYPES:
+            return quant_matmul_triton.quant_matmul(x, planes, t, columns=columns)
+        w = quant_matmul_triton.dequantize(planes, t, columns=columns, dtype=x.dtype)
+        return x @ w.T
+
+
+@_quant_linear_op.register_fake
+def _(x: Tensor, planes: list[Tensor], ggml_type: int, columns: int) -> Tensor:
+    return x.new_empty((x.shape[0], planes[0].shape[0]))
+
+
+def kernel(x: Tensor, planes: Sequence[Tensor], ggml_type: GGMLQuantizationType, *, columns: int) -> Tensor:
+    """The Triton path on x [M, K], on any device (on the CPU under Triton's interpreter: the tests' way in)."""
+    out: Tensor = _quant_linear_op(x, list(planes), int(ggml_type), columns)
+    return out
+
+
+def quant_linear(x: Tensor, planes: Sequence[Tensor], ggml_type: GGMLQuantizationType, *, columns: int) -> Tensor:
+    """x [..., K] (bf16, f16 or f32) @ W.T -> [..., N] in x's dtype; `planes` in `plane_names(ggml_type)` order,
+    `columns` = K. CUDA: `kernel`; elsewhere: `reference`."""
+    if x.shape[-1] != columns:
+        raise ValueError(f"x has {x.shape[-1]} columns, the weight {columns}")
+    rows = x.reshape(-1, columns)
+    if x.device.type == "cuda":
+        out = kernel(rows, planes, ggml_type, columns=columns)
+    else:
+        out = reference(rows, planes, ggml_type)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def dequantize_as(
+    planes: Mapping[str, Tensor] | Sequence[Tensor], ggml_type: GGMLQuantizationType, dtype: torch.dtype
+) -> Tensor:
+    """W [N, K] in `dtype` (the f32 reference's values, rounded once); planes as a dict by name or a list in
+    `plane_names(ggml_type)` order. CUDA: a Triton kernel; elsewhere: the reference."""
+    ordered = _as_list(planes, ggml_type)
+    if ordered[0].device.type != "cuda":
+        return dequantize(dict(zip(plane_names(ggml_type), ordered, strict=True)), ggml_type).to(dtype)
+    out: Tensor = _dequantize_op(ordered, int(ggml_type), _columns(ordered, ggml_type), dtype)
+    return out

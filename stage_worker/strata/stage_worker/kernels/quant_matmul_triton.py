@@ -1,0 +1,449 @@
+"""GGUF-quantised weights times activations in Triton, reading the planes of strata.stage_worker.weights.formats in
+place: a fused dequantise-and-dot for decode (a few rows of x), and a dequantise into a dense tensor for prefill.
+
+Why a kernel of our own: a decode step is the weights' bytes over memory bandwidth, and a 4-bit weight read as bf16
+is 3.5 times the bytes. The fused kernel reads each quantised byte once, as llama.cpp's mul_mat_vec_q does.
+
+The unit of work is a chunk: 16 bytes (four 32-bit words) of a row's main plane (qs, or ql for Q6_K), with whatever
+else the values of those bytes need (their high bits, their sub-block's scale and offset). Every type is read the
+same way, so one template serves all; `_chunk` and `_pair` hold the types' differences.
+
+- A value is `a u + b`: u an unsigned integer of at most 8 bits, a and b per sub-block in f32. Q8_0's int8 q is
+  u - 128 (the sign bits flipped), Q4_0's offset b is -8 d, Q4_K's -dmin m, Q6_K's -32 d sc.
+- Two values at once: one mask (and for two of a word's four bytes, one shift) leaves the u of bytes t and t + 2 as
+  the mantissas of two f16 with a zero exponent, subnormals worth u 2^-24 that convert to f32 exactly. The
+  conversions run on the FMA pipe, beside the products; the integer pipe that masks and shifts is half as fast.
+- Per sub-block, sum (a u + b) x = a 2^24 sum((u 2^-24) x) + b sum(x): the decode kernel multiplies by x (one FMA a
+  value) and applies the scales once per chunk. Each product of a bf16 or f16 x is exact in f32.
+
+Tiles are [rows, chunks, 4 words]: every row of a program in each lane's registers, the chunks across the lanes and
+warps, a chunk's four words in one lane (one 16-byte load). x is loaded as [rows of x, chunks, 4]: the same lanes,
+each reading four consecutive values of x in one load, used by every row of the program.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from gguf import GGMLQuantizationType
+from strata.stage_worker.weights.formats import FORMATS, plane_names
+from torch import Tensor
+
+Q = GGMLQuantizationType
+SIGN_BITS: tl.constexpr = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as int32: flips each int8 of a word to q + 128
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a type's chunk maps to values: the kernels' constexprs."""
+
+    family: int  # 0: Q8_0; 1: Q4_0, Q4_1, Q5_0, Q5_1 (a block a chunk); 2: Q4_K, Q5_K; 3: Q6_K
+    bits: int  # of u
+    minimums: bool  # a plane of per-block offsets (Q4_1 and Q5_1's m)
+    half_stride: int  # columns between a byte's low and high nibble (0: a byte holds one value)
+
+    @property
+    def values_per_chunk(self) -> int:
+        return 16 if self.half_stride == 0 else 32
+
+
+LAYOUTS: dict[GGMLQuantizationType, Layout] = {
+    Q.Q8_0: Layout(0, 8, False, 0),
+    Q.Q4_0: Layout(1, 4, False, 16),
+    Q.Q4_1: Layout(1, 4, True, 16),
+    Q.Q5_0: Layout(1, 5, False, 16),
+    Q.Q5_1: Layout(1, 5, True, 16),
+    Q.Q4_K: Layout(2, 4, False, 32),
+    Q.Q5_K: Layout(2, 5, False, 32),
+    Q.Q6_K: Layout(3, 6, False, 64),
+}
+MAIN_PLANE = {t: "ql" if t == Q.Q6_K else "qs" for t in LAYOUTS}
+# The kernels' scale slots, by plane name: d, a second f16 field (dmin, or Q4_1/Q5_1's m), sub-scales, sub-minimums.
+SCALE_PLANES = {t: ("d", "m" if t in (Q.Q4_1, Q.Q5_1) else "dmin", "sc", "m" if t in (Q.Q4_K, Q.Q5_K) else "-")
+                for t in LAYOUTS}  # fmt: skip
+
+
+@triton.jit
+def _chunk(FAMILY: tl.constexpr, BITS: tl.constexpr, MINIMUMS: tl.constexpr,
+           q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr, sq, sh, sd, sd2, ssc, smn, rows, kc, kmask):  # fmt: skip
+    """Everything a tile of chunks needs: rows [BN], chunk indices along the row kc [C] (kmask: inside the row).
+
+    Returns the main plane's words [BN, C, 4] (uint32), the high-bit words arranged for `_pair` (the main words where
+    a type has none), the scale a and offset b of the low and high nibbles [BN, C] f32, and the column of word 0,
+    byte 0, low nibble of each chunk [C]."""
+    i3 = tl.arange(0, 4)[None, None, :]
+    r2 = rows[:, None]
+    r3 = rows[:, None, None]
+    k2 = kc[None, :]
+    k3 = kc[None, :, None]
+    m2 = kmask[None, :]
+    m3 = kmask[None, :, None]
+    words = tl.load(q_ptr + r3 * sq + k3 * 4 + i3, mask=m3, other=0)
+    high = words
+    if FAMILY == 0:  # Q8_0
+        words = words ^ SIGN_BITS
+        a_lo = tl.load(d_ptr + r2 * sd + k2 // 2, mask=m2, other=0.0).to(tl.float32)
+        b_lo = -128.0 * a_lo
+        a_hi = a_lo
+        b_hi = b_lo
+        base = 16 * kc
+    elif FAMILY == 1:  # Q4_0, Q4_1, Q5_0, Q5_1: a block of 32 values a chunk
+        a_lo = tl.load(d_ptr + r2 * sd + k2, mask=m2, other=0.0).to(tl.float32)
+        if MINIMUMS:
+            b_lo = tl.load(d2_ptr + r2 * sd2 + k2, mask=m2, other=0.0).to(tl.float32)
+        else:
+            b_lo = -(1 << (BITS - 1)) * a_lo
+        if BITS == 5:
+            # One word of fifth bits per block (= chunk): bit v for value v. Word i of the chunk holds values 4i + t
+            # and 16 + 4i + t, so shifting by 4i leaves `_pair` a constant shift.
+            qh = tl.load(h_ptr + r2 * sh + k2, mask=m2, other=0)
+            high = qh[:, :, None] >> (4 * i3)
+        a_hi = a_lo
+        b_hi = b_lo
+        base = 32 * kc
+    elif FAMILY == 2:  # Q4_K, Q5_K
+        # 8 chunks a 256-value block; chunk cc holds half of group cc // 2: values 64 g + 16 (cc % 2) + 4 i + t (low
+        # nibbles, sub-block 2 g) and 32 more (high nibbles, sub-block 2 g + 1).
+        unit = kc // 8
+        cc = kc % 8
+        d = tl.load(d_ptr + r2 * sd + unit[None, :], mask=m2, other=0.0).to(tl.float32)
+        dmin = tl.load(d2_ptr + r2 * sd2 + unit[None, :], mask=m2, other=0.0).to(tl.float32)
+        sub = (8 * unit + 2 * (cc // 2))[None, :]
+        a_lo = d * tl.load(sc_ptr + r2 * ssc + sub, mask=m2, other=0).to(tl.float32)
+        a_hi = d * tl.load(sc_ptr + r2 * ssc + sub + 1, mask=m2, other=0).to(tl.float32)
+        b_lo = -dmin * tl.load(mn_ptr + r2 * smn + sub, mask=m2, other=0).to(tl.float32)
+        b_hi = -dmin * tl.load(mn_ptr + r2 * smn + sub + 1, mask=m2, other=0).to(tl.float32)
+        if BITS == 5:
+            # Value 32 j + l's fifth bit is bit j of qh byte l: the chunk's bytes l = 16 (cc % 2) + 4 i + t are qh
+            # word 4 (cc % 2) + i, and j = 2 g + nibble; shifting by 2 g leaves a constant shift per (t, nibble).
+            hw = (8 * unit + 4 * (cc % 2))[None, :, None]
+            qh = tl.load(h_ptr + r3 * sh + hw + i3, mask=m3, other=0)
+            high = qh >> (2 * (cc // 2))[None, :, None]
+        base = 256 * unit + 64 * (cc // 2) + 16 * (cc % 2)
+    else:
+        # Q6_K: chunk cc of ql holds values 128 hh + 32 (s1 + 2 nibble) + 16 (cc % 2) + 4 i + t with hh = cc // 4,
+        # s1 = (cc // 2) % 2; their top two bits are bits 2 (s1 + 2 nibble) of qh byte 32 hh + 16 (cc % 2) + 4 i + t,
+        # and each 16 values have an int8 scale.
+        unit = kc // 8
+        cc = kc % 8
+        hh = cc // 4
+        s1 = (cc // 2) % 2
+        d = tl.load(d_ptr + r2 * sd + unit[None, :], mask=m2, other=0.0).to(tl.float32)
+        sub = (16 * unit + 8 * hh + 2 * s1 + cc % 2)[None, :]
+        a_lo = d * tl.load(sc_ptr + r2 * ssc + sub, mask=m2, other=0).to(tl.float32)
+        a_hi = d * tl.load(sc_ptr + r2 * ssc + sub + 4, mask=m2, other=0).to(tl.float32)
+        b_lo = -32.0 * a_lo
+        b_hi = -32.0 * a_hi
+        hw = (16 * unit + 8 * hh + 4 * (cc % 2))[None, :, None]
+        qh = tl.load(h_ptr + r3 * sh + hw + i3, mask=m3, other=0)
+        high = qh >> (2 * s1)[None, :, None]
+        base = 256 * unit + 128 * hh + 32 * s1 + 16 * (cc % 2)
+    # Unsigned from here: right shifts bring in zeros.
+    return words.to(tl.uint32, bitcast=True), high.to(tl.uint32, bitcast=True), a_lo, b_lo, a_hi, b_hi, base
+
+
+@triton.jit
+def _pair(FAMILY: tl.constexpr, BITS: tl.constexpr, words, high, t: tl.constexpr, h: tl.constexpr):
+    """u 2^-24 of bytes t and t + 2 (t < 2), nibble h, of each word: two f32 tensors. (A 4-bit type's nibbles are
+    masked in place, so its high nibbles come 16 times larger: `_unit` says by what to multiply.)
+
+    Q5 and Q6_K first gather a nibble's high bits beside it, for a word's four bytes at once (the compiler shares
+    that across t): byte t of `source` is then u."""
+    NIBBLE_WORDS: tl.constexpr = BITS == 4
+    if NIBBLE_WORDS or FAMILY == 0:
+        source = words
+    else:
+        # Each byte's low four bits from the nibble, its high ones from `top` (bits above u are masked below).
+        low = words >> (4 * h)
+        if FAMILY == 1:
+            # Bits 16 h .. 16 h + 3 (one per byte t) to bit 4 of byte t: the multiply places copies of the four bits
+            # at strides of 7 with no carries, the copy of bit t at 8 t + 4 and no other at bit 4 of a byte.
+            top = ((high >> (16 * h)) & 0xF) * 0x2040810
+        elif FAMILY == 2:
+            top = high << (4 - h)
+        else:
+            top = high << (4 - 4 * h)
+        source = (low & 0x0F0F0F0F) | (top & 0xF0F0F0F0)
+    field: tl.constexpr = 0x000F000F << (4 * h) if NIBBLE_WORDS else ((1 << BITS) - 1) * 0x00010001
+    if t == 1:
+        source = source >> 8
+    bits = source & field
+    first = bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    second = (bits >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return first, second
+
+
+@triton.jit
+def _unit(BITS: tl.constexpr, h: tl.constexpr):
+    """What `_pair`'s values of nibble h are multiplied by to give u."""
+    out: tl.constexpr = 1 << 20 if BITS == 4 and h == 1 else 1 << 24
+    return out
+
+
+@triton.jit
+def _columns(v):
+    """[A, B, 4] -> its four [A, B] columns (the last dimension lies in each thread's registers: no data moves)."""
+    even, odd = tl.split(tl.reshape(v, (v.shape[0], v.shape[1], 2, 2)))
+    c0, c2 = tl.split(even)
+    c1, c3 = tl.split(odd)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _gemv(
+    x_ptr, out_ptr, q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr,
+    M, N, n_chunks, chunks_per_split,
+    sxm, sos, som, sq, sh, sd, sd2, ssc, smn,
+    FAMILY: tl.constexpr, BITS: tl.constexpr, MINIMUMS: tl.constexpr, HALF_STRIDE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """out[split, m, n] = sum over the split's chunks of x[m] . W[n], for the M (<= BLOCK_M) rows of x at once.
+
+    One row of x: the sums of (u 2^-24) x and of x per sub-block half, scaled once a chunk. More rows: each value
+    a u + b is formed once (one FMA) and multiplied by every row's x."""
+    NIBBLES: tl.constexpr = 1 if HALF_STRIDE == 0 else 2
+    SPLIT_HALVES: tl.constexpr = FAMILY >= 2  # a K-quant's nibbles lie in different sub-blocks
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_in = tl.minimum(rows, N - 1)  # rows past N read row N - 1 and are not stored: no masked weight loads
+    m = tl.arange(0, BLOCK_M)
+    x_rows = x_ptr + tl.minimum(m, M - 1)[:, None, None] * sxm
+    offs_c = tl.arange(0, CHUNKS)
+    four = tl.arange(0, 4)[None, None, :]
+    if BLOCK_M == 1:
+        acc = tl.zeros((BLOCK_N, CHUNKS), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, CHUNKS), dtype=tl.float32)
+    first = pid_k * chunks_per_split
+    last = tl.minimum(first + chunks_per_split, n_chunks)
+    for k0 in range(first, last, CHUNKS):
+        kc = k0 + offs_c
+        kmask = (kc < last) | EVEN_K
+        words, high, a_lo, b_lo, a_hi, b_hi, base = _chunk(
+            FAMILY, BITS, MINIMUMS, q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr, sq, sh, sd, sd2, ssc, smn,
+            rows_in, kc, kmask,
+        )  # fmt: skip
+        word_columns = _columns(words)
+        high_columns = _columns(high)
+        xmask = kmask[None, :, None] & (four < 4)
+        if BLOCK_M == 1:
+            f_lo = tl.zeros((BLOCK_N, CHUNKS), dtype=tl.float32)
+            f_hi = tl.zeros((BLOCK_N, CHUNKS), dtype=tl.float32)
+            x_lo = tl.zeros((1, CHUNKS), dtype=tl.float32)
+            x_hi = tl.zeros((1, CHUNKS), dtype=tl.float32)
+        for i in tl.static_range(4):
+            for h in tl.static_range(NIBBLES):
+                column = base[None, :, None] + HALF_STRIDE * h + 4 * i + four
+                x4 = tl.load(x_rows + column, mask=xmask, other=0.0).to(tl.float32)  # [BLOCK_M, C, 4]
+                x_columns = _columns(x4)
+                if SPLIT_HALVES and h == 1:
+                    scale = a_hi * _unit(BITS, h)
+                    offset = b_hi
+                else:
+                    scale = a_lo * _unit(BITS, h)
+                    offset = b_lo
+                for t in tl.static_range(2):
+                    f_a, f_b = _pair(FAMILY, BITS, word_columns[i], high_columns[i], t, h)
+                    x_a = x_columns[t]
+                    x_b = x_columns[t + 2]
+                    # One statement a product: each compiles to one FMA.
+                    if BLOCK_M > 1:
+                        acc += (scale * f_a + offset)[None, :, :] * x_a[:, None, :]
+                        acc += (scale * f_b + offset)[None, :, :] * x_b[:, None, :]
+                    elif h == 1:
+                        f_hi += f_a * x_a
+                        f_hi += f_b * x_b
+                        x_hi += x_a
+                        x_hi += x_b
+                    else:
+                        f_lo += f_a * x_a
+                        f_lo += f_b * x_b
+                        x_lo += x_a
+                        x_lo += x_b
+        if BLOCK_M == 1:
+            acc += a_lo * _unit(BITS, 0) * f_lo + b_lo * x_lo
+            if NIBBLES == 2:
+                acc += a_hi * _unit(BITS, 1) * f_hi + b_hi * x_hi
+    out = tl.sum(acc, axis=1)[None, :] if BLOCK_M == 1 else tl.sum(acc, axis=2)
+    mask = (m < M)[:, None] & (rows < N)[None, :]
+    tl.store(out_ptr + pid_k * sos + m[:, None] * som + rows[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dequantise(
+    out_ptr, q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr,
+    N, n_chunks,
+    so, sq, sh, sd, sd2, ssc, smn,
+    FAMILY: tl.constexpr, BITS: tl.constexpr, MINIMUMS: tl.constexpr, HALF_STRIDE: tl.constexpr,
+    BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
+):  # fmt: skip
+    """out[n, k] = the weight's value, a u + b in one FMA (the reference's one rounding: a u is exact), in out's
+    dtype; the four values of a word's bytes (consecutive columns) are stored together."""
+    NIBBLES: tl.constexpr = 1 if HALF_STRIDE == 0 else 2
+    SPLIT_HALVES: tl.constexpr = FAMILY >= 2
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_in = tl.minimum(rows, N - 1)
+    kc = pid_k * CHUNKS + tl.arange(0, CHUNKS)
+    kmask = kc < n_chunks
+    words, high, a_lo, b_lo, a_hi, b_hi, base = _chunk(
+        FAMILY,
+        BITS,
+        MINIMUMS,
+        q_ptr,
+        h_ptr,
+        d_ptr,
+        d2_ptr,
+        sc_ptr,
+        mn_ptr,
+        sq,
+        sh,
+        sd,
+        sd2,
+        ssc,
+        smn,
+        rows_in,
+        kc,
+        kmask,
+    )
+    word_columns = _columns(words)
+    high_columns = _columns(high)
+    four = tl.arange(0, 4)[None, None, :]
+    mask = (rows < N)[:, None, None] & kmask[None, :, None] & (four < 4)
+    for i in tl.static_range(4):
+        for h in tl.static_range(NIBBLES):
+            if SPLIT_HALVES and h == 1:
+                scale = a_hi
+                offset = b_hi
+            else:
+                scale = a_lo
+                offset = b_lo
+            f0, f2 = _pair(FAMILY, BITS, word_columns[i], high_columns[i], 0, h)
+            f1, f3 = _pair(FAMILY, BITS, word_columns[i], high_columns[i], 1, h)
+            quad = tl.join(tl.join(f0, f2), tl.join(f1, f3))  # [BN, C, 2, 2]: byte t = 2 a + b at [..., a, b]
+            u = tl.reshape(quad, (BLOCK_N, CHUNKS, 4)) * _unit(BITS, h)  # exact
+            value = tl.fma(scale[:, :, None], u, offset[:, :, None])
+            column = base[None, :, None] + HALF_STRIDE * h + 4 * i + four
+            tl.store(out_ptr + rows[:, None, None] * so + column, value.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+@dataclass(frozen=True)
+class Config:
+    """A launch shape; bench/quant_matmul.py --sweep measures the alternatives. None: `default_config`'s."""
+
+    block_n: int | None = None  # weight rows a program (each lane holds all of them)
+    chunks: int | None = None  # chunks a step along K: 32 lanes x warps (x chunks a lane)
+    num_warps: int | None = None
+    splits: int | None = None  # programs along K; None: enough for WAVES programs a multiprocessor
+
+
+MAX_ROWS = 16  # rows of x the fused kernel takes (its registers hold them all)
+WAVES = 4
+
+
+def default_config(ggml_type: GGMLQuantizationType, rows: int) -> Config:
+    """Measured on an H100 (bench/quant_matmul.py --sweep, Llama-3-8B's matrices). One row: 4-bit words hold 8
+    values, and 8 rows a lane with 2 warps a program did best; Q8_0 best took 2 chunks a lane; Q5/Q6_K, between, 4
+    rows and a chunk a lane. Several rows of x: 8 weight rows a program, the x rows' registers permitting."""
+    if rows > 1:
+        return Config(block_n=8, chunks=128, num_warps=4)
+    if ggml_type == Q.Q8_0:
+        return Config(block_n=4, chunks=256, num_warps=4)
+    if LAYOUTS[ggml_type].bits == 4:
+        return Config(block_n=8, chunks=64, num_warps=2)
+    return Config(block_n=4, chunks=128, num_warps=4)
+
+
+def _planes(planes: Sequence[Tensor], ggml_type: GGMLQuantizationType) -> tuple[list[Tensor], list[int]]:
+    """The planes in the kernels' slots (main words, high words, d, d2, sc, mn; unused slots repeat the main words)
+    and their row strides."""
+    named = dict(zip(plane_names(ggml_type), planes, strict=True))
+    for name, plane in named.items():
+        if not plane.is_contiguous() or plane.dim() != 2:
+            raise ValueError(f"{ggml_type.name} plane {name} must be a contiguous [rows, fields] tensor")
+    main = named[MAIN_PLANE[ggml_type]].view(torch.int32)
+    high = named["qh"].view(torch.int32) if "qh" in named else main
+    slots = [main, high, *(named.get(name, main) for name in SCALE_PLANES[ggml_type])]
+    return slots, [s.stride(0) for s in slots]
+
+
+def _constexprs(ggml_type: GGMLQuantizationType) -> dict[str, int | bool]:
+    layout = LAYOUTS[ggml_type]
+    return {"FAMILY": layout.family, "BITS": layout.bits, "MINIMUMS": layout.minimums,
+            "HALF_STRIDE": layout.half_stride}  # fmt: skip
+
+
+def _chunks(columns: int, ggml_type: GGMLQuantizationType) -> int:
+    if columns % FORMATS[ggml_type].block_elements:
+        raise ValueError(f"{ggml_type.name}: {columns} columns are not whole blocks")
+    return columns // LAYOUTS[ggml_type].values_per_chunk
+
+
+def quant_matmul(
+    x: Tensor, planes: Sequence[Tensor], ggml_type: GGMLQuantizationType, *, columns: int, config: Config | None = None
+) -> Tensor:
+    """x [M, K] (M <= 16) @ W.T -> [M, N] in x's dtype, W given as its planes (formats.plane_names order)."""
+    m_rows, k = x.shape
+    if k != columns:
+        raise ValueError(f"x has {k} columns, the weight {columns}")
+    if m_rows > MAX_ROWS:
+        raise ValueError(f"the fused kernel takes at most {MAX_ROWS} rows of x, not {m_rows}")
+    n = planes[0].shape[0]
+    if m_rows == 0:
+        return x.new_empty((0, n))
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    n_chunks = _chunks(columns, ggml_type)
+    default = default_config(ggml_type, m_rows)
+    config = config or default
+    block_n = config.block_n or default.block_n or 4
+    warps = config.num_warps or default.num_warps or 4
+    chunks = min(config.chunks or default.chunks or 128, triton.next_power_of_2(n_chunks))
+    programs = triton.cdiv(n, block_n)
+    steps = triton.cdiv(n_chunks, chunks)
+    splits = config.splits or max(1, min(steps, WAVES * _multiprocessors(x.device) // programs))
+    chunks_per_split = triton.cdiv(steps, splits) * chunks
+    splits = triton.cdiv(n_chunks, chunks_per_split)
+    if splits == 1:
+        out = torch.empty((m_rows, n), device=x.device, dtype=x.dtype)
+    else:  # f32 partial sums, added below
+        out = torch.empty((splits, m_rows, n), device=x.device, dtype=torch.float32)
+    slots, strides = _planes(planes, ggml_type)
+    _gemv[(programs, splits)](
+        x, out, *slots, m_rows, n, n_chunks, chunks_per_split,
+        x.stride(0), out.stride(0) if splits > 1 else 0, out.stride(-2), *strides,
+        **_constexprs(ggml_type), BLOCK_M=triton.next_power_of_2(m_rows), BLOCK_N=block_n, CHUNKS=chunks,
+        EVEN_K=n_chunks % chunks_per_split == 0 and chunks_per_split % chunks == 0, num_warps=warps, num_stages=1,
+    )  # fmt: skip
+    return out if splits == 1 else out.sum(dim=0).to(x.dtype)
+
+
+def dequantize(
+    planes: Sequence[Tensor], ggml_type: GGMLQuantizationType, *, columns: int, dtype: torch.dtype
+) -> Tensor:
+    """The weight [N, K] in `dtype` (each value computed as the f32 reference computes it, then rounded)."""
+    n = planes[0].shape[0]
+    n_chunks = _chunks(columns, ggml_type)
+    out = torch.empty((n, columns), device=planes[0].device, dtype=dtype)
+    block_n, chunks = 4, min(128, triton.next_power_of_2(n_chunks))
+    slots, strides = _planes(planes, ggml_type)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(n_chunks, chunks))
+    _dequantise[grid](
+        out, *slots, n, n_chunks, out.stride(0), *strides,
+        **_constexprs(ggml_type), BLOCK_N=block_n, CHUNKS=chunks, num_warps=4,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,201 @@
+"""The quantised-matmul kernels against the f32 reference, on a table of named cases.
+
+Without a GPU the Triton kernels run under Triton's interpreter (tests/conftest.py), in f32 and f16 (the interpreter
+has no bfloat16); on a GPU, compiled, in bf16 too. Each case builds random GGUF bytes of one type (every bit of
+every quantised field random; the f16 fields set per case, finite: the planes test covers NaN and inf) and splits
+them into planes as the loader does. Up to 16 rows of x the cases run the fused kernel; 17 rows run `kernel`, the
+Triton path the model takes on a GPU, which dequantises the weight beyond FUSED_MAX_ROWS.
+
+The check: every output within `tolerance(dtype)` of `x.float() @ dequantize(planes).T`, as a share of
+sum |x| |w| over that output (what an accumulation error scales with), so a wrong value anywhere in a row shows.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from strata.stage_worker.kernels import quant_matmul_triton
+from strata.stage_worker.kernels.quant_matmul import (
+    FUSED_MAX_ROWS,
+    FUSED_TYPES,
+    dequantize_as,
+    kernel,
+    quant_linear,
+    reference,
+)
+from strata.stage_worker.weights.formats import FORMATS, dequantize, plane_names, split_planes
+
+Q = GGMLQuantizationType
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    ggml_type: GGMLQuantizationType
+    m: int  # rows of x: up to 16 the fused kernel, 17 the dequantise path
+    n: int  # weight rows, not a multiple of any BLOCK_N
+    k: int
+    blocks: str  # the f16 fields: "normal", "extreme" (+-65504 beside tiny), "zero" (a third of blocks all zero
+    # bytes), "negative" (every f16 field negative: negative minimums)
+
+
+def _k(ggml_type: GGMLQuantizationType, *, long: bool) -> int:
+    """Columns: a few blocks, ending inside a tile of chunks; `long`: over more than one K step of the kernels."""
+    if ggml_type in K_QUANTS:
+        return 1280 if long else 768
+    return 1088 if long else 96
+
+
+def _cases() -> list[Case]:
+    cases = []
+    for t in sorted(FUSED_TYPES):
+        short, long = _k(t, long=False), _k(t, long=True)
+        cases += [Case(f"{t.name} M={m}", t, m, 37 if m < 16 else 19, short, "normal") for m in (1, 3, 16, 17)]
+        cases += [Case(f"{t.name} M={m}, K={long}", t, m, 21, long, "normal") for m in (1, 3)]
+        cases += [Case(f"{t.name} M={m}, extreme scales", t, m, 19, short, "extreme") for m in (1, 16)]
+        cases += [Case(f"{t.name} M=3, zero blocks", t, 3, 19, short, "zero")]
+        cases += [Case(f"{t.name} M={m}, negative scales", t, m, 19, short, "negative") for m in (1, 17)]
+    return cases
+
+
+CASES = _cases()
+
+
+@pytest.fixture(scope="module")
+def device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda:0")
+    assert os.environ.get("TRITON_INTERPRET") == "1", (
+        "tests/conftest.py sets Triton's interpreter on machines without a GPU"
+    )
+    return torch.device("cpu")
+
+
+def dtypes() -> list[torch.dtype]:
+    return [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """f32: accumulation; f16/bf16: the output's rounding, and beyond 16 rows the weight's rounding to x's dtype."""
+    return {torch.float32: 1e-5, torch.float16: 2e-3}.get(dtype, 1.2e-2)
+
+
+def random_planes(case: Case, rng: np.random.Generator) -> dict[str, torch.Tensor]:
+    elements, size = GGML_QUANT_SIZES[case.ggml_type]
+    blocks = rng.integers(0, 256, size=(case.n, case.k // elements, size), dtype=np.uint8)
+    for field in FORMATS[case.ggml_type].fields:
+        if field.dtype != torch.float16:
+            continue
+        shape = blocks.shape[:2]
+        if case.blocks == "extreme":
+            choices = np.array([65504.0, -65504.0, 6.1e-5, -6.0e-8, 1.0e-3], dtype=np.float16)
+            value = rng.choice(choices, size=shape)
+        else:
+            value = (rng.standard_normal(shape) * 1e-2).astype(np.float16)
+            if case.blocks == "negative":
+                value = -np.abs(value)
+        blocks[:, :, field.offset : field.offset + 2] = value.view(np.uint8).reshape(*shape, 2)
+    if case.blocks == "zero":
+        blocks[rng.random(blocks.shape[:2]) < 1 / 3] = 0
+    return split_planes(torch.from_numpy(blocks).reshape(-1), case.ggml_type, rows=case.n)
+
+
+def relative_error(ours: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
+    """max |ours - x w^T| / (|x| |w|^T + the smallest normal of ours' dtype: below it, the dtype's steps are fixed)."""
+    expected = x.float() @ w.T
+    bound = x.float().abs() @ w.abs().T + torch.finfo(ours.dtype).tiny
+    return float(((ours.float() - expected).abs() / bound).max())
+
+
+def run_case(case: Case, *, device: torch.device, dtype: torch.dtype, seed: int = 0) -> float:
+    """The Triton path against the reference on fresh random inputs; the largest relative error (NaN fails)."""
+    rng = np.random.default_rng(seed)
+    planes = random_planes(case, rng)
+    w = dequantize(planes, case.ggml_type)
+    # Outputs inside f16's range, whatever the weights' magnitude.
+    scale = min(1.0, 100.0 / float(w.abs().sum(dim=1).max().clamp_min(1e-30)))
+    x = (torch.from_numpy(rng.standard_normal((case.m, case.k))).float() * scale).to(dtype)
+    on_device = [p.to(device) for p in planes.values()]
+    if case.m <= quant_matmul_triton.MAX_ROWS:
+        ours = quant_matmul_triton.quant_matmul(x.to(device), on_device, case.ggml_type, columns=case.k)
+    else:
+        ours = kernel(x.to(device), on_device, case.ggml_type, columns=case.k)
+    assert ours.shape == (case.m, case.n)
+    assert ours.dtype == dtype
+    return relative_error(ours.cpu(), x, w)
+
+
+def _applies(case: Case, dtype: torch.dtype) -> bool:
+    # Beyond 16 rows the weights are dequantised into x's dtype for cuBLAS: extreme f16 scales make values past f16's
+    # largest, as any f16 matmul of them would.
+    return not (case.blocks == "extreme" and dtype == torch.float16 and case.m > FUSED_MAX_ROWS)
+
+
+@pytest.mark.parametrize("dtype", dtypes(), ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_kernel_matches_reference(case: Case, dtype: torch.dtype, device: torch.device) -> None:
+    if not _applies(case, dtype):
+        pytest.skip("values beyond f16's range")
+    error = run_case(case, device=device, dtype=dtype, seed=len(case.name) * 7 + case.m)
+    assert error <= tolerance(dtype), f"{case.name}: relative error {error:.2e} over {tolerance(dtype):.0e}"
+
+
+@pytest.mark.parametrize("ggml_type", sorted(FUSED_TYPES), ids=lambda t: t.name)
+def test_dequantise_kernel_is_the_reference(ggml_type: GGMLQuantizationType, device: torch.device) -> None:
+    """In f32 the dequantise kernel computes each value with the reference's one rounding: equal bit for bit."""
+    case = Case("", ggml_type, 1, 21, _k(ggml_type, long=True), "extreme")
+    planes = random_planes(case, np.random.default_rng(int(ggml_type)))
+    on_device = [p.to(device) for p in planes.values()]
+    ours = quant_matmul_triton.dequantize(on_device, ggml_type, columns=case.k, dtype=torch.float32)
+    assert torch.equal(ours.cpu(), dequantize(planes, ggml_type))
+
+
+@pytest.mark.parametrize("wrong", ["high nibbles misplaced", "scales swapped"])
+def test_a_wrong_kernel_fails_the_check(wrong: str, device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check can fail: a kernel that misreads a Q4_K block is caught."""
+    if wrong == "high nibbles misplaced":  # right values, multiplied by x 16 columns early
+        layouts = dict(quant_matmul_triton.LAYOUTS)
+        layouts[Q.Q4_K] = replace(layouts[Q.Q4_K], half_stride=16)
+        monkeypatch.setattr(quant_matmul_triton, "LAYOUTS", layouts)
+    else:  # sub-block scales and minimums swapped
+        planes = dict(quant_matmul_triton.SCALE_PLANES)
+        planes[Q.Q4_K] = ("d", "dmin", "m", "sc")
+        monkeypatch.setattr(quant_matmul_triton, "SCALE_PLANES", planes)
+    case = Case("", Q.Q4_K, 1, 19, 768, "normal")
+    assert run_case(case, device=device, dtype=torch.float32) > 1e-2
+
+
+def test_public_functions(device: torch.device) -> None:
+    """quant_linear takes any leading dimensions and is the reference on the CPU; `kernel` (the op) takes the fused
+    kernel for a few rows; dequantize_as takes the planes as a dict or a list."""
+    case = Case("", Q.Q4_K, 1, 19, 512, "normal")
+    planes = random_planes(case, np.random.default_rng(3))
+    ordered = [planes[name] for name in plane_names(Q.Q4_K)]
+    x = torch.randn(2, 3, 512)
+    y = quant_linear(x, ordered, Q.Q4_K, columns=512)
+    assert y.shape == (2, 3, 19)
+    assert torch.equal(y.reshape(6, 19), reference(x.reshape(6, 512), ordered, Q.Q4_K))
+    few = x[0, :FUSED_MAX_ROWS]
+    fused = kernel(few.to(device), [p.to(device) for p in ordered], Q.Q4_K, columns=512).cpu()
+    assert relative_error(fused, few, dequantize(planes, Q.Q4_K)) <= tolerance(torch.float32)
+    on_device = {name: p.to(device) for name, p in planes.items()}
+    for given in (on_device, list(on_device.values())):
+        assert torch.equal(dequantize_as(given, Q.Q4_K, torch.float32).cpu(), dequantize(planes, Q.Q4_K))
+
+
+@pytest.mark.parametrize("m", [1, 17])
+def test_custom_ops_pass_opcheck(m: int, device: torch.device) -> None:
+    """The ops' schemas and fake implementations hold (what torch.compile relies on)."""
+    from strata.stage_worker.kernels import quant_matmul
+
+    case = Case("", Q.Q8_0, m, 5, 64, "normal")
+    planes = [p.to(device) for p in random_planes(case, np.random.default_rng(4)).values()]
+    x = torch.randn(m, 64, device=device)
+    torch.library.opcheck(quant_matmul._quant_linear_op, (x, planes, int(Q.Q8_0), 64))
+    torch.library.opcheck(quant_matmul._dequantize_op, (planes, int(Q.Q8_0), 64, torch.float16))

@@ -112,9 +112,26 @@ class _Mapping:
     def set_sequence(self, slot: int, value: int) -> None:
         SEQUENCE.pack_into(self.map, SEQUENCES_AT + SEQUENCE.size * slot, value)
 
-    def view(self, slot: int, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
-        start = self.layout.data_at + slot * self.layout.slot_bytes
-        return self.bytes[start : start + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+    def _start(self, slot: int) -> int:
+        return self.layout.data_at + slot * self.layout.slot_bytes
+
+    # Between host memory, one memcpy on the calling thread: torch's copy would wake its worker threads, and on a busy
+    # host that wake-up costs more than the copy (10-20 ms against 0.1 ms for 1 MiB on the 2-core dev machine).
+
+    def write(self, slot: int, tensor: Tensor) -> None:
+        start, nbytes = self._start(slot), tensor.numel() * tensor.element_size()
+        if tensor.device.type == "cpu":
+            self.map[start : start + nbytes] = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data
+        else:
+            self.bytes[start : start + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+
+    def read(self, slot: int, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> Tensor:
+        start, nbytes = self._start(slot), math.prod(shape) * dtype.itemsize
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype, device=device)
+        if device.type == "cpu":
+            return torch.frombuffer(bytearray(memoryview(self.map)[start : start + nbytes]), dtype=dtype).view(shape)
+        return self.bytes[start : start + nbytes].view(dtype).view(shape).to(device)
 
 
 def _unlink(path: Path) -> None:
@@ -168,7 +185,7 @@ class HopRegion:
                 f"{self.layout.slot_bytes}"
             )
         self._check(ref, where, "")
-        tensor = self._mapping.view(ref.slot, dtype, shape).to(device, copy=True)
+        tensor = self._mapping.read(ref.slot, dtype, shape, device)
         self._check(ref, where, " while it was read")
         return tensor
 
@@ -228,11 +245,12 @@ class HopWriter:
                 return None
             slot = self._free.pop()
             sequence = next(self._sequences)
-        shape = tuple(tensor.shape)
         self._mapping.set_sequence(slot, 0)
-        self._mapping.view(slot, tensor.dtype, shape).copy_(tensor)
+        self._mapping.write(slot, tensor)
         self._mapping.set_sequence(slot, sequence)
-        ref = stage_pb2.SharedTensor(region=self.region.name, slot=slot, sequence=sequence, dtype=dtype, shape=shape)
+        ref = stage_pb2.SharedTensor(
+            region=self.region.name, slot=slot, sequence=sequence, dtype=dtype, shape=tuple(tensor.shape)
+        )
         return ref, functools.partial(self._release, slot)
 
     def _release(self, slot: int) -> None:

@@ -1,17 +1,21 @@
-"""Time to first token over 1 and 2 stages: a long prefill sent on in pieces (the default) against in one message.
+"""Time to first token over 1 and 2 stages: the activations through shared memory (the default on one host) against
+inline over gRPC, and a long prefill sent on in pieces (the default) against in one message.
 
-    python bench/prefill_pipeline.py [--lengths 512,4096] [--out DIR]
+    python bench/prefill_pipeline.py [--lengths 512,4096] [--rounds 2] [--layers N] [--out DIR]
 
 Stage processes on loopback gRPC, as `strata serve` runs them, driven by the coordinator's client with one prefill
 chunk per prompt (the first stage cuts it into STRATA_PIPELINE_CHUNK-position pieces and sends each on as soon as it
-is computed). On a GPU: bench/gpu.py's Llama-3-8B-shape file with random Q8_0 weights, both stages on GPU 0 (one per
-GPU where there are two). On the CPU: a generated llama of realistic width (bench_llama, 4 layers). Medians of 3
-prompts per length, the best of ROUNDS rounds in which the variants take turns; one table naming the machine.
+is computed). On a GPU: bench/gpu.py's Llama-3-8B-shape file with random Q8_0 weights (`--layers` keeps fewer of its
+layers), both stages on GPU 0 (one per GPU where there are two). On the CPU: a generated llama of realistic width
+(bench_llama, 4 layers). Medians of 3 prompts per length, the best of `--rounds` rounds in which the variants take
+turns; one table naming the machine, printed (and written to --out) after every variant, so a run cut short still
+reports what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -29,15 +33,18 @@ from strata.stage_worker.client import Pipeline, wait_loaded
 sys.path.insert(0, str(Path(__file__).parent))
 import gpu
 
-ROUNDS = 2
-VARIANTS = {  # name -> (stages, STRATA_PIPELINE_CHUNK)
-    "1 stage": (1, "512"),
-    "2 stages, prefill in one message": (2, "0"),
-    "2 stages, prefill in 512-position pieces": (2, "512"),
+VARIANTS = {  # name -> stages, and the stages' environment; the most telling first, for a run cut short
+    "1 stage": (1, {}),
+    "2 stages, pieces, shared memory": (2, {"STRATA_PIPELINE_CHUNK": "512", "STRATA_HOP_SLOTS": "4"}),
+    "2 stages, pieces, inline": (2, {"STRATA_PIPELINE_CHUNK": "512", "STRATA_HOP_SLOTS": "0"}),
+    "2 stages, one message, inline": (2, {"STRATA_PIPELINE_CHUNK": "0", "STRATA_HOP_SLOTS": "0"}),
 }
+# As `strata serve` starts stages on one machine (strata.gateway.local): idle OpenMP threads must not spin on the
+# cores the working stage needs.
+CO_LOCATED = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
-def time_to_first_token(model: Path, *, stages: int, chunk: str, devices: list[str], lengths: list[int],
+def time_to_first_token(model: Path, *, stages: int, env: dict[str, str], devices: list[str], lengths: list[int],
                         layers: int, vocab: int) -> dict[int, float]:  # fmt: skip
     spans = [(0, layers)] if stages == 1 else [(0, layers // 2), (layers // 2, layers)]
     with ExitStack() as stack:
@@ -50,7 +57,7 @@ def time_to_first_token(model: Path, *, stages: int, chunk: str, devices: list[s
                     span=spans[index],
                     device=devices[index],
                     next_port=port,
-                    extra_env={"STRATA_PIPELINE_CHUNK": chunk},
+                    extra_env={**CO_LOCATED, **env},
                 )
             )
         assert port is not None
@@ -73,9 +80,33 @@ def time_to_first_token(model: Path, *, stages: int, chunk: str, devices: list[s
     return figures
 
 
+def report(best: dict[str, dict[int, float]], *, machine: dict[str, str], description: str, devices: list[str],
+           lengths: list[int], out: Path | None) -> None:  # fmt: skip
+    lines = [
+        "machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()),
+        f"model: {description}; {gpu.KV.value} KV; stages on {devices}",
+        "",
+        "| time to first token, ms | " + " | ".join(f"{n} tokens" for n in lengths) + " |",
+        "| --- |" + " ---: |" * len(lengths),
+    ]
+    one = best["1 stage"]
+    for name, row in best.items():
+        cells = [f"{row[n] * 1e3:.0f} ({row[n] / one[n]:.2f}x)" for n in lengths]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    table = "\n".join(lines) + "\n"
+    print(table, flush=True)
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        results = {"machine": machine, "model": description, "kv": gpu.KV.value, **best}
+        (out / "prefill_pipeline.json").write_text(json.dumps(results, indent=1, default=str))
+        (out / "prefill_pipeline.md").write_text(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="512,4096")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=0, help="GPU: keep this many of the 8B shape's 32 layers")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -85,9 +116,11 @@ def main() -> None:
     gpu.CONTEXT = max(gpu.CONTEXT, max(lengths) + 256)
     if cuda:
         model = folder / "bench.gguf"
-        written = write_bulk_q8_model(model, shape=LARGE_SHAPES["llama3-8b"])
-        vocab, description = written.vocab_size, "llama3-8b shape, random Q8_0 weights, bf16 compute"
-        layers = LARGE_SHAPES["llama3-8b"].block_count
+        shape = LARGE_SHAPES["llama3-8b"]
+        shape = dataclasses.replace(shape, block_count=args.layers or shape.block_count)
+        written = write_bulk_q8_model(model, shape=shape)
+        layers = shape.block_count
+        vocab, description = written.vocab_size, f"llama3-8b shape, {layers} layers, random Q8_0 weights, bf16 compute"
         count = torch.cuda.device_count()
         devices = [f"cuda:{i % count}" for i in range(2)]
     else:
@@ -97,36 +130,16 @@ def main() -> None:
         vocab, description = written.vocab_size, "generated llama (bench_llama, 4 layers), f32 compute"
         layers = shape.block_count
         devices = ["cpu", "cpu"]
-    results: dict[str, object] = {"machine": gpu.machine(device), "model": description, "kv": gpu.KV.value}
-    for round_ in range(ROUNDS):  # the variants take turns, so a busy moment of the machine does not pick one
-        for name, (stages, chunk) in VARIANTS.items():
+    machine = gpu.machine(device)
+    best: dict[str, dict[int, float]] = {}
+    for round_ in range(args.rounds):  # the variants take turns, so a busy moment of the machine does not pick one
+        for name, (stages, env) in VARIANTS.items():
             figures = time_to_first_token(
-                model, stages=stages, chunk=chunk, devices=devices, lengths=lengths, layers=layers, vocab=vocab
+                model, stages=stages, env=env, devices=devices, lengths=lengths, layers=layers, vocab=vocab
             )
             print(f"round {round_ + 1}, {name}: {figures}", flush=True)
-            best = results.setdefault(name, figures)
-            assert isinstance(best, dict)
-            results[name] = {n: min(best[n], figures[n]) for n in lengths}
-    lines = [
-        "machine: " + ", ".join(f"{k} {v}" for k, v in results["machine"].items()),  # type: ignore[attr-defined]
-        f"model: {description}; {gpu.KV.value} KV; stages on {devices}",
-        "",
-        "| time to first token, ms | " + " | ".join(f"{n} tokens" for n in lengths) + " |",
-        "| --- |" + " ---: |" * len(lengths),
-    ]
-    one = results["1 stage"]
-    for name in VARIANTS:
-        row = results[name]
-        assert isinstance(row, dict)
-        assert isinstance(one, dict)
-        cells = [f"{row[n] * 1e3:.0f} ({row[n] / one[n]:.2f}x)" for n in lengths]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    table = "\n".join(lines) + "\n"
-    print(table)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "prefill_pipeline.json").write_text(json.dumps(results, indent=1, default=str))
-        (args.out / "prefill_pipeline.md").write_text(table)
+            best[name] = {n: min(best.get(name, figures)[n], figures[n]) for n in lengths}
+            report(best, machine=machine, description=description, devices=devices, lengths=lengths, out=args.out)
 
 
 if __name__ == "__main__":

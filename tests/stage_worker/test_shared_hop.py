@@ -18,7 +18,7 @@ from strata.gateway.local import StageProcess
 from strata.rpc.v1 import stage_pb2, stage_pb2_grpc
 from strata.stage_worker.client import Completion, Pipeline, Request, wait_loaded
 from strata.stage_worker.server import RunningStage
-from strata.stage_worker.shared_hop import SHM, HopRegion, HopWriter
+from strata.stage_worker.shared_hop import SHM, HopLink, HopRegion, HopWriter
 from strata_testbed.pipelines import local_pipeline
 
 SPANS = ((0, 2), (2, 3))
@@ -199,6 +199,37 @@ def test_a_sender_attaches_only_to_the_region_it_can_open_and_recognise(
         message = region.advert()
         advert(message)
         assert (HopWriter.attach(message, folder=tmp_path) is not None) == attached
+    finally:
+        region.close()
+
+
+@pytest.mark.parametrize(
+    ("name", "loaded", "attached", "asks_again"),
+    [
+        ("a loaded stage's region is attached to, and its answer stands", True, True, False),
+        ("a stage still loading is asked again after a while", False, False, True),
+    ],
+)
+def test_a_sender_asks_for_the_region_once_the_next_stage_has_loaded_and_again_after_a_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, loaded: bool, attached: bool, asks_again: bool
+) -> None:
+    region = HopRegion(slots=2, slot_bytes=4096, folder=tmp_path)
+    asked: list[int] = []
+
+    def load_status() -> stage_pb2.LoadStatus:
+        asked.append(1)
+        return stage_pb2.LoadStatus(loaded=loaded, hop_region=region.advert() if loaded else None)
+
+    monkeypatch.setattr("strata.stage_worker.shared_hop.RETRY_S", 0.0 if asks_again else 60.0)
+    link = HopLink(load_status, folder=tmp_path)
+    try:
+        first = link.writer()
+        assert (first is not None) == attached
+        assert link.writer() is first
+        assert len(asked) == (2 if asks_again else 1)
+        link.ask_again()  # a call to the next stage failed
+        assert link.writer() is first  # the same region: the same writer, so no slot has two owners
+        assert len(asked) == (3 if asks_again else 2)
     finally:
         region.close()
 

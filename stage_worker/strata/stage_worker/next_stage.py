@@ -194,7 +194,7 @@ class NextStage:
         self._stub = stage_pb2_grpc.StageStub(self._channel)
         self._lock = threading.Lock()
         self._shared: StepStream | None = None
-        self.hop = HopLink(self._advertised_region)
+        self.hop = HopLink(self._load_status)
 
     def open_stream(self) -> StepStream:
         """A Forward stream of its own to the next stage, for one caller's stream into this one."""
@@ -227,13 +227,14 @@ class NextStage:
         request.shared_hidden.CopyFrom(reference)
         return release
 
-    def _advertised_region(self) -> stage_pb2.SharedRegion | None:
+    def _load_status(self) -> stage_pb2.LoadStatus | None:
         try:
-            status = self._stub.GetLoadStatus(stage_pb2.LoadStatusRequest(), timeout=ASK_REGION_TIMEOUT_S)
+            status: stage_pb2.LoadStatus = self._stub.GetLoadStatus(
+                stage_pb2.LoadStatusRequest(), timeout=ASK_REGION_TIMEOUT_S
+            )
         except grpc.RpcError:
             return None
-        region: stage_pb2.SharedRegion = status.hop_region
-        return region if region.name else None
+        return status
 
     def reset_slot(self, request: stage_pb2.ResetSlotRequest) -> None:
         self._unary("ResetSlot", request)

@@ -55,7 +55,7 @@ HEADER = struct.Struct("<16s16sIQ")  # magic, token, slots, slot bytes
 SEQUENCE = struct.Struct("<Q")
 SEQUENCES_AT = 64
 PAGE = 4096
-RETRY_S = 5.0  # how long a sender goes inline before asking a next stage without a usable region again
+RETRY_S = 1.0  # how long a sender goes inline before asking a next stage that is still loading (or silent) again
 
 
 def _round_up(n: int, to: int) -> int:
@@ -260,25 +260,29 @@ class HopWriter:
 
 
 class HopLink:
-    """The sender's way to the next stage's region: asked for on first use, asked again after a call to the next
-    stage failed (it may have restarted with a region of its own), and at most every RETRY_S while there is none."""
+    """The sender's way to the next stage's region, from the next stage's load status: asked for on first use, every
+    RETRY_S while the next stage is still loading (or does not answer), and again after a call to it failed (it may
+    have come back as a new process, with a region of its own). A loaded stage's answer stands until then, whether
+    this stage could attach to its region or not."""
 
-    def __init__(self, advertised: Callable[[], stage_pb2.SharedRegion | None], *, folder: Path = SHM) -> None:
-        self._advertised = advertised  # the next stage's region, or None: it has none, or could not be asked
+    def __init__(self, status: Callable[[], stage_pb2.LoadStatus | None], *, folder: Path = SHM) -> None:
+        self._status = status  # the next stage's load status; None when it could not be asked
         self._folder = folder
         self._lock = threading.Lock()
         self._writer: HopWriter | None = None
-        self._ask_at = 0.0  # monotonic time to ask again; infinite while attached and nothing failed
+        self._ask_at = 0.0  # monotonic time to ask again; infinite once a loaded stage answered
 
     def writer(self) -> HopWriter | None:
         with self._lock:
             if time.monotonic() >= self._ask_at:
-                region = self._advertised()
+                status = self._status()
+                region = status.hop_region if status is not None and status.hop_region.name else None
                 if region is None:
                     self._writer = None
                 elif self._writer is None or not self._writer.serves(region):
                     self._writer = HopWriter.attach(region, folder=self._folder)
-                self._ask_at = math.inf if self._writer is not None else time.monotonic() + RETRY_S
+                loaded = status is not None and status.loaded
+                self._ask_at = math.inf if loaded else time.monotonic() + RETRY_S
             return self._writer
 
     def ask_again(self) -> None:

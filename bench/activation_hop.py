@@ -53,7 +53,7 @@ class Receiver(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # grpc's ge
 
 
 def receive(shared: bool, slot_bytes: int, device: str, port: Any, ready: Any) -> None:
-    region = HopRegion(slots=4, slot_bytes=slot_bytes) if shared else None
+    region = HopRegion(slots=1, slot_bytes=slot_bytes) if shared else None  # one hop at a time
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=CHANNEL_OPTIONS)
     stage_pb2_grpc.add_StageServicer_to_server(Receiver(region, torch.device(device)), server)
     port.value = server.add_insecure_port("127.0.0.1:0")

@@ -48,7 +48,7 @@ def time_to_first_token(model: Path, *, stages: int, env: dict[str, str], device
                         layers: int, vocab: int) -> dict[int, float]:  # fmt: skip
     spans = [(0, layers)] if stages == 1 else [(0, layers // 2), (layers // 2, layers)]
     with ExitStack() as stack:
-        port: int | None = None
+        ports: list[int] = []
         for index in reversed(range(stages)):
             port = stack.enter_context(
                 gpu.stage_process(
@@ -56,13 +56,14 @@ def time_to_first_token(model: Path, *, stages: int, env: dict[str, str], device
                     index=index,
                     span=spans[index],
                     device=devices[index],
-                    next_port=port,
+                    next_port=ports[0] if ports else None,
                     extra_env={**CO_LOCATED, **env},
                 )
             )
-        assert port is not None
-        wait_loaded(f"127.0.0.1:{port}", timeout_s=600)
-        pipeline = Pipeline(f"127.0.0.1:{port}", fence=stage_pb2.Fence(term=1, holder="bench"))
+            ports.insert(0, port)
+        for port in ports:
+            wait_loaded(f"127.0.0.1:{port}", timeout_s=600)
+        pipeline = Pipeline(f"127.0.0.1:{ports[0]}", fence=stage_pb2.Fence(term=1, holder="bench"))
         pipeline.claim()
         figures = {}
         for length in [lengths[0], *lengths]:  # the first prompt warms up
@@ -77,6 +78,9 @@ def time_to_first_token(model: Path, *, stages: int, env: dict[str, str], device
             figures[length] = statistics.median(times)
         pipeline.reset(0)
         pipeline.link.close()
+        if stages > 1:  # how the activations came, as the last stage counted them
+            last = wait_loaded(f"127.0.0.1:{ports[-1]}", timeout_s=10)
+            print(f"  activations: {last.activations_shared} steps shared, {last.activations_inline} inline")
     return figures
 
 

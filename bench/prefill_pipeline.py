@@ -114,6 +114,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        gpu.STAGE_LOG = args.out / "stages.log"
     cuda = torch.cuda.is_available()
     device = torch.device("cuda:0" if cuda else "cpu")
     folder = Path(tempfile.mkdtemp(prefix="strata-prefill-"))

@@ -33,8 +33,8 @@ FUSED_TYPES: frozenset[GGMLQuantizationType] = frozenset(
         GGMLQuantizationType.Q6_K,
     }
 )
-# Rows of x up to which the fused kernel beats dequantise-then-cuBLAS (bench/quant_matmul.py on an H100: at 4 rows
-# it still wins on Llama-3-8B's matrices, at 16 it is several times slower).
+# Rows of x up to which the fused kernel beats dequantise-then-cuBLAS (bench/quant_matmul.py on an H100 and an H200:
+# at 4 rows it still wins on Llama-3-8B's matrices; at 16 it was several times slower).
 FUSED_MAX_ROWS = 4
 
 

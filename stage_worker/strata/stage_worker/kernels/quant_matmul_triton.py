@@ -195,6 +195,13 @@ def _columns(v):
 
 
 @triton.jit
+def _join4(a, b, c, d):
+    """[..., 2, 2] holding a, b, c, d in that order (row-major): a join adds a last dimension, so the outer join
+    picks between (a, c) and (b, d)."""
+    return tl.join(tl.join(a, c), tl.join(b, d))
+
+
+@triton.jit
 def _gemv(
     x_ptr, out_ptr, q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr,
     M, N, n_chunks, chunks_per_split,
@@ -284,7 +291,7 @@ def _dequantise(
     BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
 ):  # fmt: skip
     """out[n, k] = the weight's value, a u + b in one FMA (the reference's one rounding: a u is exact), in out's
-    dtype; the four values of a word's bytes (consecutive columns) are stored together."""
+    dtype."""
     NIBBLES: tl.constexpr = 1 if HALF_STRIDE == 0 else 2
     SPLIT_HALVES: tl.constexpr = FAMILY >= 2
     pid_n = tl.program_id(0)
@@ -294,44 +301,39 @@ def _dequantise(
     kc = pid_k * CHUNKS + tl.arange(0, CHUNKS)
     kmask = kc < n_chunks
     words, high, a_lo, b_lo, a_hi, b_hi, base = _chunk(
-        FAMILY,
-        BITS,
-        MINIMUMS,
-        q_ptr,
-        h_ptr,
-        d_ptr,
-        d2_ptr,
-        sc_ptr,
-        mn_ptr,
-        sq,
-        sh,
-        sd,
-        sd2,
-        ssc,
-        smn,
-        rows_in,
-        kc,
-        kmask,
-    )
-    word_columns = _columns(words)
-    high_columns = _columns(high)
-    four = tl.arange(0, 4)[None, None, :]
-    mask = (rows < N)[:, None, None] & kmask[None, :, None] & (four < 4)
-    for i in tl.static_range(4):
-        for h in tl.static_range(NIBBLES):
-            if SPLIT_HALVES and h == 1:
-                scale = a_hi
-                offset = b_hi
-            else:
-                scale = a_lo
-                offset = b_lo
-            f0, f2 = _pair(FAMILY, BITS, word_columns[i], high_columns[i], 0, h)
-            f1, f3 = _pair(FAMILY, BITS, word_columns[i], high_columns[i], 1, h)
-            quad = tl.join(tl.join(f0, f2), tl.join(f1, f3))  # [BN, C, 2, 2]: byte t = 2 a + b at [..., a, b]
-            u = tl.reshape(quad, (BLOCK_N, CHUNKS, 4)) * _unit(BITS, h)  # exact
-            value = tl.fma(scale[:, :, None], u, offset[:, :, None])
-            column = base[None, :, None] + HALF_STRIDE * h + 4 * i + four
-            tl.store(out_ptr + rows[:, None, None] * so + column, value.to(out_ptr.dtype.element_ty), mask=mask)
+        FAMILY, BITS, MINIMUMS, q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr, sq, sh, sd, sd2, ssc, smn,
+        rows_in, kc, kmask,
+    )  # fmt: skip
+    w0, w1, w2, w3 = _columns(words)
+    h0, h1, h2, h3 = _columns(high)
+    sixteen = tl.arange(0, 16)[None, None, :]
+    mask = (rows < N)[:, None, None] & kmask[None, :, None] & (sixteen < 16)
+    for h in tl.static_range(NIBBLES):
+        if SPLIT_HALVES and h == 1:
+            scale = a_hi[:, :, None]
+            offset = b_hi[:, :, None]
+        else:
+            scale = a_lo[:, :, None]
+            offset = b_lo[:, :, None]
+        # The chunk's 16 values of nibble h are consecutive columns (word i, byte t: column 4 i + t): joined in that
+        # order, each lane stores 32 contiguous bytes (whole sectors; four values a store left L2 merging quarters).
+        v00, v02 = _pair(FAMILY, BITS, w0, h0, 0, h)
+        v01, v03 = _pair(FAMILY, BITS, w0, h0, 1, h)
+        v10, v12 = _pair(FAMILY, BITS, w1, h1, 0, h)
+        v11, v13 = _pair(FAMILY, BITS, w1, h1, 1, h)
+        v20, v22 = _pair(FAMILY, BITS, w2, h2, 0, h)
+        v21, v23 = _pair(FAMILY, BITS, w2, h2, 1, h)
+        v30, v32 = _pair(FAMILY, BITS, w3, h3, 0, h)
+        v31, v33 = _pair(FAMILY, BITS, w3, h3, 1, h)
+        # Joins append dimensions, the last varying fastest: an outer one over t, inner ones over i.
+        values = _join4(
+            _join4(v00, v10, v20, v30), _join4(v01, v11, v21, v31), _join4(v02, v12, v22, v32),
+            _join4(v03, v13, v23, v33),
+        )  # fmt: skip
+        u = tl.reshape(values, (BLOCK_N, CHUNKS, 16)) * _unit(BITS, h)  # exact
+        value = tl.fma(scale, u, offset)
+        column = base[None, :, None] + HALF_STRIDE * h + sixteen
+        tl.store(out_ptr + rows[:, None, None] * so + column, value.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @functools.cache
@@ -356,9 +358,9 @@ WAVES = 4
 
 
 def default_config(ggml_type: GGMLQuantizationType, rows: int) -> Config:
-    """Measured on an H100 (bench/quant_matmul.py --sweep, Llama-3-8B's matrices). One row: 4-bit words hold 8
-    values, and 8 rows a lane with 2 warps a program did best; Q8_0 best took 2 chunks a lane; Q5/Q6_K, between, 4
-    rows and a chunk a lane. Several rows of x: 8 weight rows a program, the x rows' registers permitting."""
+    """Measured (bench/quant_matmul.py --sweep, Llama-3-8B's matrices, an H100 and an H200 agreeing). One row:
+    4-bit types did best with 8 rows a lane and 2 warps a program, Q8_0 with 2 chunks a lane, Q5 and Q6_K with 4
+    rows and a chunk a lane. Several rows of x: 8 weight rows a program, as many as the x rows' registers permit."""
     if rows > 1:
         return Config(block_n=8, chunks=128, num_warps=4)
     if ggml_type == Q.Q8_0:
@@ -368,6 +370,12 @@ def default_config(ggml_type: GGMLQuantizationType, rows: int) -> Config:
     return Config(block_n=4, chunks=128, num_warps=4)
 
 
+def _words(plane: Tensor) -> Tensor:
+    """A byte plane as int32 words; one that does not start on a 16-byte boundary (a view into a larger buffer) is
+    copied, the kernels' vector loads assuming it."""
+    return (plane if plane.data_ptr() % 16 == 0 else plane.clone()).view(torch.int32)
+
+
 def _planes(planes: Sequence[Tensor], ggml_type: GGMLQuantizationType) -> tuple[list[Tensor], list[int]]:
     """The planes in the kernels' slots (main words, high words, d, d2, sc, mn; unused slots repeat the main words)
     and their row strides."""
@@ -375,8 +383,8 @@ def _planes(planes: Sequence[Tensor], ggml_type: GGMLQuantizationType) -> tuple[
     for name, plane in named.items():
         if not plane.is_contiguous() or plane.dim() != 2:
             raise ValueError(f"{ggml_type.name} plane {name} must be a contiguous [rows, fields] tensor")
-    main = named[MAIN_PLANE[ggml_type]].view(torch.int32)
-    high = named["qh"].view(torch.int32) if "qh" in named else main
+    main = _words(named[MAIN_PLANE[ggml_type]])
+    high = _words(named["qh"]) if "qh" in named else main
     slots = [main, high, *(named.get(name, main) for name in SCALE_PLANES[ggml_type])]
     return slots, [s.stride(0) for s in slots]
 

@@ -7,23 +7,12 @@ Without a GPU the kernel runs under Triton's interpreter (the same kernel source
 from __future__ import annotations
 
 import importlib
-import os
 
 import pytest
 import torch
 from strata_testbed.attention_cases import CASES, AttentionCase, run_case, tolerance
 
 TRITON_MODULE = "strata.stage_worker.kernels.paged_attention_triton"
-
-
-@pytest.fixture(scope="module")
-def device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda:0")
-    assert os.environ.get("TRITON_INTERPRET") == "1", (
-        "tests/conftest.py sets Triton's interpreter on machines without a GPU"
-    )
-    return torch.device("cpu")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])

@@ -12,7 +12,6 @@ sum |x| |w| over that output (what an accumulation error scales with), so a wron
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -65,16 +64,6 @@ def _cases() -> list[Case]:
 
 
 CASES = _cases()
-
-
-@pytest.fixture(scope="module")
-def device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda:0")
-    assert os.environ.get("TRITON_INTERPRET") == "1", (
-        "tests/conftest.py sets Triton's interpreter on machines without a GPU"
-    )
-    return torch.device("cpu")
 
 
 def dtypes() -> list[torch.dtype]:

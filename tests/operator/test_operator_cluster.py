@@ -272,13 +272,17 @@ def test_a_model_that_cannot_load_says_why_in_a_condition_and_an_event(
     create(cluster, namespace, deployment("broken", model(tmp_path), context=512, parallel=2))
     with pod_runner(control_plane, core=core, namespace=namespace, folder=tmp_path) as runner:
 
-        def reported() -> dict[str, Any] | None:
-            found = condition(read(cluster, namespace, "broken"), kind)
-            return found if found and found["reason"] == reason else None
+        def reported() -> tuple[dict[str, Any], str] | None:
+            status = read(cluster, namespace, "broken")
+            found = condition(status, kind)
+            return (found, status["status"]["phase"]) if found and found["reason"] == reason else None
 
         # The stage pod's process starts (about 10 s here), fails to load in well under a second, and the operator
-        # asks every 5 s: two minutes leaves room on a busy two-core machine.
-        found = eventually(reported, timeout=120, what=f"{kind} with reason {reason}; pod runner: {runner.errors}")
+        # asks every 5 s: two minutes leaves room on a busy two-core machine. The phase is read with the condition:
+        # the operator writes both in one status.
+        found, seen_phase = eventually(
+            reported, timeout=120, what=f"{kind} with reason {reason}; pod runner: {runner.errors}"
+        )
 
         def recorded() -> list[client.CoreV1Event]:
             return [
@@ -292,7 +296,7 @@ def test_a_model_that_cannot_load_says_why_in_a_condition_and_an_event(
         events = recorded()
     assert found["status"] == "False"
     assert message in found["message"], found
-    assert read(cluster, namespace, "broken")["status"]["phase"] == phase
+    assert seen_phase == phase
     assert len(events) == 1, "one Event for one failure, not one per look"
     assert events[0].type == "Warning"
     assert message in events[0].message

@@ -92,6 +92,7 @@ def kernel_speed(device: torch.device, *, depths: list[int]) -> dict[str, float]
             "keys": store_k.values, "key_scales": store_k.scales, "values": store_v.values,
             "value_scales": store_v.scales, "table": pool.table, "slots": rows, "q_starts": rows,
             "q_lens": torch.ones_like(rows), "kv_lens": torch.full_like(rows, depth), "max_q_len": 1, "n_head_kv": 8,
+            "scale": 128**-0.5,
         }  # fmt: skip
         for name, config in configs.items():
             attend = functools.partial(kernels.paged_attention, q, config=config, **arguments)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 from strata.gguf.model import CacheType
-from strata.stage_worker.kernels.paged_attention import Sequences, kernel, reference
+from strata.stage_worker.kernels.paged_attention import AttentionRule, Sequences, kernel, reference
 from strata.stage_worker.kv_pool import KVPool
 
 ALL_CACHE_TYPES = (CacheType.Q8_0, CacheType.F16, CacheType.BF16, CacheType.F32)
@@ -30,6 +30,8 @@ class AttentionCase:
     # the case tests the storage and the sums, not a one-hot softmax
     scale: float = 1.0
     zero_cells: bool = False  # every other sequence's K/V all zeros (q8_0 blocks with zero scales)
+    window: int = 0  # sliding-window attention over this many positions (Gemma); 0: none
+    softcap: float = 0.0  # scores soft-capped at this (Gemma 2); 0: not
     gpu_only: bool = False  # too slow for the interpreter
 
     @property
@@ -60,6 +62,10 @@ CASES = [
     AttentionCase("all-zero blocks", kv_lens=(100, 100, 64), zero_cells=True),
     AttentionCase("chunks after cached positions", kv_lens=(300, 80), q_lens=(45, 80)),
     AttentionCase("a chunk of 3 positions (a speculative step)", kv_lens=(500, 20), q_lens=(3, 3)),
+    AttentionCase("a window of 100 over decode rows", kv_lens=(300, 64, 100, 101), window=100),
+    AttentionCase("a window of 32 over chunks after cached positions", kv_lens=(300, 80), q_lens=(45, 80), window=32),
+    AttentionCase("scores capped at 1, so the cap binds", kv_lens=(200, 7), q_lens=(3, 1), scale=3.0, softcap=1.0),
+    AttentionCase("window and cap, head dim 256", kv_lens=(150,), q_lens=(20,), window=64, softcap=2.0, head_dim=256),
     AttentionCase("long stream beyond 64K", kv_lens=(70_000,), n_head=4, n_head_kv=1),
     AttentionCase("128K, Llama-3-8B heads", kv_lens=(131_072,), n_head=32, n_head_kv=8, head_dim=128, gpu_only=True),
     AttentionCase(
@@ -114,7 +120,8 @@ def run_case(case: AttentionCase, *, device: torch.device, dtype: torch.dtype, s
         kv_lens=torch.tensor(case.kv_lens, device=device),
         max_q_len=max(rows),
     )
-    args = {"table": pool.table, "sequences": sequences, "n_head_kv": case.n_head_kv}
+    rule = AttentionRule(scale=case.head_dim**-0.5, window=case.window, softcap=case.softcap)
+    args = {"table": pool.table, "sequences": sequences, "n_head_kv": case.n_head_kv, "rule": rule}
     expected = reference(q, pool.layers[0], **args)  # type: ignore[arg-type]
     ours = kernel(q, pool.layers[0], **args)  # type: ignore[arg-type]
     return relative_error(ours, expected)

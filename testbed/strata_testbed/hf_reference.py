@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from strata.stage_worker.model import Block, RopeStyle, StageModel
+from strata.gguf.architectures import RopeStyle
+from strata.stage_worker.model import Block, StageModel
 from strata.stage_worker.weights.linear import PackedEmbedding, PackedLinear
 from torch import Tensor
 from transformers import PreTrainedModel
@@ -20,7 +21,10 @@ def hf_reference(path: Path) -> PreTrainedModel:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    model: PreTrainedModel = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+    # Eager attention: the plain formula, and the one implementation that applies Gemma 2's soft-capped scores.
+    model: PreTrainedModel = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+        config, dtype=torch.float32, attn_implementation="eager"
+    )
     checkpoint = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)  # type: ignore[no-untyped-call]
     tensors = checkpoint["tensors"]
     missing, unexpected = model.load_state_dict(tensors, strict=False)

@@ -153,8 +153,8 @@ def test_a_stage_started_again_that_fails_to_load_stops_serve_with_its_error(qwe
 
 
 def test_serve_refuses_a_model_its_stages_cannot_run(tmp_path: Path) -> None:
-    shape = dataclasses.replace(LARGE_SHAPES["llama3-8b"], architecture="gemma3", block_count=2)
-    model = write_header_only_model(tmp_path / "gemma3.gguf", shape=shape).path
+    shape = dataclasses.replace(LARGE_SHAPES["llama3-8b"], architecture="phi3", block_count=2)
+    model = write_header_only_model(tmp_path / "phi3.gguf", shape=shape).path
     result = subprocess.run(
         [sys.executable, "-m", "strata.cli", "serve", str(model), "--port", "0"],
         capture_output=True,
@@ -164,6 +164,7 @@ def test_serve_refuses_a_model_its_stages_cannot_run(tmp_path: Path) -> None:
     )
     assert result.returncode == 1
     assert result.stderr.strip() == (
-        "strata serve: architecture 'gemma3' is not one the stage worker runs (llama, mistral, qwen2, qwen3)"
+        "strata serve: architecture 'phi3' is not one the stage worker runs "
+        "(gemma2, gemma3, llama, mistral, qwen2, qwen3)"
     )
     assert "stage 0" not in result.stdout, "no stage may start"

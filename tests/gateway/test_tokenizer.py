@@ -32,13 +32,15 @@ CORPUS = [
 ]
 
 
-def _spm_model(path: Path) -> Path:
-    """A SentencePiece-style vocabulary: control tokens, 256 byte tokens, scored pieces with the ▁ word marker."""
+def _spm_model(path: Path, *, architecture: str = "llama", space_prefix: bool = True) -> Path:
+    """A SentencePiece-style vocabulary: control tokens, 256 byte tokens, scored pieces with the ▁ word marker;
+    without `space_prefix` the file says no marker goes before the first word, as Gemma's do. (HF decides the
+    prefix by the architecture, llama.cpp and the gateway by that key: the two agree on files written as Gemma's.)"""
     words = ["▁", "e", "l", "o", "h", "w", "r", "d", "▁h", "he", "ll", "llo", "▁he", "▁hello", "▁w", "or", "▁wor"]
     words += ["▁world", "x", "y", "▁x", "=", "(", ")", "▁def", "▁f", "de", "f", "a", "aa", "aaaa", "▁a", "▁aa"]
     pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *words]
     types = [2, 3, 3] + [6] * 256 + [1] * len(words)
-    writer = GGUFWriter(path, "llama")
+    writer = GGUFWriter(path, architecture)
     for add, value in ((writer.add_block_count, 1), (writer.add_context_length, 64), (writer.add_embedding_length, 32)):
         add(value)
     writer.add_feed_forward_length(32)
@@ -53,6 +55,8 @@ def _spm_model(path: Path) -> Path:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
+    if not space_prefix:
+        writer.add_add_space_prefix(False)
     writer.add_tensor("token_embd.weight", np.zeros((len(pieces), 32), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -67,7 +71,12 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     written = {
         key: write_test_model(folder / f"{key}.gguf", architecture=key, block_count=1).path for key in SMALL_SHAPES
     }
-    return written | {"sentencepiece": _spm_model(folder / "sentencepiece.gguf")}
+    return written | {
+        "sentencepiece": _spm_model(folder / "sentencepiece.gguf"),
+        "sentencepiece, no space prefix": _spm_model(
+            folder / "spm-no-prefix.gguf", architecture="gemma3", space_prefix=False
+        ),
+    }
 
 
 @pytest.mark.parametrize(
@@ -78,6 +87,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         pytest.param("qwen2", id="byte-level BPE with the qwen2 pre-tokenizer matches HF"),
         pytest.param("qwen3", id="a qwen3 file matches HF"),
         pytest.param("sentencepiece", id="a SentencePiece vocabulary with byte fallback and BOS matches HF"),
+        pytest.param("sentencepiece, no space prefix", id="a SentencePiece file without a space prefix matches HF"),
+        pytest.param("gemma3", id="a gemma3 file matches HF"),
     ],
 )
 def test_token_ids_and_text_match_hf_transformers(models: dict[str, Path], key: str) -> None:

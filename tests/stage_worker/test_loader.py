@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from strata.gguf import read_header
 from strata.gguf.sources import open_source
+from strata.gguf.testmodels import SMALL_SHAPES, ModelShape, write_test_model
 from strata.stage_worker.errors import ModelFileError
 from strata.stage_worker.loader import LoadProgress, load_stage
 
@@ -95,3 +97,49 @@ def test_tensors_that_do_not_fit_are_named(case: str, tiny_models: dict[str, Pat
     path = rewrite(tiny_models["llama"], tmp_path / "edited.gguf", edits)
     with pytest.raises(ModelFileError, match=message):
         load(path)
+
+
+def load_any(path: Path) -> None:
+    """Load every layer of a file of any architecture."""
+    source = open_source(str(path))
+    try:
+        header = read_header(source)
+        arch = header.metadata["general.architecture"]
+        layers = header.metadata[f"{arch}.block_count"]
+        assert isinstance(layers, int)
+        load_stage(
+            source=source,
+            header=header,
+            layer_start=0,
+            layer_end=layers,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            progress=LoadProgress(),
+        )
+    finally:
+        source.close()
+
+
+# What a file says, through a generated shape, that the architecture table has no place for.
+FEATURES_REFUSED: dict[str, tuple[ModelShape, str]] = {
+    "a llama file with Gemma's post-norms names the tensors it would skip": (
+        dataclasses.replace(SMALL_SHAPES["llama"], post_norms=True),
+        r"tensors the stage worker does not run: blk\.0\.post_attention_norm\.weight, blk\.0\.post_ffw_norm\.weight",
+    ),
+    "a llama file that states soft-caps names the keys": (
+        dataclasses.replace(SMALL_SHAPES["llama"], softcaps=(50.0, 30.0)),
+        r"llama\.attn_logit_softcapping, llama\.final_logit_softcapping, which llama models do not soft-cap",
+    ),
+    "a gemma3 file without a window is refused, not run with full attention": (
+        dataclasses.replace(SMALL_SHAPES["gemma3"], sliding_window=0),
+        r"gemma3 has sliding-window layers, but the file states no gemma3\.attention\.sliding_window",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", FEATURES_REFUSED)
+def test_features_the_table_does_not_describe_are_refused(case: str, tmp_path: Path) -> None:
+    shape, message = FEATURES_REFUSED[case]
+    path = write_test_model(tmp_path / "model.gguf", architecture=shape.architecture, shape=shape).path
+    with pytest.raises(ModelFileError, match=message):
+        load_any(path)

@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from strata.gguf.architectures import ARCHITECTURES
 from strata.gguf.errors import MetadataError
 from strata.gguf.header import GGUFHeader
 from strata.gguf.model import ModelInfo, RopeSettings, SlidingWindow
@@ -21,10 +22,9 @@ from strata.gguf.values import Value
 MAX_BLOCK_COUNT = 1 << 16
 KV_SECTION_OFFSET = 24  # magic, version, tensor_count, kv_count
 
-# Which layers use sliding-window attention, as llama.cpp decides for each architecture.
+# Which layers use sliding-window attention, as llama.cpp decides for each architecture (the architecture table's).
 SLIDING_PATTERNS: dict[str, Callable[[int], bool]] = {
-    "gemma2": lambda il: il % 2 == 0,
-    "gemma3": lambda il: il % 6 < 5,
+    name: arch.sliding for name, arch in ARCHITECTURES.items() if arch.sliding is not None
 }
 
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.")

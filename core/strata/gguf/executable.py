@@ -4,12 +4,15 @@ A model of another architecture reads and plans like any other (its header says 
 would fail to load it. So the places that decide to run a model ask here first and refuse with this reason, instead
 of starting stages that load nothing: `strata serve` exits before starting any, the operator sets `Planned=False`,
 and `strata inspect` says so. The stage worker's loader (strata.stage_worker.loader) raises the same reason, and a
-test keeps its table of architectures equal to this set.
+test keeps its table of architectures equal to this set. The set is the architecture table's
+(strata.gguf.architectures): an architecture runs exactly when the table describes it.
 """
 
 from __future__ import annotations
 
-EXECUTABLE_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+from strata.gguf.architectures import ARCHITECTURES
+
+EXECUTABLE_ARCHITECTURES = frozenset(ARCHITECTURES)
 
 
 class NotExecutableError(ValueError):

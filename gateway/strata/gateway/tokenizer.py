@@ -83,6 +83,7 @@ class TokenizerSpec:
     eot_id: int | None
     add_bos: bool
     add_eos: bool
+    add_space_prefix: bool  # SentencePiece: a word marker before the text's first word (Gemma's files say no)
     chat_template: str | None
 
     @classmethod
@@ -126,6 +127,7 @@ class TokenizerSpec:
             # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise, and not to a BPE one.
             add_bos=flag("tokenizer.ggml.add_bos_token", model == "llama"),
             add_eos=flag("tokenizer.ggml.add_eos_token", False),
+            add_space_prefix=flag("tokenizer.ggml.add_space_prefix", True),  # llama.cpp's default, as HF's converter
             chat_template=text("tokenizer.chat_template"),
         )
 
@@ -210,10 +212,11 @@ def _sentencepiece(spec: TokenizerSpec) -> Tokenizer:
     merges = [_pair(m) for m in spec.merges] if spec.merges else _merges_from_scores(spec, vocab)
     unk = next((t for t, kind in zip(spec.tokens, spec.token_types, strict=False) if kind == 2), None)
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-    tokenizer.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(content=" ", left=1)]
-    )
+    prepend = "first" if spec.add_space_prefix else "never"
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=prepend, split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    steps += [decoders.Strip(content=" ", left=1)] if spec.add_space_prefix else []  # the marker it added
+    tokenizer.decoder = decoders.Sequence(steps)
     return tokenizer
 
 

@@ -11,8 +11,9 @@ load progress.
 from __future__ import annotations
 
 import itertools
+import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,36 +21,16 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 from strata.gguf import GGUFHeader, TensorInfo
+from strata.gguf.architectures import ARCHITECTURES, Architecture
 from strata.gguf.cursor import ByteSource
 from strata.gguf.executable import not_executable_reason
 from strata.gguf.resident import kept_quantised
 from strata.stage_worker.errors import ModelFileError
-from strata.stage_worker.model import ModelConfig, RopeStyle, StageModel
+from strata.stage_worker.model import ModelConfig, StageModel
 from strata.stage_worker.weights.formats import split_planes
 from strata.stage_worker.weights.linear import DenseRows, PackedEmbedding, PackedLinear, QuantizedRows, Rows
 from torch import nn
 
-# How llama.cpp rotates each architecture's q/k (llama_model_rope_type); the file's weights are in that order.
-ROPE_STYLES: dict[str, RopeStyle] = {
-    "llama": RopeStyle.NORM,
-    "mistral": RopeStyle.NEOX,  # llama.cpp's Mistral files say "llama"; a "mistral" file keeps HF's order
-    "qwen2": RopeStyle.NEOX,
-    "qwen3": RopeStyle.NEOX,
-}
-
-# StageModel parameter path inside a block -> the GGUF tensors inside blk.N that it holds, stacked along the rows in
-# this order (the model fuses q/k/v and gate/up into one matrix each).
-BLOCK_TENSORS: dict[str, tuple[str, ...]] = {
-    "attn_norm.weight": ("attn_norm.weight",),
-    "attn.wqkv.weight": ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
-    "attn.wqkv.bias": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
-    "attn.wo.weight": ("attn_output.weight",),
-    "attn.q_norm.weight": ("attn_q_norm.weight",),
-    "attn.k_norm.weight": ("attn_k_norm.weight",),
-    "ffn_norm.weight": ("ffn_norm.weight",),
-    "ffn.w_gate_up.weight": ("ffn_gate.weight", "ffn_up.weight"),
-    "ffn.w_down.weight": ("ffn_down.weight",),
-}
 READ_PIECE = 8 << 20
 TORCH_TYPES: dict[GGMLQuantizationType, torch.dtype] = {
     GGMLQuantizationType.F32: torch.float32,
@@ -64,12 +45,13 @@ def config_from_header(header: GGUFHeader) -> ModelConfig:
     reason = not_executable_reason(arch)  # the same check `strata serve` and the operator make before starting stages
     if reason is not None:
         raise ModelFileError(reason)
+    description = ARCHITECTURES[arch]
 
     def number(key: str, default: float | None = None) -> float:
         value = meta.get(f"{arch}.{key}", default)
         if isinstance(value, tuple):  # a per-layer array; the llama family uses one value for every layer
             if len(set(value)) != 1:
-                raise ModelFileError(f"{arch}.{key} differs between layers, which the llama family never does")
+                raise ModelFileError(f"{arch}.{key} differs between layers, which no architecture here does")
             value = value[0]
         if not isinstance(value, int | float):
             raise ModelFileError(f"the GGUF header has no usable {arch}.{key}")
@@ -81,9 +63,12 @@ def config_from_header(header: GGUFHeader) -> ModelConfig:
     tokens = meta.get("tokenizer.ggml.tokens")
     embd = header.tensor_by_name.get("token_embd.weight")
     vocab_default = len(tokens) if isinstance(tokens, tuple) else (embd.shape[0] if embd else None)
+    n_layer = int(number("block_count"))
+    window = _sliding_window(meta, description, n_layer=n_layer)
+    attention_softcap, final_softcap = _softcaps(meta, description)
     return ModelConfig(
         architecture=arch,
-        n_layer=int(number("block_count")),
+        n_layer=n_layer,
         dim=dim,
         n_head=n_head,
         n_head_kv=int(number("attention.head_count_kv", n_head)),
@@ -93,18 +78,72 @@ def config_from_header(header: GGUFHeader) -> ModelConfig:
         norm_eps=float(number("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(number("rope.freq_base", 10000.0)),
         rope_dim=int(number("rope.dimension_count", head_dim)),
-        rope_style=ROPE_STYLES[arch],
+        rope_style=description.rope_style,
         attention_bias="blk.0.attn_q.bias" in header.tensor_by_name,
         qk_norm="blk.0.attn_q_norm.weight" in header.tensor_by_name,
         tied_output="output.weight" not in header.tensor_by_name,
+        activation=description.activation,
+        embedding_scale=math.sqrt(dim) if description.embedding_scaled else 1.0,
+        post_norms=description.post_norms,
+        sliding_window=window,
+        sliding_layers=tuple(description.sliding(il) for il in range(n_layer)) if description.sliding else (),
+        sliding_rope_theta=_number(meta, f"{arch}.rope.freq_base_swa", description.sliding_rope_base),
+        attention_softcap=attention_softcap,
+        final_softcap=final_softcap,
     )
+
+
+def _number(meta: Mapping[str, object], key: str, default: float | None) -> float | None:
+    value = meta.get(key, default)
+    if value is not None and not isinstance(value, int | float):
+        raise ModelFileError(f"{key} is not a number: {value!r}")
+    return value
+
+
+def _sliding_window(meta: Mapping[str, object], description: Architecture, *, n_layer: int) -> int:
+    """The window of the architecture's sliding layers, from the file; a file that says its layers slide in another
+    pattern than the table's, or that has no window, is refused rather than run another way."""
+    arch = description.name
+    if description.sliding is None:
+        return 0  # llama.cpp ignores a window stated for an architecture without sliding layers, and so do we
+    window = _number(meta, f"{arch}.attention.sliding_window", None)
+    if not window:
+        raise ModelFileError(
+            f"{arch} has sliding-window layers, but the file states no {arch}.attention.sliding_window"
+        )
+    stated = meta.get(f"{arch}.attention.sliding_window_pattern")
+    if stated is not None:
+        ours = tuple(description.sliding(il) for il in range(n_layer))
+        theirs = tuple(bool(v) for v in stated) if isinstance(stated, tuple) else None
+        if theirs != ours and stated != description.sliding.period:
+            raise ModelFileError(
+                f"{arch}.attention.sliding_window_pattern is {stated!r}; the stage worker runs {arch}'s sliding layers "
+                f"as il % {description.sliding.period} < {description.sliding.sliding} only"
+            )
+    return int(window)
+
+
+def _softcaps(meta: Mapping[str, object], description: Architecture) -> tuple[float, float]:
+    """(attention, final) soft-caps: the file's, else the architecture's defaults; refused where it has none."""
+    arch = description.name
+    keys = (f"{arch}.attn_logit_softcapping", f"{arch}.final_logit_softcapping")
+    if description.softcaps is None:
+        stated = [key for key in keys if meta.get(key)]
+        if stated:
+            raise ModelFileError(f"the file states {', '.join(stated)}, which {arch} models do not soft-cap")
+        return 0.0, 0.0
+    attention, final = (
+        _number(meta, key, default) or 0.0 for key, default in zip(keys, description.softcaps, strict=True)
+    )
+    return float(attention), float(final)
 
 
 def gguf_names(config: ModelConfig, *, layer_start: int, parameter: str) -> tuple[str, ...]:
     """The GGUF tensors that a StageModel parameter holds, in the order they are stacked."""
     if parameter.startswith("layers."):
         _, index, path = parameter.split(".", 2)
-        return tuple(f"blk.{layer_start + int(index)}.{name}" for name in BLOCK_TENSORS[path])
+        names = ARCHITECTURES[config.architecture].tensor_names[path]
+        return tuple(f"blk.{layer_start + int(index)}.{name}" for name in names)
     if parameter == "output.weight" and config.tied_output:
         return ("token_embd.weight",)
     return (parameter,)
@@ -128,7 +167,24 @@ def needed_tensors(model: StageModel, header: GGUFHeader) -> dict[tuple[str, ...
             if name not in header.tensor_by_name:
                 raise ModelFileError(f"the GGUF file has no tensor {name!r}, which layers {model.layer_start}.. need")
         needed.setdefault(names, []).append(parameter)
+    _refuse_unread(model, header, read={name for names in needed for name in names})
     return needed
+
+
+def _refuse_unread(model: StageModel, header: GGUFHeader, *, read: set[str]) -> None:
+    """A tensor of the span's blocks that no parameter reads is a feature of the file the model would skip (experts,
+    a fused matrix, another norm): refuse the file and name them, rather than compute something else."""
+    span = range(model.layer_start, model.layer_end)
+    unread = sorted(
+        name
+        for name in header.tensor_by_name
+        if name.startswith("blk.") and int(name.split(".")[1]) in span and name not in read
+    )
+    if unread:
+        shown = ", ".join(unread[:6]) + (f" and {len(unread) - 6} more" if len(unread) > 6 else "")
+        raise ModelFileError(
+            f"the file's {model.config.architecture} blocks have tensors the stage worker does not run: {shown}"
+        )
 
 
 def read_raw(source: ByteSource, entry: TensorInfo, *, on_bytes: Callable[[int], None]) -> bytearray:

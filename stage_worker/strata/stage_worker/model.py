@@ -1,8 +1,9 @@
-"""The llama-family decoder (llama, mistral, qwen2, qwen3) as one stage runs it: a contiguous slice of layers.
+"""The decoder of every architecture in strata.gguf.architectures as one stage runs it: a contiguous slice of layers.
 
-Read top to bottom: the config (architecture differences are fields, never branches on a model name), RoPE as
-llama.cpp applies it, attention with a paged KV pool, the feed-forward, the block, and the stage module that owns
-the embedding (first stage), its layers, and the final norm and output head (last stage).
+Read top to bottom: the config (architecture differences are fields filled from the architecture table, never
+branches on a model name), RoPE as llama.cpp applies it, attention with a paged KV pool (optionally over a sliding
+window, with soft-capped scores), the feed-forward, the block (two norms, or Gemma's four), and the stage module that
+owns the embedding (first stage), its layers, and the final norm and output head (last stage).
 
 Weights keep llama.cpp's layout from the GGUF file. llama.cpp's converter permutes attn_q/attn_k rows of llama
 models so that RoPE rotates adjacent pairs ("normal" RoPE); qwen2/qwen3 keep HF's order and rotate the two halves
@@ -16,13 +17,15 @@ blocks or plain values) and assigns the other parameters.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from enum import StrEnum
+from functools import partial
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from strata.stage_worker.kernels.paged_attention import Sequences, attend_pool
+from strata.gguf.architectures import Activation, RopeStyle
+from strata.stage_worker.kernels.paged_attention import AttentionRule, Sequences, attend_dense, attend_pool
 from strata.stage_worker.kv_pool import LayerCache
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -31,10 +34,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 # prefill chunks come in every length, so a new prompt would wait for a plan instead of attending.
 PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
-
-class RopeStyle(StrEnum):
-    NORM = "norm"  # rotate adjacent pairs (x[2i], x[2i+1]); llama.cpp LLAMA_ROPE_TYPE_NORM
-    NEOX = "neox"  # rotate halves (x[i], x[i + d/2]); llama.cpp LLAMA_ROPE_TYPE_NEOX
+ACTIVATIONS: dict[Activation, Callable[[Tensor], Tensor]] = {
+    Activation.SILU: F.silu,
+    Activation.GELU_TANH: partial(F.gelu, approximate="tanh"),
+}
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,27 @@ class ModelConfig:
     attention_bias: bool  # qwen2: q/k/v projections carry a bias
     qk_norm: bool  # qwen3: RMSNorm over each head of q and k before RoPE
     tied_output: bool  # no output.weight: the head reuses token_embd
+    activation: Activation = Activation.SILU
+    embedding_scale: float = 1.0  # Gemma: sqrt(dim)
+    post_norms: bool = False  # Gemma: the attention's and feed-forward's outputs are normed before the residual
+    sliding_window: int = 0  # tokens a sliding layer sees, itself included; 0: no sliding layers
+    sliding_layers: tuple[bool, ...] = ()  # per layer of the whole model: attends over the window only
+    sliding_rope_theta: float | None = None  # RoPE base of sliding layers; None: rope_theta
+    attention_softcap: float = 0.0  # Gemma 2: scores -> cap * tanh(scores / cap); 0: none
+    final_softcap: float = 0.0  # Gemma 2: the same on the output logits
+
+    @property
+    def attention_scale(self) -> float:
+        """Scores are q.k times this. llama.cpp's rule for every architecture here (Gemma's 27B models, which scale
+        by n_embd / n_head instead, would need a table field)."""
+        return float(self.head_dim**-0.5)
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.sliding_layers) and self.sliding_layers[layer]
+
+    def attention_rule(self, layer: int) -> AttentionRule:
+        window = self.sliding_window if self.is_sliding(layer) else 0
+        return AttentionRule(scale=self.attention_scale, window=window, softcap=self.attention_softcap)
 
     @property
     def q_dim(self) -> int:
@@ -88,14 +112,15 @@ class StepLayout:
     table: Tensor  # [parallel, context] the pool's table: the cells of each slot's positions
     continued: Sequences | None  # the chunks after cached positions, read in place from the pool
 
-    def attend(self, q: Tensor, cache: LayerCache, config: ModelConfig) -> Tensor:
+    def attend(self, q: Tensor, cache: LayerCache, config: ModelConfig, rule: AttentionRule) -> Tensor:
         """Causal attention of each chunk's rows over its slot's cells. A chunk from position 0 attends through
-        flash attention over its own cells; chunks after cached positions (a prefix hit, a long prompt's later
-        chunks) read the pool in place, all in one call."""
+        flash attention over its own cells (or, with a window or a soft-cap, which flash attention does not take,
+        through attend_dense); chunks after cached positions (a prefix hit, a long prompt's later chunks) read the
+        pool in place, all in one call."""
         c = config
         out = torch.empty_like(q)  # q: [N, H, hd]
         if self.continued is not None:
-            out = attend_pool(q, cache, table=self.table, sequences=self.continued, n_head_kv=c.n_head_kv)
+            out = attend_pool(q, cache, table=self.table, sequences=self.continued, n_head_kv=c.n_head_kv, rule=rule)
         for chunk in self.chunks:
             if chunk.start_position > 0:
                 continue
@@ -104,8 +129,13 @@ class StepLayout:
             qc = q[chunk.rows].transpose(0, 1)[None]  # [1, H, T, hd]
             kc = keys.view(1, s, c.n_head_kv, c.head_dim).transpose(1, 2)  # [1, Hkv, S, hd]
             vc = values.view(1, s, c.n_head_kv, c.head_dim).transpose(1, 2)  # [1, Hkv, S, hd]
-            with sdpa_kernel(PREFILL_ATTENTION):
-                attended = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=c.n_rep > 1)
+            if rule.window or rule.softcap:
+                attended = attend_dense(qc, kc, vc, rule=rule)
+            else:
+                with sdpa_kernel(PREFILL_ATTENTION):
+                    attended = F.scaled_dot_product_attention(
+                        qc, kc, vc, is_causal=True, enable_gqa=c.n_rep > 1, scale=rule.scale
+                    )
             out[chunk.rows] = attended[0].transpose(0, 1)  # [T, H, hd]
         return out
 
@@ -140,8 +170,8 @@ class DecodeLayout:
     table: Tensor  # [parallel, context] the pool's table
     sequences: Sequences  # row b is slot slots[b] seeing positions 0..positions[b]
 
-    def attend(self, q: Tensor, cache: LayerCache, config: ModelConfig) -> Tensor:
-        return attend_pool(q, cache, table=self.table, sequences=self.sequences, n_head_kv=config.n_head_kv)
+    def attend(self, q: Tensor, cache: LayerCache, config: ModelConfig, rule: AttentionRule) -> Tensor:
+        return attend_pool(q, cache, table=self.table, sequences=self.sequences, n_head_kv=config.n_head_kv, rule=rule)
 
 
 def decode_layout(*, table: Tensor, slots: Tensor, positions: Tensor, cells: Tensor, rows: Tensor) -> DecodeLayout:
@@ -155,16 +185,20 @@ Layout = StepLayout | DecodeLayout
 
 
 class Rope:
-    """Rotary position embedding over the first `rope_dim` features of each head, computed in f32."""
+    """Rotary position embedding over the first `rope_dim` features of each head, computed in f32; sliding layers
+    may rotate with a base of their own (Gemma 3)."""
 
     def __init__(self, config: ModelConfig, *, device: torch.device) -> None:
         exponents = torch.arange(0, config.rope_dim, 2, dtype=torch.float32, device=device) / config.rope_dim
         self.inv_freq = 1.0 / (config.rope_theta**exponents)  # [rope_dim / 2]
+        sliding_theta = config.sliding_rope_theta or config.rope_theta
+        self.sliding_inv_freq = 1.0 / (sliding_theta**exponents)  # [rope_dim / 2]
         self.style = config.rope_style
         self.rope_dim = config.rope_dim
 
-    def angles(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [N, rope_dim / 2]
+    def angles(self, positions: Tensor, *, sliding: bool = False) -> tuple[Tensor, Tensor]:
+        inv_freq = self.sliding_inv_freq if sliding else self.inv_freq
+        freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [N, rope_dim / 2]
         return freqs.cos()[:, None, :], freqs.sin()[:, None, :]  # [N, 1, rope_dim / 2]
 
     def apply(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -195,9 +229,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, *, layer: int) -> None:
         super().__init__()
         self.config = config
+        self.rule = config.attention_rule(layer)
         # q, k and v in one matrix (the loader stacks attn_q, attn_k, attn_v): one GEMM reads x once, and at decode
         # one launch replaces three, two of them too small to reach the GPU's bandwidth.
         self.wqkv: nn.Module = nn.Linear(config.dim, config.q_dim + 2 * config.kv_dim, bias=config.attention_bias)
@@ -216,7 +251,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
         cache.write(layout.write_cells, k.reshape(n, c.kv_dim), v.reshape(n, c.kv_dim))
-        out = layout.attend(q, cache, c)  # [N, H, hd]
+        out = layout.attend(q, cache, c, self.rule)  # [N, H, hd]
         projected: Tensor = self.wo(out.reshape(n, c.q_dim))  # [N, D]
         return projected
 
@@ -225,28 +260,37 @@ class FeedForward(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.ffn_dim = config.ffn_dim
+        self.activation = ACTIVATIONS[config.activation]
         # ffn_gate stacked over ffn_up, for the same reason as Attention.wqkv.
         self.w_gate_up: nn.Module = nn.Linear(config.dim, 2 * config.ffn_dim, bias=False)
         self.w_down: nn.Module = nn.Linear(config.ffn_dim, config.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w_gate_up(x).split(self.ffn_dim, dim=-1)
-        out: Tensor = self.w_down(F.silu(gate) * up)
+        out: Tensor = self.w_down(self.activation(gate) * up)
         return out
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, *, layer: int) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attn = Attention(config)
+        self.attn = Attention(config, layer=layer)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.ffn = FeedForward(config)
+        self.attn_post_norm = RMSNorm(config.dim, config.norm_eps) if config.post_norms else None
+        self.ffn_post_norm = RMSNorm(config.dim, config.norm_eps) if config.post_norms else None
 
     def forward(self, x: Tensor, *, rope: Rope, cos: Tensor, sin: Tensor, cache: LayerCache, layout: Layout) -> Tensor:
         # x: [N, D]
-        h = x + self.attn(self.attn_norm(x), rope=rope, cos=cos, sin=sin, cache=cache, layout=layout)
-        out: Tensor = h + self.ffn(self.ffn_norm(h))
+        attended = self.attn(self.attn_norm(x), rope=rope, cos=cos, sin=sin, cache=cache, layout=layout)
+        if self.attn_post_norm is not None:
+            attended = self.attn_post_norm(attended)
+        h = x + attended
+        fed = self.ffn(self.ffn_norm(h))
+        if self.ffn_post_norm is not None:
+            fed = self.ffn_post_norm(fed)
+        out: Tensor = h + fed
         return out
 
 
@@ -276,7 +320,7 @@ class StageModel(nn.Module):
         self.is_first = layer_start == 0
         self.is_last = layer_end == config.n_layer
         self.token_embd: nn.Module | None = nn.Embedding(config.vocab_size, config.dim) if self.is_first else None
-        self.layers = nn.ModuleList(Block(config) for _ in range(layer_start, layer_end))
+        self.layers = nn.ModuleList(Block(config, layer=il) for il in range(layer_start, layer_end))
         self.output_norm = RMSNorm(config.dim, config.norm_eps) if self.is_last else None
         self.output: nn.Module | None = nn.Linear(config.dim, config.vocab_size, bias=False) if self.is_last else None
 
@@ -285,6 +329,8 @@ class StageModel(nn.Module):
         if self.token_embd is None:
             raise RuntimeError("only the first stage holds the token embedding")
         out: Tensor = self.token_embd(tokens)
+        if self.config.embedding_scale != 1.0:
+            out = out * self.config.embedding_scale
         return out
 
     def forward(
@@ -292,8 +338,10 @@ class StageModel(nn.Module):
     ) -> Tensor:
         """`run` calls each block; the decoder passes a compiled one."""
         # x: [N, D] -> [N, D]
-        cos, sin = rope.angles(layout.positions)
-        for layer, cache in zip(self.layers, caches, strict=True):
+        sliding = [self.config.is_sliding(il) for il in range(self.layer_start, self.layer_end)]
+        angles = {kind: rope.angles(layout.positions, sliding=kind) for kind in set(sliding)}  # once per rotation
+        for layer, cache, kind in zip(self.layers, caches, sliding, strict=True):
+            cos, sin = angles[kind]
             x = (run or run_block)(layer, x, rope=rope, cos=cos, sin=sin, cache=cache, layout=layout)
         return x
 
@@ -302,4 +350,5 @@ class StageModel(nn.Module):
         if self.output_norm is None or self.output is None:
             raise RuntimeError("only the last stage holds the output head")
         logits: Tensor = self.output(self.output_norm(x))
-        return logits
+        cap = self.config.final_softcap
+        return cap * torch.tanh(logits / cap) if cap else logits

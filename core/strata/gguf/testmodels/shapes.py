@@ -37,6 +37,8 @@ class ModelShape:
     expert_used_count: int = 0
     expert_feed_forward_length: int = 0
     sliding_window: int = 0
+    post_norms: bool = False  # Gemma 2/3: post_attention_norm and post_ffw_norm in every block
+    softcaps: tuple[float, float] | None = None  # Gemma 2: (attention, final logits) soft-caps stated in the file
     quantised: bool = False  # the large shapes: K-quant weights, header only
 
 
@@ -70,6 +72,21 @@ SMALL_SHAPES: dict[str, ModelShape] = {
         architecture="qwen3", name="strata-test-qwen3", block_count=2, embedding_length=128, feed_forward_length=256,
         head_count=4, head_count_kv=2, head_dim=128, context_length=8192, rope_freq_base=1000000.0,
         tokenizer_pre="qwen2", qk_norm=True, tied_output=True, write_key_length=True, rms_epsilon=1e-6,
+    ),
+    # HF reads no query_pre_attn_scalar from a Gemma GGUF and keeps its default of 256, while llama.cpp scales by
+    # 1 / sqrt(head_dim): real Gemma 2/3 models (but the 27B) have head_dim 256, so the test models do too. Windows
+    # are short so the prompts of the tests outrun them; gemma3 has 7 layers so a global one (layer 5) is among them.
+    "gemma2": ModelShape(
+        architecture="gemma2", name="strata-test-gemma2", block_count=3, embedding_length=128,
+        feed_forward_length=256, head_count=2, head_count_kv=1, head_dim=256, context_length=8192,
+        rope_freq_base=10000.0, tokenizer_pre="llama-bpe", tied_output=True, write_key_length=True,
+        rms_epsilon=1e-6, sliding_window=8, post_norms=True, softcaps=(50.0, 30.0),
+    ),
+    "gemma3": ModelShape(
+        architecture="gemma3", name="strata-test-gemma3", block_count=7, embedding_length=128,
+        feed_forward_length=256, head_count=2, head_count_kv=1, head_dim=256, context_length=32768,
+        rope_freq_base=1000000.0, tokenizer_pre="llama-bpe", qk_norm=True, tied_output=True, write_key_length=True,
+        rms_epsilon=1e-6, sliding_window=8, post_norms=True,
     ),
 }  # fmt: skip
 
@@ -139,6 +156,8 @@ def tensor_plan(shape: ModelShape, *, vocab_size: int) -> list[PlannedTensor]:
             layer += [(f"{blk}.attn_{p}.bias", (n,), Q.F32) for p, n in (("q", n_q), ("k", n_kv), ("v", n_kv))]
         if shape.qk_norm:
             layer += [(f"{blk}.attn_{p}_norm.weight", (shape.head_dim,), Q.F32) for p in ("q", "k")]
+        if shape.post_norms:
+            layer += [(f"{blk}.{name}.weight", (n_embd,), Q.F32) for name in ("post_attention_norm", "post_ffw_norm")]
         if shape.expert_count:
             n_exp, n_ff = shape.expert_count, shape.expert_feed_forward_length
             layer += [

@@ -75,7 +75,7 @@ def write_test_model(
     shape: ModelShape | None = None,
     weight_type: GGMLQuantizationType | None = None,
 ) -> WrittenModel:
-    """A small model of `architecture` (llama, mistral, qwen2, qwen3) with seeded weights, at `path`.
+    """A small model of `architecture` (llama, mistral, qwen2, qwen3, gemma2, gemma3) with seeded weights, at `path`.
 
     `block_count` overrides the shape's layer count (the stage worker splits models into up to three stages);
     `shape` replaces the small shape outright (benchmarks want realistic widths); `weight_type` stores every matrix
@@ -176,6 +176,9 @@ def _writer(path: Path, *, shape: ModelShape, vocab: Vocabulary) -> GGUFWriter:
         writer.add_expert_feed_forward_length(shape.expert_feed_forward_length)
     if shape.sliding_window:
         writer.add_sliding_window(shape.sliding_window)
+    if shape.softcaps:
+        writer.add_attn_logit_softcapping(shape.softcaps[0])
+        writer.add_final_logit_softcapping(shape.softcaps[1])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(shape.tokenizer_pre)
     writer.add_token_list(list(vocab.tokens))

@@ -2,7 +2,9 @@
 
 `attend_pool` is what the model calls. On a CUDA device it runs the Triton kernel (strata.stage_worker.kernels.
 paged_attention_triton), which reads each sequence's cells in place in their stored type; anywhere else, and as the
-kernel's test oracle, it runs `reference`: gather the cells, dequantise them to f32, and let SDPA attend in f32.
+kernel's test oracle, it runs `reference`: gather the cells, dequantise them to f32, and attend in f32 with
+`attend_dense`. An AttentionRule carries what differs between layers: the scale, a sliding window (Gemma), and a
+soft-cap on the scores (Gemma 2).
 
 The kernel is registered as a torch custom op so that torch.compile keeps it whole inside a compiled block (and a
 CUDA graph replays it): its inputs are device tensors only, so lengths change without a new graph.
@@ -21,6 +23,38 @@ from torch.nn.attention.bias import causal_lower_right
 
 
 @dataclass(frozen=True)
+class AttentionRule:
+    """How one layer turns q.k into weights."""
+
+    scale: float  # scores are q.k times this
+    window: int = 0  # a query sees itself and the window - 1 positions before it; 0: every earlier position
+    softcap: float = 0.0  # scores -> softcap * tanh(scores / softcap) before the mask; 0: none
+
+
+def attend_dense(q: Tensor, keys: Tensor, values: Tensor, *, rule: AttentionRule) -> Tensor:
+    """Causal attention of T query rows, the last T of S positions, over all S: q [1, H, T, hd], keys and values
+    [1, Hkv, S, hd]. SDPA with a mask when scores need no soft-cap; the plain formula when they do."""
+    t, s = q.shape[2], keys.shape[2]
+    gqa = q.shape[1] != keys.shape[1]
+    if not rule.window and not rule.softcap:
+        mask = causal_lower_right(t, s)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa, scale=rule.scale)
+    q_pos = torch.arange(s - t, s, device=q.device)[:, None]  # [T, 1]
+    k_pos = torch.arange(s, device=q.device)[None, :]  # [1, S]
+    allowed = k_pos <= q_pos
+    if rule.window:
+        allowed &= q_pos - k_pos < rule.window
+    if not rule.softcap:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, enable_gqa=gqa, scale=rule.scale)
+    rep = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)  # [1, H, S, hd]
+    scores = (q @ keys.transpose(-1, -2)) * rule.scale  # [1, H, T, S]
+    scores = rule.softcap * torch.tanh(scores / rule.softcap)
+    weights = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+    return weights.to(values.dtype) @ values
+
+
+@dataclass(frozen=True)
 class Sequences:
     """The sequences of one attention call: which rows of q each one owns and how many positions it sees."""
 
@@ -31,9 +65,11 @@ class Sequences:
     max_q_len: int  # a host bound on q_lens: the kernel's grid
 
 
-def reference(q: Tensor, cache: LayerCache, *, table: Tensor, sequences: Sequences, n_head_kv: int) -> Tensor:
-    """The plain function: per sequence, gather its cells, dequantise to f32, causal SDPA in f32. q: [N, H, hd]."""
-    _n, n_head, head_dim = q.shape
+def reference(
+    q: Tensor, cache: LayerCache, *, table: Tensor, sequences: Sequences, n_head_kv: int, rule: AttentionRule
+) -> Tensor:
+    """The plain function: per sequence, gather its cells, dequantise to f32, attend in f32. q: [N, H, hd]."""
+    head_dim = q.shape[-1]
     out = torch.empty_like(q)
     columns = (sequences.slots, sequences.q_starts, sequences.q_lens, sequences.kv_lens)
     for slot, q_start, q_len, kv_len in zip(*(c.tolist() for c in columns), strict=True):
@@ -41,8 +77,7 @@ def reference(q: Tensor, cache: LayerCache, *, table: Tensor, sequences: Sequenc
         keys = cache.keys.read(cells, dtype=torch.float32).view(1, kv_len, n_head_kv, head_dim).transpose(1, 2)
         values = cache.values.read(cells, dtype=torch.float32).view(1, kv_len, n_head_kv, head_dim).transpose(1, 2)
         rows = q[q_start : q_start + q_len].float().transpose(0, 1)[None]  # [1, H, T, hd]
-        mask = causal_lower_right(q_len, kv_len)
-        attended = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, enable_gqa=n_head != n_head_kv)
+        attended = attend_dense(rows, keys, values, rule=rule)
         out[q_start : q_start + q_len] = attended[0].transpose(0, 1).to(q.dtype)
     return out
 
@@ -61,6 +96,9 @@ def _paged_attention_op(
     kv_lens: Tensor,
     max_q_len: int,
     n_head_kv: int,
+    scale: float,
+    window: int,
+    softcap: float,
 ) -> Tensor:
     from strata.stage_worker.kernels.paged_attention_triton import paged_attention
 
@@ -69,6 +107,7 @@ def _paged_attention_op(
         return paged_attention(
             q, keys=keys, key_scales=key_scales, values=values, value_scales=value_scales, table=table, slots=slots,
             q_starts=q_starts, q_lens=q_lens, kv_lens=kv_lens, max_q_len=max_q_len, n_head_kv=n_head_kv,
+            scale=scale, window=window, softcap=softcap,
         )  # fmt: skip
 
 
@@ -86,20 +125,34 @@ def _(
     kv_lens: Tensor,
     max_q_len: int,
     n_head_kv: int,
+    scale: float,
+    window: int,
+    softcap: float,
 ) -> Tensor:
     return torch.empty_like(q)
 
 
-def kernel(q: Tensor, cache: LayerCache, *, table: Tensor, sequences: Sequences, n_head_kv: int) -> Tensor:
+def kernel(
+    q: Tensor, cache: LayerCache, *, table: Tensor, sequences: Sequences, n_head_kv: int, rule: AttentionRule
+) -> Tensor:
     """The Triton kernel on the same inputs as `reference` (q made contiguous: the kernel walks head_dim densely)."""
     s = sequences
     out: Tensor = _paged_attention_op(
         q.contiguous(), cache.keys.values, cache.keys.scales, cache.values.values, cache.values.scales, table,
-        s.slots, s.q_starts, s.q_lens, s.kv_lens, s.max_q_len, n_head_kv,
+        s.slots, s.q_starts, s.q_lens, s.kv_lens, s.max_q_len, n_head_kv, rule.scale, rule.window, rule.softcap,
     )  # fmt: skip
     return out
 
 
-def attend_pool(q: Tensor, cache: LayerCache, *, table: Tensor, sequences: Sequences, n_head_kv: int) -> Tensor:
+def attend_pool(
+    q: Tensor,
+    cache: LayerCache,
+    *,
+    table: Tensor,
+    sequences: Sequences,
+    n_head_kv: int,
+    rule: AttentionRule | None = None,  # None: plain causal attention scaled by 1 / sqrt(head_dim)
+) -> Tensor:
     body = kernel if q.device.type == "cuda" else reference
-    return body(q, cache, table=table, sequences=sequences, n_head_kv=n_head_kv)
+    rule = rule or AttentionRule(scale=q.shape[-1] ** -0.5)
+    return body(q, cache, table=table, sequences=sequences, n_head_kv=n_head_kv, rule=rule)

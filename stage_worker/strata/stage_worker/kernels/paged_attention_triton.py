@@ -25,6 +25,7 @@ import triton.language as tl
 from torch import Tensor
 
 Q8_BLOCK = 32
+NO_WINDOW = 1 << 30  # the window of layers without one: longer than any sequence, so it masks nothing
 
 
 @triton.jit
@@ -50,7 +51,7 @@ def _dequantise(values, scales_ptr, cell, stride_sc, first_column, pos_ok, BLOCK
 def _attend_split(
     q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, table_ptr, slots_ptr, q_starts_ptr, q_lens_ptr, kv_lens_ptr,
     o_part_ptr, lse_part_ptr,
-    sm_scale,
+    sm_scale, window, softcap,
     stride_qn, stride_qh,
     stride_kc, stride_ksc, stride_vc, stride_vsc,
     stride_table,
@@ -59,7 +60,7 @@ def _attend_split(
     n_rep, head_dim, q_tiles,
     K_Q8: tl.constexpr, V_Q8: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_T: tl.constexpr, REP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    F32_DOT: tl.constexpr, BLOCKED_SCALES: tl.constexpr,
+    F32_DOT: tl.constexpr, BLOCKED_SCALES: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     seq_tile = tl.program_id(0)
     group = tl.program_id(1)
@@ -81,14 +82,16 @@ def _attend_split(
     r = offs_m % REP
     row_ok = (t < q_len) & (r < n_rep)
     head = group * n_rep + r
-    q_pos = kv_len - q_len + t  # the absolute position of each row: it sees keys at positions 0..q_pos
+    q_pos = kv_len - q_len + t  # the absolute position of each row: it sees keys at q_pos - window + 1..q_pos
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
 
-    # This split's positions: whole tiles, only as far as the tile's last query can see.
+    # This split's positions: whole tiles, only as far as the tile's last query can see, and from where the window of
+    # the tile's first query starts (the caller passes a window longer than any sequence where there is none).
     visible = tl.minimum(kv_len, kv_len - q_len + tl.minimum(q_len, (tile + 1) * BLOCK_T))
-    per_split = tl.cdiv(tl.cdiv(visible, splits), BLOCK_N) * BLOCK_N
-    begin = split * per_split
+    lowest = tl.maximum(0, kv_len - q_len + tile * BLOCK_T - window + 1)
+    per_split = tl.cdiv(tl.cdiv(visible - lowest, splits), BLOCK_N) * BLOCK_N
+    begin = lowest + split * per_split
     end = tl.minimum(begin + per_split, visible)
 
     q_rows = (q_start + t).to(tl.int64) * stride_qn + head.to(tl.int64) * stride_qh
@@ -111,7 +114,9 @@ def _attend_split(
             k = _dequantise(k, ks_ptr, cell, stride_ksc, group * head_dim, pos_ok, BLOCK_N, BLOCK_D, BLOCKED_SCALES)
         k = k.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") if F32_DOT else tl.dot(q, tl.trans(k))
-        seen = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])  # [M, N]
+        if SOFTCAP:  # softcap * tanh(scores / softcap), with tanh(x) = 2 sigmoid(2x) - 1
+            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
+        seen = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)  # [M, N]
         scores = tl.where(seen, scores, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -214,12 +219,16 @@ def paged_attention(
     kv_lens: Tensor,
     max_q_len: int,
     n_head_kv: int,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
     page: int = 1,
     config: LaunchConfig = DEFAULT,
 ) -> Tensor:
     """q: [N, H, hd]; keys/values: [cells, Hkv * hd] as stored (int8 with [cells, Hkv * hd / 32] f16 scales for
     q8_0); table: [slots, pages]; per sequence (device tensors): its table row, first row in q, query rows and
-    visible positions. Returns [N, H, hd] in q's dtype."""
+    visible positions; scores scaled by `scale`, over the last `window` positions (0: all), soft-capped at `softcap`
+    (0: not). Returns [N, H, hd] in q's dtype."""
     n, n_head, head_dim = q.shape
     n_rep = n_head // n_head_kv
     rep = triton.next_power_of_2(n_rep)
@@ -234,7 +243,7 @@ def paged_attention(
     _attend_split[(n_seq * q_tiles, n_head_kv, splits)](
         q, keys, keys if key_scales is None else key_scales, values, values if value_scales is None else value_scales,
         table, slots, q_starts, q_lens, kv_lens, o_part, lse_part,
-        head_dim**-0.5,
+        scale, window if window > 0 else NO_WINDOW, softcap,
         q.stride(0), q.stride(1),
         keys.stride(0), 0 if key_scales is None else key_scales.stride(0),
         values.stride(0), 0 if value_scales is None else value_scales.stride(0),
@@ -245,6 +254,7 @@ def paged_attention(
         K_Q8=key_scales is not None, V_Q8=value_scales is not None, PAGE=page,
         BLOCK_T=block_t, REP=rep, BLOCK_N=block_n, BLOCK_D=block_d,
         F32_DOT=q.dtype == torch.float32, BLOCKED_SCALES=head_dim % 32 == 0 and block_d == head_dim,
+        SOFTCAP=softcap > 0,
         num_warps=warps, num_stages=config.num_stages,
     )  # fmt: skip
     out = torch.empty_like(q)

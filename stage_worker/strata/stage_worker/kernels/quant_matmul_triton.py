@@ -17,8 +17,13 @@ same way, so one template serves all; `_chunk` and `_pair` hold the types' diffe
   value) and applies the scales once per chunk. Each product of a bf16 or f16 x is exact in f32.
 
 Tiles are [rows, chunks, 4 words]: every row of a program in each lane's registers, the chunks across the lanes and
-warps, a chunk's four words in one lane (one 16-byte load). x is loaded as [rows of x, chunks, 4]: the same lanes,
-each reading four consecutive values of x in one load, used by every row of the program.
+warps, a chunk's four words in one lane (one 16-byte load). x is loaded as [rows of x, chunks, 8]: the same lanes,
+each reading eight consecutive values of x in one load, used by every row of the program. Every tensor of the loop
+must have its chunks along the lanes: where Triton places a tile's dimensions by the contiguity of its addresses and
+rows and chunks tie, some versions put the rows on the lanes, and each use then pays a layout conversion through
+shared memory. Measured with ncu on an H100 (Triton 3.6), that traffic, not the weights' bytes, bounded the kernel
+(L1 85-92% busy, DRAM 29-40%); `_per_chunk` and the flat word loads remove it (Q4_K at one row: 29% -> 71% of a
+measured read). Scale planes are read as wider words (`SCALE_WORDS`) to load each chunk's scales once.
 """
 
 from __future__ import annotations
@@ -69,80 +74,94 @@ SCALE_PLANES = {t: ("d", "m" if t in (Q.Q4_1, Q.Q5_1) else "dmin", "sc", "m" if 
 
 
 @triton.jit
+def _per_chunk(ptr, rows, stride, index, mask, other):
+    """ptr[rows, index] as [BN, C] (index and mask [C]), loaded as [C, BN] and transposed: where rows and chunks
+    tie in contiguity, Triton lays the first dimension along the lanes, and the chunks must be (as the words are)."""
+    return tl.trans(tl.load(ptr + rows[None, :] * stride + index[:, None], mask=mask[:, None], other=other))
+
+
+@triton.jit
+def _per_chunk_words(ptr, rows, stride, index, mask):
+    """The four words from ptr[rows, index] on, as [BN, C, 4]: `_per_chunk` for a word plane."""
+    four = tl.arange(0, 4)[None, None, :]
+    words = tl.load(ptr + rows[None, :, None] * stride + index[:, None, None] + four, mask=mask[:, None, None], other=0)
+    return tl.permute(words, (1, 0, 2))
+
+
+@triton.jit
 def _chunk(FAMILY: tl.constexpr, BITS: tl.constexpr, MINIMUMS: tl.constexpr,
-           q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr, sq, sh, sd, sd2, ssc, smn, rows, kc, kmask):  # fmt: skip
-    """Everything a tile of chunks needs: rows [BN], chunk indices along the row kc [C] (kmask: inside the row).
+           q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr, sq, sh, sd, sd2, ssc, smn,
+           rows, kc, kmask, flat, flat_mask):  # fmt: skip
+    """Everything a tile of chunks needs: rows [BN], chunk indices along the row kc [C] (kmask: inside the row), and
+    the same chunks' words as one range, flat [4 C] (flat_mask).
 
     Returns the main plane's words [BN, C, 4] (uint32), the high-bit words arranged for `_pair` (the main words where
     a type has none), the scale a and offset b of the low and high nibbles [BN, C] f32, and the column of word 0,
     byte 0, low nibble of each chunk [C]."""
     i3 = tl.arange(0, 4)[None, None, :]
     r2 = rows[:, None]
-    r3 = rows[:, None, None]
-    k2 = kc[None, :]
     k3 = kc[None, :, None]
-    m2 = kmask[None, :]
-    m3 = kmask[None, :, None]
-    words = tl.load(q_ptr + r3 * sq + k3 * 4 + i3, mask=m3, other=0)
+    # Loaded as a [BN, 4 C] range and reshaped: the range's contiguity is what makes Triton give each lane a chunk's
+    # four words in one 16-byte load, the lanes along the row (as [BN, C, 4], rows and chunks tie, and some Triton
+    # versions spread the rows over the lanes, which costs a layout conversion through shared memory at every use).
+    words = tl.load(q_ptr + r2 * sq + flat[None, :], mask=flat_mask[None, :], other=0)
+    words = tl.reshape(words, (words.shape[0], kc.shape[0], 4))
     high = words
     if FAMILY == 0:  # Q8_0
         words = words ^ SIGN_BITS
-        a_lo = tl.load(d_ptr + r2 * sd + k2 // 2, mask=m2, other=0.0).to(tl.float32)
+        a_lo = _per_chunk(d_ptr, rows, sd, kc // 2, kmask, 0.0).to(tl.float32)
         b_lo = -128.0 * a_lo
         a_hi = a_lo
         b_hi = b_lo
         base = 16 * kc
     elif FAMILY == 1:  # Q4_0, Q4_1, Q5_0, Q5_1: a block of 32 values a chunk
-        a_lo = tl.load(d_ptr + r2 * sd + k2, mask=m2, other=0.0).to(tl.float32)
-        if MINIMUMS:
-            b_lo = tl.load(d2_ptr + r2 * sd2 + k2, mask=m2, other=0.0).to(tl.float32)
-        else:
-            b_lo = -(1 << (BITS - 1)) * a_lo
+        a_lo = _per_chunk(d_ptr, rows, sd, kc, kmask, 0.0).to(tl.float32)
+        b_lo = _per_chunk(d2_ptr, rows, sd2, kc, kmask, 0.0).to(tl.float32) if MINIMUMS else -(1 << (BITS - 1)) * a_lo
         if BITS == 5:
             # One word of fifth bits per block (= chunk): bit v for value v. Word i of the chunk holds values 4i + t
             # and 16 + 4i + t, so shifting by 4i leaves `_pair` a constant shift.
-            qh = tl.load(h_ptr + r2 * sh + k2, mask=m2, other=0)
+            qh = _per_chunk(h_ptr, rows, sh, kc, kmask, 0)
             high = qh[:, :, None] >> (4 * i3)
         a_hi = a_lo
         b_hi = b_lo
         base = 32 * kc
     elif FAMILY == 2:  # Q4_K, Q5_K
         # 8 chunks a 256-value block; chunk cc holds half of group cc // 2: values 64 g + 16 (cc % 2) + 4 i + t (low
-        # nibbles, sub-block 2 g) and 32 more (high nibbles, sub-block 2 g + 1).
+        # nibbles, sub-block 2 g) and 32 more (high nibbles, sub-block 2 g + 1). The two sub-blocks' scales (and
+        # minimums) are adjacent bytes: one 16-bit load each (sc_ptr and mn_ptr point at the planes as int16).
         unit = kc // 8
-        cc = kc % 8
-        d = tl.load(d_ptr + r2 * sd + unit[None, :], mask=m2, other=0.0).to(tl.float32)
-        dmin = tl.load(d2_ptr + r2 * sd2 + unit[None, :], mask=m2, other=0.0).to(tl.float32)
-        sub = (8 * unit + 2 * (cc // 2))[None, :]
-        a_lo = d * tl.load(sc_ptr + r2 * ssc + sub, mask=m2, other=0).to(tl.float32)
-        a_hi = d * tl.load(sc_ptr + r2 * ssc + sub + 1, mask=m2, other=0).to(tl.float32)
-        b_lo = -dmin * tl.load(mn_ptr + r2 * smn + sub, mask=m2, other=0).to(tl.float32)
-        b_hi = -dmin * tl.load(mn_ptr + r2 * smn + sub + 1, mask=m2, other=0).to(tl.float32)
+        group = (kc % 8) // 2
+        d = _per_chunk(d_ptr, rows, sd, unit, kmask, 0.0).to(tl.float32)
+        dmin = _per_chunk(d2_ptr, rows, sd2, unit, kmask, 0.0).to(tl.float32)
+        scales = _per_chunk(sc_ptr, rows, ssc, 4 * unit + group, kmask, 0)
+        minimums = _per_chunk(mn_ptr, rows, smn, 4 * unit + group, kmask, 0)
+        a_lo = d * (scales & 0xFF).to(tl.float32)
+        a_hi = d * ((scales >> 8) & 0xFF).to(tl.float32)
+        b_lo = -dmin * (minimums & 0xFF).to(tl.float32)
+        b_hi = -dmin * ((minimums >> 8) & 0xFF).to(tl.float32)
         if BITS == 5:
             # Value 32 j + l's fifth bit is bit j of qh byte l: the chunk's bytes l = 16 (cc % 2) + 4 i + t are qh
             # word 4 (cc % 2) + i, and j = 2 g + nibble; shifting by 2 g leaves a constant shift per (t, nibble).
-            hw = (8 * unit + 4 * (cc % 2))[None, :, None]
-            qh = tl.load(h_ptr + r3 * sh + hw + i3, mask=m3, other=0)
-            high = qh >> (2 * (cc // 2))[None, :, None]
-        base = 256 * unit + 64 * (cc // 2) + 16 * (cc % 2)
+            qh = _per_chunk_words(h_ptr, rows, sh, 8 * (kc // 8) + 4 * (kc % 2), kmask)
+            high = qh >> (2 * ((k3 % 8) // 2))
+        base = 256 * (kc // 8) + 64 * ((kc % 8) // 2) + 16 * (kc % 2)
     else:
         # Q6_K: chunk cc of ql holds values 128 hh + 32 (s1 + 2 nibble) + 16 (cc % 2) + 4 i + t with hh = cc // 4,
         # s1 = (cc // 2) % 2; their top two bits are bits 2 (s1 + 2 nibble) of qh byte 32 hh + 16 (cc % 2) + 4 i + t,
-        # and each 16 values have an int8 scale.
+        # and each 16 values have an int8 scale: bytes 2 s1 + cc % 2 and 4 more of the eight at 16 unit + 8 hh, read
+        # as one 64-bit word (sc_ptr points at the plane as int64).
         unit = kc // 8
         cc = kc % 8
-        hh = cc // 4
-        s1 = (cc // 2) % 2
-        d = tl.load(d_ptr + r2 * sd + unit[None, :], mask=m2, other=0.0).to(tl.float32)
-        sub = (16 * unit + 8 * hh + 2 * s1 + cc % 2)[None, :]
-        a_lo = d * tl.load(sc_ptr + r2 * ssc + sub, mask=m2, other=0).to(tl.float32)
-        a_hi = d * tl.load(sc_ptr + r2 * ssc + sub + 4, mask=m2, other=0).to(tl.float32)
+        d = _per_chunk(d_ptr, rows, sd, unit, kmask, 0.0).to(tl.float32)
+        eight = _per_chunk(sc_ptr, rows, ssc, 2 * unit + cc // 4, kmask, 0)
+        shift = (8 * (2 * ((cc // 2) % 2) + cc % 2))[None, :].to(tl.int64)
+        a_lo = d * ((eight >> shift) & 0xFF).to(tl.int8).to(tl.float32)
+        a_hi = d * ((eight >> (shift + 32)) & 0xFF).to(tl.int8).to(tl.float32)
         b_lo = -32.0 * a_lo
         b_hi = -32.0 * a_hi
-        hw = (16 * unit + 8 * hh + 4 * (cc % 2))[None, :, None]
-        qh = tl.load(h_ptr + r3 * sh + hw + i3, mask=m3, other=0)
-        high = qh >> (2 * s1)[None, :, None]
-        base = 256 * unit + 128 * hh + 32 * s1 + 16 * (cc % 2)
+        qh = _per_chunk_words(h_ptr, rows, sh, 16 * (kc // 8) + 8 * (cc // 4) + 4 * (cc % 2), kmask)
+        high = qh >> (2 * ((k3 // 2) % 2))
+        base = 256 * (kc // 8) + 128 * ((kc % 8) // 4) + 32 * ((kc // 2) % 2) + 16 * (kc % 2)
     # Unsigned from here: right shifts bring in zeros.
     return words.to(tl.uint32, bitcast=True), high.to(tl.uint32, bitcast=True), a_lo, b_lo, a_hi, b_hi, base
 
@@ -195,6 +214,20 @@ def _columns(v):
 
 
 @triton.jit
+def _word_columns(v):
+    """[A, B, 8] (two words' four values each) -> ((its four [A, B] columns of word 0), (those of word 1))."""
+    five = tl.reshape(v, (v.shape[0], v.shape[1], 2, 2, 2))  # [.., word, t // 2, t % 2]
+    even, odd = tl.split(five)
+    t0, t2 = tl.split(even)
+    t1, t3 = tl.split(odd)
+    t0_0, t0_1 = tl.split(t0)
+    t1_0, t1_1 = tl.split(t1)
+    t2_0, t2_1 = tl.split(t2)
+    t3_0, t3_1 = tl.split(t3)
+    return (t0_0, t1_0, t2_0, t3_0), (t0_1, t1_1, t2_1, t3_1)
+
+
+@triton.jit
 def _join4(a, b, c, d):
     """[..., 2, 2] holding a, b, c, d in that order (row-major): a join adds a last dimension, so the outer join
     picks between (a, c) and (b, d)."""
@@ -222,7 +255,8 @@ def _gemv(
     m = tl.arange(0, BLOCK_M)
     x_rows = x_ptr + tl.minimum(m, M - 1)[:, None, None] * sxm
     offs_c = tl.arange(0, CHUNKS)
-    four = tl.arange(0, 4)[None, None, :]
+    offs_w = tl.arange(0, 4 * CHUNKS)
+    eight = tl.arange(0, 8)[None, None, :]
     if BLOCK_M == 1:
         acc = tl.zeros((BLOCK_N, CHUNKS), dtype=tl.float32)
     else:
@@ -232,23 +266,26 @@ def _gemv(
     for k0 in range(first, last, CHUNKS):
         kc = k0 + offs_c
         kmask = (kc < last) | EVEN_K
+        flat = 4 * k0 + offs_w
         words, high, a_lo, b_lo, a_hi, b_hi, base = _chunk(
             FAMILY, BITS, MINIMUMS, q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr, sq, sh, sd, sd2, ssc, smn,
-            rows_in, kc, kmask,
+            rows_in, kc, kmask, flat, (flat < 4 * last) | EVEN_K,
         )  # fmt: skip
         word_columns = _columns(words)
         high_columns = _columns(high)
-        xmask = kmask[None, :, None] & (four < 4)
+        xmask = kmask[None, :, None] & (eight < 8)
         if BLOCK_M == 1:
             f_lo = tl.zeros((BLOCK_N, CHUNKS), dtype=tl.float32)
             f_hi = tl.zeros((BLOCK_N, CHUNKS), dtype=tl.float32)
             x_lo = tl.zeros((1, CHUNKS), dtype=tl.float32)
             x_hi = tl.zeros((1, CHUNKS), dtype=tl.float32)
-        for i in tl.static_range(4):
-            for h in tl.static_range(NIBBLES):
-                column = base[None, :, None] + HALF_STRIDE * h + 4 * i + four
-                x4 = tl.load(x_rows + column, mask=xmask, other=0.0).to(tl.float32)  # [BLOCK_M, C, 4]
-                x_columns = _columns(x4)
+        for h in tl.static_range(NIBBLES):
+            # A nibble's 16 values of x are consecutive columns: two 16-byte loads, words 0-1 and 2-3.
+            column = base[None, :, None] + HALF_STRIDE * h + eight
+            first_words = _word_columns(tl.load(x_rows + column, mask=xmask, other=0.0).to(tl.float32))
+            last_words = _word_columns(tl.load(x_rows + column + 8, mask=xmask, other=0.0).to(tl.float32))
+            for i in tl.static_range(4):
+                x_columns = first_words[i] if i < 2 else last_words[i - 2]
                 if SPLIT_HALVES and h == 1:
                     scale = a_hi * _unit(BITS, h)
                     offset = b_hi
@@ -300,9 +337,10 @@ def _dequantise(
     rows_in = tl.minimum(rows, N - 1)
     kc = pid_k * CHUNKS + tl.arange(0, CHUNKS)
     kmask = kc < n_chunks
+    flat = 4 * pid_k * CHUNKS + tl.arange(0, 4 * CHUNKS)
     words, high, a_lo, b_lo, a_hi, b_hi, base = _chunk(
         FAMILY, BITS, MINIMUMS, q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr, sq, sh, sd, sd2, ssc, smn,
-        rows_in, kc, kmask,
+        rows_in, kc, kmask, flat, flat < 4 * n_chunks,
     )  # fmt: skip
     w0, w1, w2, w3 = _columns(words)
     h0, h1, h2, h3 = _columns(high)
@@ -370,10 +408,15 @@ def default_config(ggml_type: GGMLQuantizationType, rows: int) -> Config:
     return Config(block_n=4, chunks=128, num_warps=4)
 
 
-def _words(plane: Tensor) -> Tensor:
-    """A byte plane as int32 words; one that does not start on a 16-byte boundary (a view into a larger buffer) is
-    copied, the kernels' vector loads assuming it."""
-    return (plane if plane.data_ptr() % 16 == 0 else plane.clone()).view(torch.int32)
+def _words(plane: Tensor, dtype: torch.dtype = torch.int32) -> Tensor:
+    """A byte plane as words of `dtype`; one that does not start on a 16-byte boundary (a view into a larger buffer)
+    is copied, the kernels' vector loads assuming it."""
+    return (plane if plane.data_ptr() % 16 == 0 else plane.clone()).view(dtype)
+
+
+# Scale planes read as wider words (`_chunk` says why): K-quants' byte pairs of sub-block scales and minimums, Q6_K's
+# eight int8 scales of a half block.
+SCALE_WORDS = {Q.Q4_K: torch.int16, Q.Q5_K: torch.int16, Q.Q6_K: torch.int64}
 
 
 def _planes(planes: Sequence[Tensor], ggml_type: GGMLQuantizationType) -> tuple[list[Tensor], list[int]]:
@@ -386,6 +429,8 @@ def _planes(planes: Sequence[Tensor], ggml_type: GGMLQuantizationType) -> tuple[
     main = _words(named[MAIN_PLANE[ggml_type]])
     high = _words(named["qh"]) if "qh" in named else main
     slots = [main, high, *(named.get(name, main) for name in SCALE_PLANES[ggml_type])]
+    if ggml_type in SCALE_WORDS:
+        slots[4:] = [_words(plane, SCALE_WORDS[ggml_type]) if plane is not main else main for plane in slots[4:]]
     return slots, [s.stride(0) for s in slots]
 
 

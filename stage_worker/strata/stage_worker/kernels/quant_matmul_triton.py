@@ -89,6 +89,12 @@ def _per_chunk_words(ptr, rows, stride, index, mask):
 
 
 @triton.jit
+def _x_values(pointers, mask):
+    """x at pointers [C, BLOCK_M, 8] as f32 [BLOCK_M, C, 8]: chunks first for `_per_chunk`'s reason."""
+    return tl.permute(tl.load(pointers, mask=mask, other=0.0).to(tl.float32), (1, 0, 2))
+
+
+@triton.jit
 def _chunk(FAMILY: tl.constexpr, BITS: tl.constexpr, MINIMUMS: tl.constexpr,
            q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr, sq, sh, sd, sd2, ssc, smn,
            rows, kc, kmask, flat, flat_mask):  # fmt: skip
@@ -253,7 +259,7 @@ def _gemv(
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_in = tl.minimum(rows, N - 1)  # rows past N read row N - 1 and are not stored: no masked weight loads
     m = tl.arange(0, BLOCK_M)
-    x_rows = x_ptr + tl.minimum(m, M - 1)[:, None, None] * sxm
+    x_rows = x_ptr + tl.minimum(m, M - 1)[None, :, None] * sxm  # [1, BLOCK_M, 1]: see `_x_values`
     offs_c = tl.arange(0, CHUNKS)
     offs_w = tl.arange(0, 4 * CHUNKS)
     eight = tl.arange(0, 8)[None, None, :]
@@ -273,7 +279,7 @@ def _gemv(
         )  # fmt: skip
         word_columns = _columns(words)
         high_columns = _columns(high)
-        xmask = kmask[None, :, None] & (eight < 8)
+        xmask = kmask[:, None, None] & (eight < 8)
         if BLOCK_M == 1:
             f_lo = tl.zeros((BLOCK_N, CHUNKS), dtype=tl.float32)
             f_hi = tl.zeros((BLOCK_N, CHUNKS), dtype=tl.float32)
@@ -281,9 +287,9 @@ def _gemv(
             x_hi = tl.zeros((1, CHUNKS), dtype=tl.float32)
         for h in tl.static_range(NIBBLES):
             # A nibble's 16 values of x are consecutive columns: two 16-byte loads, words 0-1 and 2-3.
-            column = base[None, :, None] + HALF_STRIDE * h + eight
-            first_words = _word_columns(tl.load(x_rows + column, mask=xmask, other=0.0).to(tl.float32))
-            last_words = _word_columns(tl.load(x_rows + column + 8, mask=xmask, other=0.0).to(tl.float32))
+            column = base[:, None, None] + HALF_STRIDE * h + eight
+            first_words = _word_columns(_x_values(x_rows + column, xmask))
+            last_words = _word_columns(_x_values(x_rows + column + 8, xmask))
             for i in tl.static_range(4):
                 x_columns = first_words[i] if i < 2 else last_words[i - 2]
                 if SPLIT_HALVES and h == 1:

@@ -38,6 +38,7 @@ crds: $(STAMP)
 	$(BIN)/python -m strata.operator.crd
 	$(BIN)/python -m strata.operator.chart_values
 	$(BIN)/python -m strata.operator.reference
+	$(BIN)/python -m strata.gguf.architecture_docs
 
 binaries:
 	testbed/build-binaries.sh >/dev/null

@@ -82,7 +82,7 @@ def kernel_speed(device: torch.device, *, depths: list[int]) -> dict[str, float]
             type_k=CacheType.Q8_0, type_v=CacheType.Q8_0, dtype=torch.bfloat16, device=device,
         )  # fmt: skip
         for slot in range(streams):
-            cells, _ = pool.extend(slot=slot, start_position=0, length=depth)
+            cells = pool.extend(slot=slot, start_position=0, length=depth).full.new
             k, v = torch.randn(depth, 1024, device=device), torch.randn(depth, 1024, device=device)
             pool.layers[0].write(cells, k, v)
         q = torch.randn(streams, 32, 128, device=device, dtype=torch.bfloat16)
@@ -108,7 +108,7 @@ def fill(engine: Engine, *, slot: int, depth: int, generator: torch.Generator) -
     """Give `slot` `depth` positions of random K/V in every layer, written through the pool's quantiser."""
     pool = engine.pool
     pool.reset(slot)
-    cells, _ = pool.extend(slot=slot, start_position=0, length=depth)
+    cells = pool.extend(slot=slot, start_position=0, length=depth).full.new
     c = engine.model.config
     for layer in pool.layers:
         for start in range(0, depth, 16384):

@@ -31,16 +31,22 @@ def pool(cache_type: CacheType, *, context: int = 64, parallel: int = 3) -> KVPo
 def prefill(kv: KVPool, *, slot: int, length: int, seed: int) -> None:
     """Write random K and V for positions 0..length-1 of `slot`, as the forward pass would."""
     generator = torch.Generator().manual_seed(seed)
-    cells, _ = kv.extend(slot=slot, start_position=0, length=length)
+    cells = kv.extend(slot=slot, start_position=0, length=length).full.new
     for layer in kv.layers:
         layer.write(
             cells, torch.randn(length, WIDTH, generator=generator), torch.randn(length, WIDTH, generator=generator)
         )
 
 
+def held(kv: KVPool, *, slot: int, length: int) -> torch.Tensor:
+    prefix = kv.prefix(slot=slot, length=length)
+    assert prefix is not None, "a pool without a sliding window holds every position"
+    return prefix.cells
+
+
 def contents(kv: KVPool, slot: int, length: int) -> list[tuple[torch.Tensor, ...]]:
     """What attention would read for the slot's first `length` positions, raw and dequantised, layer by layer."""
-    cells = kv.prefix_cells(slot=slot, length=length)
+    cells = held(kv, slot=slot, length=length)
     rows = []
     for layer in kv.layers:
         k, v = layer.keys.raw(cells), layer.values.raw(cells)
@@ -77,9 +83,9 @@ def test_a_restored_slot_reads_back_bit_identical_to_the_prefill(
     for original, copy in zip(contents(kv, 0, restored), contents(kv, 1, restored), strict=True):
         for a, b in zip(original, copy, strict=True):
             assert torch.equal(a, b)
-    cells = kv.prefix_cells(slot=1, length=restored)
+    cells = held(kv, slot=1, length=restored)
     assert torch.equal(kv.table[1, :restored], cells), "decode reads a slot's cells from the device table"
-    assert not set(cells.tolist()) & set(kv.prefix_cells(slot=0, length=40).tolist()), "fresh cells, not shared"
+    assert not set(cells.tolist()) & set(held(kv, slot=0, length=40).tolist()), "fresh cells, not shared"
     assert kv.free_cells == 128 - 40 - restored
 
 

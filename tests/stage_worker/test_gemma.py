@@ -3,7 +3,8 @@ computes from the same GGUF file.
 
 The models' windows (8 positions) are far shorter than the prompts, which prefill in chunks of 8 across two slots,
 so the comparison covers the window's mask in the prefill path, in the pool's read of chunks after cached positions
-and in decode; gemma3's seven layers include its global layer (5), which rotates with another RoPE base.
+and in decode, with the sliding layers' cells reused as positions leave the window; gemma3's seven layers include
+its global layer (5), which rotates with another RoPE base.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ PROMPTS = (
     (4, 8, 15, 16, 23, 42, 108, 99, 250, 1, 2, 3, 200),
 )
 NEW_TOKENS = 16
+# Longer than the sliding layers' cells (window * 2 slots + 512), so those layers keep a space of their own.
+CONTEXT = 1024
 FENCE = stage_pb2.Fence(term=1, holder="test-coordinator", lease_uid="lease-1")
 
 
@@ -78,7 +81,9 @@ def test_the_generated_models_window_is_shorter_than_every_prompt() -> None:
 def test_logits_and_greedy_continuations_match_hf(
     gemma_models: dict[str, Path], expected: dict[tuple[str, int], tuple[torch.Tensor, list[int]]], case: Case
 ) -> None:
-    with local_pipeline(gemma_models[case.architecture], case.spans) as running:
+    with local_pipeline(gemma_models[case.architecture], case.spans, context=CONTEXT) as running:
+        pools = [stage.service.engine.pool for stage in running]
+        assert all(pool.window is not None for pool in pools if any(pool.windowed)), "sliding layers keep fewer cells"
         pipeline = Pipeline(f"127.0.0.1:{running[0].port}", fence=FENCE)
         pipeline.claim()
         requests = [Request(prompt=p, max_tokens=NEW_TOKENS, prompt_logits=True) for p in PROMPTS]

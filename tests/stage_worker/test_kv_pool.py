@@ -83,10 +83,10 @@ def test_slots_share_one_pool_and_reset_returns_cells() -> None:
 
 def test_a_chunk_that_rewinds_a_slot_reuses_its_cells() -> None:
     kv = pool(layers=1, context=8, type_k=CacheType.F16, type_v=CacheType.F16, parallel=1)
-    _, first = kv.extend(slot=0, start_position=0, length=5)
-    new, cells = kv.extend(slot=0, start_position=3, length=2)
-    assert cells[:3].tolist() == first[:3].tolist()
-    assert (kv.length(0), kv.free_cells, new.shape) == (5, 3, (2,))
+    first = kv.extend(slot=0, start_position=0, length=5).full.cells
+    again = kv.extend(slot=0, start_position=3, length=2).full
+    assert again.cells[:3].tolist() == first[:3].tolist()
+    assert (kv.length(0), kv.free_cells, again.new.shape) == (5, 3, (2,))
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,10 @@ from enum import StrEnum
 
 from strata.gguf.executable import not_executable_reason
 
+# Tokens per micro-batch (llama.cpp's n_ubatch): the planner sizes compute buffers by it, and a sliding-window layer
+# keeps this many cells beyond its slots' windows for the new rows of a step.
+UBATCH_TOKENS = 512
+
 
 class CacheType(StrEnum):
     """KV-cache element types a plan may choose (llama.cpp's `--cache-type-k/-v` names)."""
@@ -65,7 +69,7 @@ class SlidingWindow:
     window: int
     layers: tuple[bool, ...]
 
-    def cells(self, *, n_ctx: int, n_seq: int, n_ubatch: int) -> int:
+    def cells(self, *, n_ctx: int, n_seq: int, n_ubatch: int = UBATCH_TOKENS) -> int:
         """KV cells a sliding-window layer holds: min(n_ctx, window * n_seq + n_ubatch)."""
         return min(n_ctx, self.window * n_seq + n_ubatch)
 

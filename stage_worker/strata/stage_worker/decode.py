@@ -60,7 +60,8 @@ class Decoder:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
             self._run = torch.compile(run_block, dynamic=dynamic)
         n = pool.parallel
-        self.inputs = torch.zeros(4, n, dtype=torch.long, device=self.device)  # slots, positions, cells, tokens
+        # slots, positions, cells, tokens, and the cells of the sliding-window layers when they have their own
+        self.inputs = torch.zeros(5, n, dtype=torch.long, device=self.device)
         self.hidden = torch.zeros(n, model.config.dim, dtype=dtype, device=self.device)
         self._captured: dict[int, _Captured] = {}
         self._rows = torch.arange(n, dtype=torch.long, device=self.device)
@@ -71,10 +72,17 @@ class Decoder:
         return len(self._captured)
 
     def run(
-        self, *, slots: list[int], positions: list[int], cells: list[int], tokens: list[int], hidden: Tensor | None
+        self,
+        *,
+        slots: list[int],
+        positions: list[int],
+        cells: list[tuple[int, int]],  # per slot: its new cell in the full-attention and the sliding-window space
+        tokens: list[int],
+        hidden: Tensor | None,
     ) -> DecodeOutput:
         b = len(slots)
-        host = torch.tensor([slots, positions, cells, tokens or [0] * b], dtype=torch.long)
+        full, window = zip(*cells, strict=True)
+        host = torch.tensor([slots, positions, list(full), tokens or [0] * b, list(window)], dtype=torch.long)
         self.inputs[:, :b].copy_(host, non_blocking=True)
         if hidden is not None:
             self.hidden[:b].copy_(hidden, non_blocking=True)
@@ -103,9 +111,16 @@ class Decoder:
         return captured
 
     def _body(self, b: int) -> DecodeOutput:
-        slots, positions, cells, tokens = self.inputs[:, :b]
+        slots, positions, cells, tokens, window_cells = self.inputs[:, :b]
+        window = self.pool.window
         layout = decode_layout(
-            table=self.pool.table, slots=slots, positions=positions, cells=cells, rows=self._rows[:b]
+            table=self.pool.table,
+            slots=slots,
+            positions=positions,
+            cells=cells,
+            rows=self._rows[:b],
+            window_table=None if window is None else window.table,
+            window_cells=None if window is None else window_cells,
         )
         x = self.model.embed(tokens) if self.model.is_first else self.hidden[:b]  # [B, D]
         x = self.model(x, rope=self.rope, caches=self.pool.layers, layout=layout, run=self._run)  # [B, D]

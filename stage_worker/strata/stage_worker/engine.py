@@ -9,14 +9,15 @@ position per slot) takes the batched path in strata.stage_worker.decode, capture
 
 from __future__ import annotations
 
+from collections import deque
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from strata.stage_worker.decode import Decoder
-from strata.stage_worker.errors import InvalidRequestError
-from strata.stage_worker.kv_pool import KVPool
-from strata.stage_worker.model import ChunkView, Rope, StageModel, step_layout
+from strata.stage_worker.errors import InvalidRequestError, PoolExhaustedError
+from strata.stage_worker.kv_pool import KVPool, Placement
+from strata.stage_worker.model import ChunkView, Rope, StageModel, StepLayout, step_layout
 from strata.stage_worker.sampling import Sampled, Sampling, sample
 from torch import Tensor
 
@@ -25,6 +26,9 @@ def on_device(device: torch.device) -> AbstractContextManager[object]:
     """Make the stage's GPU the current one for a step: gRPC and loader threads start on cuda:0, and graph capture,
     Triton launches and new streams use the current device, not the tensors'."""
     return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+
+
+Piece = tuple[int, int, int]  # (slot, start position, length): a chunk, or the part of one that a step part takes
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,13 @@ class Engine:
         cuda_graphs: bool | None = None,  # None: on CUDA devices
         compiled: bool | None = None,  # torch.compile the decode step's blocks; None: with CUDA graphs
     ) -> None:
+        c = model.config
+        sliding = tuple(c.is_sliding(il) for il in range(model.layer_start, model.layer_end))
+        if pool.window is not None and (pool.windowed != sliding or pool.window.window != c.sliding_window):
+            raise ValueError(
+                f"the KV pool keeps a {pool.window.window}-token window on layers {pool.windowed}; the model's "
+                f"sliding layers are {sliding} with a window of {c.sliding_window}"
+            )
         self.model = model
         self.pool = pool
         self.device = device
@@ -129,52 +140,86 @@ class Engine:
     def _step(self, chunks: list[Chunk], hidden: Tensor | None) -> StepResult:
         if all(chunk.length == 1 and not chunk.return_logits for chunk in chunks):
             return self._decode(chunks, hidden)
-        positions: list[Tensor] = []
-        writes: list[Tensor] = []
-        views: list[ChunkView] = []
-        row = 0
         for chunk in chunks:
-            new_cells, all_cells = self.pool.extend(
-                slot=chunk.slot, start_position=chunk.start_position, length=chunk.length
-            )
-            positions.append(torch.arange(chunk.start_position, chunk.start_position + chunk.length))
-            writes.append(new_cells)
-            views.append(
-                ChunkView(
-                    rows=slice(row, row + chunk.length),
-                    slot=chunk.slot,
-                    start_position=chunk.start_position,
-                    cells=all_cells,
-                )
-            )
-            row += chunk.length
-        layout = step_layout(
-            positions=torch.cat(positions).to(self.device),
-            write_cells=torch.cat(writes),
-            chunks=tuple(views),
-            table=self.pool.table,
-        )
+            self.pool.truncate(slot=chunk.slot, position=chunk.start_position)
         if hidden is None:
             tokens = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
             x = self.model.embed(tokens)  # [N, D]
         else:
             x = hidden.to(device=self.device, dtype=self.dtype)  # [N, D]
-        x = self.model(x, rope=self.rope, caches=self.pool.layers, layout=layout)  # [N, D]
+        x = self._forward_in_parts([(c.slot, c.start_position, c.length) for c in chunks], x)  # [N, D]
         if not self.model.is_last:
             return StepResult(hidden=x, tokens={}, logits={})
         sampled: dict[int, Sampled] = {}
         logits: dict[int, Tensor] = {}
-        for chunk, view in zip(chunks, views, strict=True):
+        row = 0
+        for chunk in chunks:
+            rows = slice(row, row + chunk.length)
+            row += chunk.length
             if chunk.return_logits:
-                logits[chunk.slot] = self.model.head(x[view.rows]).float()  # [length, vocab]
+                logits[chunk.slot] = self.model.head(x[rows]).float()  # [length, vocab]
             if chunk.sample:
-                last = logits[chunk.slot][-1] if chunk.return_logits else self.model.head(x[view.rows][-1:])[0]
+                last = logits[chunk.slot][-1] if chunk.return_logits else self.model.head(x[rows][-1:])[0]
                 end = chunk.start_position + chunk.length
                 sampled[chunk.slot] = sample(last, params=chunk.sampling, position=end)
         return StepResult(hidden=None, tokens=sampled, logits=logits)
 
+    def _forward_in_parts(self, pieces: list[Piece], x: Tensor) -> Tensor:
+        """The step's rows through the layers, in as many parts as the sliding-window cells need: each part takes
+        no more new positions than that space has room for now, and a part's dead positions make room for the next.
+        Parts keep the rows' order (a chunk split between two continues in the second), so the result is the
+        step's, computed as if the coordinator had sent smaller chunks."""
+        queue = deque(pieces)
+        out: list[Tensor] = []
+        row = 0
+        while queue:
+            room = self.pool.room()
+            budget = x.shape[0] - row if room is None else room
+            if budget < 1:
+                raise PoolExhaustedError(f"no sliding-window KV cell is free for slot {queue[0][0]}")
+            part: list[Piece] = []
+            while queue and budget > 0:
+                slot, start, length = queue.popleft()
+                taken = min(length, budget)
+                part.append((slot, start, taken))
+                if taken < length:
+                    queue.appendleft((slot, start + taken, length - taken))
+                budget -= taken
+            rows = sum(length for _, _, length in part)
+            out.append(self._forward(part, x[row : row + rows]))
+            row += rows
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+    def _forward(self, part: list[Piece], x: Tensor) -> Tensor:
+        """One part of a step: take its cells, then run its rows [N, D] through the layers."""
+        positions: list[Tensor] = []
+        extensions = []
+        for slot, start, length in part:
+            extensions.append(self.pool.extend(slot=slot, start_position=start, length=length))
+            positions.append(torch.arange(start, start + length))
+        at = torch.cat(positions).to(self.device)
+
+        def layout(placements: list[Placement], table: Tensor) -> StepLayout:
+            views, row = [], 0
+            for (slot, start, length), placement in zip(part, placements, strict=True):
+                views.append(
+                    ChunkView(rows=slice(row, row + length), slot=slot, start_position=start, cells=placement.cells)
+                )
+                row += length
+            writes = torch.cat([placement.new for placement in placements])
+            return step_layout(positions=at, write_cells=writes, chunks=tuple(views), table=table)
+
+        full = layout([e.full for e in extensions], self.pool.table)
+        if self.pool.window is not None:
+            window = layout([e.window for e in extensions if e.window is not None], self.pool.window.table)
+            full = replace(full, window=window)
+        out: Tensor = self.model(x, rope=self.rope, caches=self.pool.layers, layout=full)
+        return out
+
     def _decode(self, chunks: list[Chunk], hidden: Tensor | None) -> StepResult:
         """One new position per slot, batched (and on CUDA replayed from a graph); greedy picks come back at once."""
+        for chunk in chunks:
+            self.pool.truncate(slot=chunk.slot, position=chunk.start_position)
         cells = [self.pool.take(slot=chunk.slot, position=chunk.start_position) for chunk in chunks]
         out = self.decoder.run(
             slots=[chunk.slot for chunk in chunks],

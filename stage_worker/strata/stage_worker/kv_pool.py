@@ -1,9 +1,11 @@
 """The KV pool: one unified pool of `context` cells that the `parallel` slots share, in the planned cache type.
 
 As in llama.cpp's unified KV cache, lanes do not multiply KV memory: a slot takes cells from the free list as its
-sequence grows and gives them back on reset. The planner sized the pool with ModelInfo.kv_bytes(); the stores here
-allocate the same bytes (q8_0: int8 values plus one f16 scale per block of 32, ggml's block_q8_0 split into two
-arrays) and dequantise to the compute dtype when attention reads them.
+sequence grows and gives them back on reset. Sliding-window layers keep their K and V in a smaller space of their
+own, `min(context, window * slots + slack)` cells, where a position that has left every later query's window gives
+its cell to the next one (strata.stage_worker.kv_cells). The planner sized the pool with ModelInfo.kv_bytes(); the
+stores here allocate the same bytes (q8_0: int8 values plus one f16 scale per block of 32, ggml's block_q8_0 split
+into two arrays) and dequantise to the compute dtype when attention reads them.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from strata.gguf.model import CacheType
+from strata.gguf.model import UBATCH_TOKENS, CacheType
 from strata.stage_worker.errors import ContextExceededError, PoolExhaustedError, UnknownSlotError
+from strata.stage_worker.kv_cells import CellSpace
 from torch import Tensor
 
 Q8_BLOCK = 32
@@ -43,7 +46,10 @@ class RawRows:
         return _stored_bytes(self.values, self.scales)
 
     def head(self, rows: int) -> RawRows:
-        return RawRows(values=self.values[:rows], scales=None if self.scales is None else self.scales[:rows])
+        return self.rows(0, rows)
+
+    def rows(self, start: int, stop: int) -> RawRows:
+        return RawRows(values=self.values[start:stop], scales=None if self.scales is None else self.scales[start:stop])
 
 
 class Store:
@@ -117,8 +123,33 @@ class LayerCache:
         return self.keys.read(cells, dtype=self.dtype), self.values.read(cells, dtype=self.dtype)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a chunk went in one cell space."""
+
+    new: Tensor  # [T] the cells its positions are written to
+    cells: Tensor  # the cells of every position the space holds for the slot, first..end-1 (from 0: all of them)
+
+
+@dataclass(frozen=True)
+class Extension:
+    full: Placement  # the full-attention layers' cells
+    window: Placement | None  # the sliding-window layers' cells, when they have a space of their own
+
+
+@dataclass(frozen=True)
+class PrefixCells:
+    """The cells of a slot's first `length` positions: all of them for full-attention layers; for sliding-window
+    layers, from `window_first` on (at least what a query at `length` sees)."""
+
+    length: int
+    cells: Tensor  # [length]
+    window_first: int = 0
+    window_cells: Tensor | None = None  # [length - window_first]
+
+
 class KVPool:
-    """`context` cells per layer, shared by `parallel` slots; each slot holds its cells in position order."""
+    """`context` cells per full-attention layer, fewer per sliding-window layer, shared by `parallel` slots."""
 
     def __init__(
         self,
@@ -132,24 +163,39 @@ class KVPool:
         type_v: CacheType,
         dtype: torch.dtype,
         device: torch.device,
+        window: int = 0,  # tokens a sliding-window layer sees; 0: none
+        sliding: tuple[bool, ...] = (),  # per layer of this pool: attends over the window only
+        window_slack: int = UBATCH_TOKENS,  # cells beyond window * slots for a step's new rows, as the plan counts
     ) -> None:
+        if sliding and len(sliding) != n_layers:
+            raise ValueError(f"the sliding flags name {len(sliding)} layers; the pool holds {n_layers}")
         self.context = context
         self.parallel = parallel
         self.device = device
-        self.layers = [
-            LayerCache(
-                keys=Store(cache_type=type_k, cells=context, width=key_width, device=device),
-                values=Store(cache_type=type_v, cells=context, width=value_width, device=device),
+        self.full = CellSpace(cells=context, parallel=parallel, context=context, window=0, device=device)
+        window_cells = min(context, window * parallel + window_slack)
+        self.window: CellSpace | None = None
+        if window > 0 and any(sliding) and window_cells < context:
+            self.window = CellSpace(
+                cells=window_cells, parallel=parallel, context=context, window=window, device=device
+            )
+        # Per layer: its cells are the window space's. Without that space a sliding layer keeps every position and
+        # attention masks the window, as a full-attention layer's cells would.
+        self.windowed = tuple(self.window is not None and flag for flag in (sliding or (False,) * n_layers))
+
+        def cache(cells: int) -> LayerCache:
+            return LayerCache(
+                keys=Store(cache_type=type_k, cells=cells, width=key_width, device=device),
+                values=Store(cache_type=type_v, cells=cells, width=value_width, device=device),
                 dtype=dtype,
             )
-            for _ in range(n_layers)
-        ]
-        self._free: list[int] = list(range(context - 1, -1, -1))  # a stack: pop() hands out low cells first
-        self._slots: list[list[int]] = [[] for _ in range(parallel)]
-        # The same cells on the device, row = slot, column = position: batched decode reads a slot's cells from
-        # here (table[slots, :S]) without copying the host lists over every step. Columns past a slot's length are
-        # stale and are masked by position. Decode steps write their new cell into it on the device themselves.
-        self.table = torch.zeros(parallel, context, dtype=torch.long, device=device)
+
+        self.layers = [cache(window_cells if windowed else context) for windowed in self.windowed]
+
+    @property
+    def table(self) -> Tensor:
+        """[parallel, context] the full-attention cells of each slot's positions (stale past a slot's length)."""
+        return self.full.table
 
     @property
     def nbytes(self) -> int:
@@ -162,65 +208,109 @@ class KVPool:
 
     @property
     def free_cells(self) -> int:
-        return len(self._free)
+        """Free cells of the full-attention layers: what bounds how many positions the slots hold together."""
+        return self.full.free_cells
+
+    def room(self) -> int | None:
+        """New positions one step may add over all its slots now; None: as many as the context has free."""
+        return None if self.window is None else self.window.room()
+
+    def sight(self, position: int) -> int:
+        """The first position the sliding-window layers keep for a query at `position` (0 without their space)."""
+        return 0 if self.window is None else self.window.sight(position)
 
     def length(self, slot: int) -> int:
-        return len(self._slot(slot))
+        self._slot(slot)
+        return self.full.length(slot)
 
     def check(self, *, slot: int, start_position: int, length: int) -> None:
-        """Refuse a chunk that names an unknown slot, leaves a gap, or runs past the context."""
-        cells = self._slot(slot)
-        if start_position > len(cells):
+        """Refuse a chunk that names an unknown slot, leaves a gap, runs past the context, or rolls back to where
+        the sliding-window layers no longer hold what it sees."""
+        held = self.length(slot)
+        if start_position > held:
             raise ContextExceededError(
-                f"slot {slot} holds {len(cells)} positions; a chunk cannot start at position {start_position}"
+                f"slot {slot} holds {held} positions; a chunk cannot start at position {start_position}"
             )
         if start_position + length > self.context:
             raise ContextExceededError(
                 f"positions {start_position}..{start_position + length - 1} of slot {slot} exceed the context "
                 f"of {self.context}"
             )
-
-    def extend(self, *, slot: int, start_position: int, length: int) -> tuple[Tensor, Tensor]:
-        """Truncate the slot to `start_position`, take `length` cells; return (new cells, all cells in order)."""
-        self.check(slot=slot, start_position=start_position, length=length)
-        cells = self._slot(slot)
-        self._free.extend(reversed(cells[start_position:]))
-        del cells[start_position:]
-        if length > len(self._free):
-            raise PoolExhaustedError(
-                f"slot {slot} needs {length} KV cells but only {len(self._free)} of {self.context} are free"
+        if self.window is not None and not self.window.holds_history(slot=slot, start=start_position):
+            raise ContextExceededError(
+                f"slot {slot} no longer holds positions {self.window.sight(start_position)}.."
+                f"{self.window.first(slot) - 1} of its sliding window: a chunk at position {start_position} needs "
+                "them; start the slot again from position 0"
             )
-        new = [self._free.pop() for _ in range(length)]
-        cells.extend(new)
-        as_tensor = torch.tensor(cells, dtype=torch.long, device=self.device)
-        self.table[slot, start_position : start_position + length] = as_tensor[start_position:]
-        return as_tensor[start_position:], as_tensor
 
-    def take(self, *, slot: int, position: int) -> int:
-        """A decode step's one new cell for `slot` at `position`, on the host only: the step puts it in the table."""
+    def truncate(self, *, slot: int, position: int) -> None:
+        """Give back the slot's cells of positions `position` and later (a step truncates each of its slots before
+        any of them takes cells, so none reclaims another's positions that a rolled-back chunk still needs)."""
+        self._slot(slot)
+        for space in self._spaces():
+            space.truncate(slot=slot, position=position)
+
+    def extend(self, *, slot: int, start_position: int, length: int) -> Extension:
+        """Truncate the slot to `start_position` and take `length` cells in each space."""
+        self.check(slot=slot, start_position=start_position, length=length)
+        new, cells = self.full.extend(slot=slot, start=start_position, length=length)
+        window = None
+        if self.window is not None:
+            try:
+                window_new, window_cells = self.window.extend(slot=slot, start=start_position, length=length)
+            except PoolExhaustedError:
+                self.full.truncate(slot=slot, position=start_position)  # both spaces hold the same positions
+                raise
+            window = Placement(new=window_new, cells=window_cells)
+        return Extension(full=Placement(new=new, cells=cells), window=window)
+
+    def take(self, *, slot: int, position: int) -> tuple[int, int]:
+        """A decode step's new cells for `slot` at `position` (full-attention, sliding-window; 0 without the second
+        space), on the host only: the step puts them in the tables."""
         self.check(slot=slot, start_position=position, length=1)
-        cells = self._slot(slot)
-        self._free.extend(reversed(cells[position:]))
-        del cells[position:]
-        if not self._free:
-            raise PoolExhaustedError(f"slot {slot} needs 1 KV cell but none of {self.context} are free")
-        cell = self._free.pop()
-        cells.append(cell)
-        return cell
+        cell = self.full.take(slot=slot, position=position)
+        if self.window is None:
+            return cell, 0
+        try:
+            return cell, self.window.take(slot=slot, position=position)
+        except PoolExhaustedError:
+            self.full.truncate(slot=slot, position=position)  # both spaces hold the same positions
+            raise
 
-    def prefix_cells(self, *, slot: int, length: int) -> Tensor:
-        """The cells of positions 0..length-1 of `slot`, which must hold at least that many."""
-        cells = self._slot(slot)
-        if not 1 <= length <= len(cells):
-            raise ContextExceededError(f"slot {slot} holds {len(cells)} positions; a prefix of {length} is not there")
-        return torch.tensor(cells[:length], dtype=torch.long, device=self.device)
+    def prefix(self, *, slot: int, length: int) -> PrefixCells | None:
+        """The cells of the slot's positions 0..length-1; None when the sliding-window layers no longer hold all
+        that a query at `length` would see."""
+        self._slot(slot)
+        _, cells = self.full.held(slot=slot, end=length)
+        if self.window is None:
+            return PrefixCells(length=length, cells=cells)
+        first, window_cells = self.window.held(slot=slot, end=length)
+        if first > self.window.sight(length):
+            return None
+        return PrefixCells(length=length, cells=cells, window_first=first, window_cells=window_cells)
+
+    def place(self, *, slot: int, length: int) -> PrefixCells:
+        """Empty the slot and give it cells for positions 0..length-1 (only those still in sight in the sliding
+        window's space), already in the tables: a restored prefix is written there."""
+        self.check(slot=slot, start_position=0, length=length)
+        try:
+            new, _ = self.full.extend(slot=slot, start=0, length=length)
+            if self.window is None:
+                return PrefixCells(length=length, cells=new)
+            first, cells = self.window.place(slot=slot, length=length)
+        except PoolExhaustedError:
+            self.reset(slot)  # neither space holds a part of the prefix
+            raise
+        return PrefixCells(length=length, cells=new, window_first=first, window_cells=cells)
 
     def reset(self, slot: int) -> None:
-        cells = self._slot(slot)
-        self._free.extend(reversed(cells))
-        cells.clear()
+        self._slot(slot)
+        for space in self._spaces():
+            space.reset(slot)
 
-    def _slot(self, slot: int) -> list[int]:
+    def _spaces(self) -> list[CellSpace]:
+        return [self.full] if self.window is None else [self.full, self.window]
+
+    def _slot(self, slot: int) -> None:
         if not 0 <= slot < self.parallel:
             raise UnknownSlotError(f"slot {slot} does not exist; this stage has slots 0..{self.parallel - 1}")
-        return self._slots[slot]

@@ -99,7 +99,7 @@ class ChunkView:
     rows: slice  # rows of the step's [N, D] batch
     slot: int
     start_position: int  # absolute position of the first row
-    cells: Tensor  # [start_position + length] pool cells of positions 0..end, in order
+    cells: Tensor  # the cells its slot holds up to the chunk's end, in order: from position 0, all of them
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,7 @@ class StepLayout:
     chunks: tuple[ChunkView, ...]
     table: Tensor  # [parallel, context] the pool's table: the cells of each slot's positions
     continued: Sequences | None  # the chunks after cached positions, read in place from the pool
+    window: StepLayout | None = None  # the same step in the sliding-window layers' cells, when they have their own
 
     def attend(self, q: Tensor, cache: LayerCache, config: ModelConfig, rule: AttentionRule) -> Tensor:
         """Causal attention of each chunk's rows over its slot's cells. A chunk from position 0 attends through
@@ -140,21 +141,35 @@ class StepLayout:
         return out
 
 
-def step_layout(*, positions: Tensor, write_cells: Tensor, chunks: tuple[ChunkView, ...], table: Tensor) -> StepLayout:
+def step_layout(
+    *,
+    positions: Tensor,
+    write_cells: Tensor,
+    chunks: tuple[ChunkView, ...],
+    table: Tensor,
+    window: StepLayout | None = None,
+) -> StepLayout:
     """The step's layout, with the chunks that continue a slot described for the pool kernel."""
     continued = [chunk for chunk in chunks if chunk.start_position > 0]
     sequences = None
     if continued:
         device = table.device
         columns = [
-            (chunk.slot, chunk.rows.start, chunk.rows.stop - chunk.rows.start, chunk.cells.shape[0])
+            (
+                chunk.slot,
+                chunk.rows.start,
+                chunk.rows.stop - chunk.rows.start,
+                chunk.start_position + chunk.rows.stop - chunk.rows.start,
+            )
             for chunk in continued
         ]
         slots, q_starts, q_lens, kv_lens = torch.tensor(columns, dtype=torch.long).T.to(device)
         sequences = Sequences(
             slots=slots, q_starts=q_starts, q_lens=q_lens, kv_lens=kv_lens, max_q_len=int(max(c[2] for c in columns))
         )
-    return StepLayout(positions=positions, write_cells=write_cells, chunks=chunks, table=table, continued=sequences)
+    return StepLayout(
+        positions=positions, write_cells=write_cells, chunks=chunks, table=table, continued=sequences, window=window
+    )
 
 
 @dataclass(frozen=True)
@@ -169,16 +184,31 @@ class DecodeLayout:
     write_cells: Tensor  # [B] pool cell each row's K/V goes to
     table: Tensor  # [parallel, context] the pool's table
     sequences: Sequences  # row b is slot slots[b] seeing positions 0..positions[b]
+    window: DecodeLayout | None = None  # the same step in the sliding-window layers' cells, when they have their own
 
     def attend(self, q: Tensor, cache: LayerCache, config: ModelConfig, rule: AttentionRule) -> Tensor:
         return attend_pool(q, cache, table=self.table, sequences=self.sequences, n_head_kv=config.n_head_kv, rule=rule)
 
 
-def decode_layout(*, table: Tensor, slots: Tensor, positions: Tensor, cells: Tensor, rows: Tensor) -> DecodeLayout:
-    """Put each row's new cell in the pool's table (device only). rows: [B] 0..B-1, made once by the caller."""
+def decode_layout(
+    *,
+    table: Tensor,
+    slots: Tensor,
+    positions: Tensor,
+    cells: Tensor,
+    rows: Tensor,
+    window_table: Tensor | None = None,
+    window_cells: Tensor | None = None,
+) -> DecodeLayout:
+    """Put each row's new cell in the pool's table (device only), and its sliding-window cell in that space's table
+    when there is one. rows: [B] 0..B-1, made once by the caller."""
     table[slots, positions] = cells
     sequences = Sequences(slots=slots, q_starts=rows, q_lens=torch.ones_like(rows), kv_lens=positions + 1, max_q_len=1)
-    return DecodeLayout(positions=positions, write_cells=cells, table=table, sequences=sequences)
+    window = None
+    if window_table is not None and window_cells is not None:
+        window_table[slots, positions] = window_cells
+        window = DecodeLayout(positions=positions, write_cells=window_cells, table=window_table, sequences=sequences)
+    return DecodeLayout(positions=positions, write_cells=cells, table=table, sequences=sequences, window=window)
 
 
 Layout = StepLayout | DecodeLayout
@@ -340,9 +370,11 @@ class StageModel(nn.Module):
         # x: [N, D] -> [N, D]
         sliding = [self.config.is_sliding(il) for il in range(self.layer_start, self.layer_end)]
         angles = {kind: rope.angles(layout.positions, sliding=kind) for kind in set(sliding)}  # once per rotation
+        # Sliding layers address their own cells when the pool gives them a space of their own.
+        layouts: dict[bool, Layout] = {False: layout, True: layout.window or layout}
         for layer, cache, kind in zip(self.layers, caches, sliding, strict=True):
             cos, sin = angles[kind]
-            x = (run or run_block)(layer, x, rope=rope, cos=cos, sin=sin, cache=cache, layout=layout)
+            x = (run or run_block)(layer, x, rope=rope, cos=cos, sin=sin, cache=cache, layout=layouts[kind])
         return x
 
     def head(self, x: Tensor) -> Tensor:

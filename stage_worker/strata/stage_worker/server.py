@@ -173,6 +173,8 @@ class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # gener
             type_v=s.cache_type_v,
             dtype=s.compute_dtype,
             device=s.torch_device,
+            window=c.sliding_window,
+            sliding=tuple(c.is_sliding(il) for il in range(s.layer_start, s.layer_end)),
         )
         return warm_engine(
             model=model, pool=pool, device=s.torch_device, dtype=s.compute_dtype, stage_index=s.stage_index

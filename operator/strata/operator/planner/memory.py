@@ -11,7 +11,7 @@ allocator slack never meets a full cache. A prefix cache share of 0 gives the KV
 from __future__ import annotations
 
 from strata.fit import KV_BUDGET_PERCENT
-from strata.gguf.model import ModelInfo
+from strata.gguf.model import UBATCH_TOKENS, ModelInfo
 from strata.plan import Backend
 
 GIB = 1 << 30
@@ -23,7 +23,6 @@ RUNTIME_OVERHEAD_BYTES: dict[Backend, int] = {
     Backend.XPU: 1 * GIB,
 }
 DEFAULT_PREFIX_CACHE_FRACTION = 0.05  # prefix cache = (usable - weights - buffers) * 0.05
-UBATCH_TOKENS = 512  # tokens per micro-batch: sizes the activation and logits buffers
 ACTIVATION_BUFFERS = 16  # hidden-state-sized f32 tensors alive at once in one layer's graph (flash attention)
 F32_BYTES = 4
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from strata.fit import KV_BUDGET_PERCENT
-from strata.gguf.model import CacheType, ModelInfo
-from strata.operator.planner.memory import UBATCH_TOKENS, buffer_bytes, prefix_cache_bytes
+from strata.gguf.model import UBATCH_TOKENS, CacheType, ModelInfo
+from strata.operator.planner.memory import buffer_bytes, prefix_cache_bytes
 
 
 @dataclass(frozen=True)

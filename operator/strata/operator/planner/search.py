@@ -15,10 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from strata.fit import candidate_contexts
-from strata.gguf.model import ModelInfo
+from strata.gguf.model import UBATCH_TOKENS, ModelInfo
 from strata.operator.planner.errors import OverrideDoesNotFitError
 from strata.operator.planner.inventory import Inventory
-from strata.operator.planner.memory import UBATCH_TOKENS
 from strata.operator.planner.options import PlanOptions
 from strata.operator.planner.profile import ModelProfile
 from strata.operator.planner.shortfall import MAX_LISTED_PARTICIPANTS, explain_shortfall, gigabytes

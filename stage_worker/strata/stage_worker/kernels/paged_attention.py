@@ -68,14 +68,19 @@ class Sequences:
 def reference(
     q: Tensor, cache: LayerCache, *, table: Tensor, sequences: Sequences, n_head_kv: int, rule: AttentionRule
 ) -> Tensor:
-    """The plain function: per sequence, gather its cells, dequantise to f32, attend in f32. q: [N, H, hd]."""
+    """The plain function: per sequence, gather its cells, dequantise to f32, attend in f32. q: [N, H, hd].
+
+    As the kernel does, it reads from the first position the sequence's first query row sees: with a window, the
+    table's columns before it may name cells that other positions have taken since."""
     head_dim = q.shape[-1]
     out = torch.empty_like(q)
     columns = (sequences.slots, sequences.q_starts, sequences.q_lens, sequences.kv_lens)
     for slot, q_start, q_len, kv_len in zip(*(c.tolist() for c in columns), strict=True):
-        cells = table[slot, :kv_len]
-        keys = cache.keys.read(cells, dtype=torch.float32).view(1, kv_len, n_head_kv, head_dim).transpose(1, 2)
-        values = cache.values.read(cells, dtype=torch.float32).view(1, kv_len, n_head_kv, head_dim).transpose(1, 2)
+        lowest = max(0, kv_len - q_len - rule.window + 1) if rule.window else 0
+        cells = table[slot, lowest:kv_len]
+        seen = kv_len - lowest
+        keys = cache.keys.read(cells, dtype=torch.float32).view(1, seen, n_head_kv, head_dim).transpose(1, 2)
+        values = cache.values.read(cells, dtype=torch.float32).view(1, seen, n_head_kv, head_dim).transpose(1, 2)
         rows = q[q_start : q_start + q_len].float().transpose(0, 1)[None]  # [1, H, T, hd]
         attended = attend_dense(rows, keys, values, rule=rule)
         out[q_start : q_start + q_len] = attended[0].transpose(0, 1).to(q.dtype)

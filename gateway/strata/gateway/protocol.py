@@ -1,14 +1,16 @@
 """The OpenAI wire format: request models validated by pydantic, and the response shapes the gateway sends.
 
-Only what the gateway implements is accepted with a non-default value: a parameter it would otherwise ignore (n > 1,
-penalties, echo, suffix, tools) is refused with a 400 naming it, so a client never gets silently different results.
+The request models hold only the fields the gateway honours. Before pydantic reads a body, strata.gateway.parameters
+refuses (400 naming it) every field the gateway would otherwise ignore, so a client never gets silently different
+results; that check raises InvalidRequestError, which pydantic lets through to the edge's one error mapping.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from strata.gateway import parameters
 
 StopField = Annotated[str | list[str] | None, Field(default=None)]
 
@@ -20,12 +22,9 @@ class _Request(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)
     stream: bool = False
     stop: StopField
     seed: int | None = Field(default=None, ge=0, lt=1 << 63)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     user: str | None = None
     stream_options: StreamOptions | None = None
 
@@ -55,7 +54,6 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
-    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -68,6 +66,21 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # Labels for the caller's own bookkeeping: they ask for no behaviour (strata.gateway.parameters).
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_what_is_not_honoured(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            parameters.CHAT.check(data)
+            messages = data.get("messages")
+            for index, message in enumerate(messages if isinstance(messages, list) else ()):
+                if isinstance(message, dict):
+                    parameters.check_message(index, message)
+        return data
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -76,9 +89,14 @@ class ChatCompletionRequest(_Request):
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
-    suffix: str | None = None
     max_tokens: int | None = Field(default=16, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_what_is_not_honoured(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            parameters.COMPLETION.check(data)
+        return data
 
     def token_limit(self) -> int | None:
         return self.max_tokens

@@ -179,10 +179,6 @@ class Serving:
 
     async def complete(self, request: p.CompletionRequest) -> p.Completion | AsyncIterator[str]:
         self._check_common(request)
-        if request.echo:
-            raise InvalidRequestError("echo is not supported", param="echo")
-        if request.suffix:
-            raise InvalidRequestError("suffix is not supported", param="suffix")
         prompt = self._completion_prompt(request.prompt)
         run = await self._start(request, prompt, param="prompt", logprobs=request.logprobs or 0)
         completion_id = f"cmpl-{uuid.uuid4().hex}"
@@ -261,11 +257,6 @@ class Serving:
 
     def _check_common(self, request: p.ChatCompletionRequest | p.CompletionRequest) -> None:
         self._check_model(request.model)
-        if request.n != 1:
-            raise InvalidRequestError("only n=1 is supported", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(request, name):
-                raise InvalidRequestError(f"{name} is not supported; leave it at 0", param=name)
 
     async def _start(
         self, request: p.ChatCompletionRequest | p.CompletionRequest, prompt: list[int], *, param: str, logprobs: int

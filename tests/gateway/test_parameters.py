@@ -152,7 +152,7 @@ NO_OPS = [
     pytest.param("/v1/chat/completions", chat(n=1, presence_penalty=0, frequency_penalty=0.0), id="chat defaults"),
     pytest.param("/v1/chat/completions", chat(store=False, service_tier="auto", logit_bias={}), id="chat no-op values"),
     pytest.param("/v1/chat/completions", chat(user="u1", metadata={"k": "v"}, safety_identifier="s"), id="chat labels"),
-    pytest.param("/v1/chat/completions", chat(tools=None, response_format=None), id="chat nulls"),
+    pytest.param("/v1/chat/completions", chat(tools=None, logit_bias=None), id="chat nulls"),
     pytest.param("/v1/completions", completion(n=1, best_of=1, echo=False, suffix=None), id="completion defaults"),
 ]
 

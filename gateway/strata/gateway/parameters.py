@@ -67,7 +67,8 @@ _COMMON_HONOURED = frozenset(
 
 CHAT = Fields(
     honoured=_COMMON_HONOURED
-    | {"messages", "max_completion_tokens", "top_logprobs", "metadata", "safety_identifier", "prompt_cache_key"},
+    | {"messages", "max_completion_tokens", "top_logprobs", "response_format"}
+    | {"metadata", "safety_identifier", "prompt_cache_key"},
     refused={
         "n": _SAMPLING_N,
         "presence_penalty": _PENALTY,
@@ -78,7 +79,6 @@ CHAT = Fields(
         "parallel_tool_calls": Refused("tool calls are not supported yet"),
         "functions": Refused("the deprecated functions API is not supported; it was replaced by tools", ((),)),
         "function_call": Refused("the deprecated functions API is not supported; it was replaced by tools", ("none",)),
-        "response_format": Refused("structured outputs are not supported yet", ({"type": "text"},)),
         "audio": Refused("the model writes text only"),
         "modalities": Refused("the model writes text only", (["text"],)),
         "prediction": Refused("predicted outputs are not supported"),

@@ -16,6 +16,10 @@ in flight. Everything that touches a slot outside a step (ResetSlot, SavePrefix,
 has no step in flight, and the pool count includes the positions of the steps in flight. Any error fails every step
 in flight, and the stream with them. With G = 1 it is one step at a time, as before.
 
+A generation under a grammar (strata.gateway.grammar) carries its mask of allowed tokens in each chunk that samples,
+computed when the chunk is built (after its previous token landed and advanced the grammar); it ends with "stop"
+as soon as the grammar allows nothing more, without a step to sample the end-of-text token.
+
 Every call carries the coordinator's fencing token. A stage answering FAILED_PRECONDITION means another coordinator
 holds a newer term (or another plan generation is live): this one steps down at once, fails what it was running
 with NotReadyError (503 + Retry-After) and stays down until it is given a new token. An elected token is only good
@@ -49,6 +53,7 @@ from typing import Any
 import grpc
 from grpc import aio
 from strata.gateway.errors import GatewayError, NotReadyError, PipelineError
+from strata.gateway.grammar import Constraint, ConstraintViolationError
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.prefix_index import PrefixIndex
 from strata.lease import FencingToken
@@ -114,6 +119,7 @@ class Generation:
     sampling: Sampling
     stop_ids: frozenset[int]
     on_freed: Callable[[], None]
+    constraint: Constraint | None = None  # a grammar the tokens must follow; its mask goes with each sampling chunk
     events: asyncio.Queue[Token | Finished | GatewayError] = field(default_factory=asyncio.Queue)
     fed: int = 0
     cached: int = 0  # prompt tokens restored from a prefix snapshot instead of prefilled
@@ -266,13 +272,20 @@ class Pipeline:
         sampling: Sampling,
         stop_ids: frozenset[int],
         on_freed: Callable[[], None],
+        constraint: Constraint | None = None,
     ) -> Generation:
         if not self._ready:
             raise NotReadyError(f"the pipeline is not ready: {self.not_ready_reason}", retry_after_s=1)
         if slot in self._active:
             raise PipelineError(f"slot {slot} is still in use")
         generation = Generation(
-            slot=slot, prompt=prompt, max_tokens=max_tokens, sampling=sampling, stop_ids=stop_ids, on_freed=on_freed
+            slot=slot,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            sampling=sampling,
+            stop_ids=stop_ids,
+            on_freed=on_freed,
+            constraint=constraint,
         )
         self._active[slot] = generation
         self._wake.set()
@@ -355,6 +368,12 @@ class Pipeline:
             if used + chunk.length > self.context or chunk.start_position + chunk.length > self.context:
                 self._finish(g, Finished("length"))
                 continue
+            if chunk.sample and g.constraint is not None:
+                try:
+                    chunk.allowed_tokens = g.constraint.mask()
+                except ConstraintViolationError as exc:
+                    self._finish(g, PipelineError(f"the output constraint failed: {exc}"))
+                    continue
             used += chunk.length
             chunks.append(chunk)
         return chunks
@@ -376,6 +395,12 @@ class Pipeline:
                 continue
             g.last_token = token.token_id
             g.produced += 1
+            if g.constraint is not None:
+                try:
+                    g.constraint.advance(token.token_id)
+                except ConstraintViolationError as exc:
+                    self._finish(g, PipelineError(f"the output constraint failed: {exc}"))
+                    continue
             if not g.cancelled:
                 g.events.put_nowait(
                     Token(
@@ -384,7 +409,7 @@ class Pipeline:
                         top_logprobs=tuple((t.token_id, t.logprob) for t in token.top_logprobs),
                     )
                 )
-            if token.token_id in g.stop_ids:
+            if token.token_id in g.stop_ids or (g.constraint is not None and g.constraint.complete):
                 self._finish(g, Finished("stop"))
             elif g.produced >= g.max_tokens:
                 self._finish(g, Finished("length"))

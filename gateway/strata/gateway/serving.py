@@ -19,6 +19,7 @@ from strata.gateway import protocol as p
 from strata.gateway.admission import Admission
 from strata.gateway.chat_template import ChatTemplate
 from strata.gateway.errors import ContextLengthExceededError, GatewayError, InvalidRequestError, ModelNotFoundError
+from strata.gateway.grammar import ANY_OBJECT, Constraint, Grammars
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.model_ids import canonical_model_id, same_model
 from strata.gateway.pipeline import Finished, Generation, Pipeline, Sampling, Token
@@ -85,6 +86,7 @@ class Serving:
         self.admission = admission
         self.metrics = metrics
         self.context = context
+        self.grammars = Grammars(tokenizer)
         self.created = int(time.time())
         self._clock = clock
 
@@ -109,10 +111,11 @@ class Serving:
         self._check_common(request)
         if self.template is None:
             raise InvalidRequestError("the model has no chat template; use /v1/completions", param="messages")
+        constraint = self._response_constraint(request.response_format)
         rendered = self.template.render([{"role": m.role, "content": m.text()} for m in request.messages])
         prompt = self.tokenizer.encode(rendered, add_special=False)
         top = request.top_logprobs or 0 if request.logprobs else 0
-        run = await self._start(request, prompt, param="messages", logprobs=top)
+        run = await self._start(request, prompt, param="messages", logprobs=top, constraint=constraint)
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if request.stream:
@@ -174,6 +177,14 @@ class Serving:
             top = [entry(i, lp) for i, lp in t.top_logprobs]
             content.append(p.TokenLogprobContent(**head.model_dump(), top_logprobs=top))
         return p.ChatLogprobs(content=content)
+
+    def _response_constraint(self, response_format: p.ResponseFormat | None) -> Constraint | None:
+        if response_format is None or response_format.type == "text":
+            return None
+        if response_format.json_schema is None:
+            return self.grammars.start(self.grammars.json_schema(ANY_OBJECT, param="response_format"))
+        schema = response_format.json_schema.schema_ or dict(ANY_OBJECT)
+        return self.grammars.start(self.grammars.json_schema(schema, param="response_format.json_schema.schema"))
 
     # Completions.
 
@@ -259,7 +270,13 @@ class Serving:
         self._check_model(request.model)
 
     async def _start(
-        self, request: p.ChatCompletionRequest | p.CompletionRequest, prompt: list[int], *, param: str, logprobs: int
+        self,
+        request: p.ChatCompletionRequest | p.CompletionRequest,
+        prompt: list[int],
+        *,
+        param: str,
+        logprobs: int,
+        constraint: Constraint | None = None,
     ) -> _Run:
         if not prompt:
             raise InvalidRequestError("the prompt is empty", param=param)
@@ -283,6 +300,7 @@ class Serving:
                 sampling=sampling,
                 stop_ids=self.tokenizer.stop_ids,
                 on_freed=lambda: self.admission.release(lane),
+                constraint=constraint,
             )
         except BaseException:
             self.admission.release(lane)

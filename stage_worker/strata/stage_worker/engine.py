@@ -105,6 +105,12 @@ class Engine:
                 raise InvalidRequestError(f"the chunk for slot {chunk.slot} has no positions")
             self.pool.check(slot=chunk.slot, start_position=chunk.start_position, length=chunk.length)
             total += chunk.length
+            mask_words = (self.model.config.vocab_size + 31) // 32
+            if len(chunk.sampling.allowed) > 4 * mask_words:
+                raise InvalidRequestError(
+                    f"slot {chunk.slot}: an allowed-token mask over {self.model.config.vocab_size} tokens is at most "
+                    f"{4 * mask_words} bytes, got {len(chunk.sampling.allowed)}"
+                )
             if self.model.is_first:
                 if len(chunk.token_ids) != chunk.length:
                     raise InvalidRequestError(
@@ -192,7 +198,7 @@ class Engine:
         for i, chunk in enumerate(chunks):
             if not chunk.sample:
                 continue
-            if chunk.sampling.temperature <= 0.0 and chunk.sampling.logprobs == 0:
+            if chunk.sampling.temperature <= 0.0 and chunk.sampling.logprobs == 0 and not chunk.sampling.allowed:
                 sampled[chunk.slot] = Sampled(token_id=int(tokens[i]), logprob=logprobs[i], top_logprobs=())
             else:
                 sampled[chunk.slot] = sample(out.logits[i], params=chunk.sampling, position=chunk.start_position + 1)

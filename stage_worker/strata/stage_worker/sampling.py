@@ -1,7 +1,10 @@
-"""Choosing the next token from the last stage's logits: greedy, temperature, top-k, top-p, seeded.
+"""Choosing the next token from the last stage's logits: greedy, temperature, top-k, top-p, seeded, masked.
 
-The random draw for a slot is seeded from (seed, position), not from a generator that advances with each call: a
-step that is retried after a failure draws the same token again, and slots never share random state.
+A mask of allowed tokens (a grammar's, computed by the coordinator, which holds the grammar's state) removes every
+other token before anything else looks at the logits, so greedy and sampled picks alike stay inside it; the reported
+log-probabilities remain the model's own. The random draw for a slot is seeded from (seed, position), not from a
+generator that advances with each call: a step that is retried after a failure draws the same token again, and slots
+never share random state.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from strata.stage_worker.errors import InvalidRequestError
 from torch import Tensor
 
 SEED_STRIDE = 1_000_003
@@ -21,6 +25,11 @@ class Sampling:
     top_k: int = 0  # 0: off
     seed: int = 0
     logprobs: int = 0  # alternatives to return per token
+    allowed: bytes = b""  # bitmask of the tokens that may be chosen (bit i%8 of byte i/8); empty: any
+
+
+class NoTokenAllowedError(InvalidRequestError):
+    """The mask allows no token of the vocabulary: nothing can be sampled."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +43,8 @@ def sample(logits: Tensor, *, params: Sampling, position: int) -> Sampled:
     # logits: [vocab]
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)  # [vocab]; reported from the model's own distribution
+    if params.allowed:
+        logits = logits.masked_fill(~allowed_tokens(params.allowed, vocab=logits.shape[0], device=logits.device), -1e30)
     if params.temperature <= 0.0:
         token = int(torch.argmax(logits))
     else:
@@ -55,3 +66,15 @@ def sample(logits: Tensor, *, params: Sampling, position: int) -> Sampled:
         values, indices = torch.topk(logprobs, min(params.logprobs, logprobs.shape[0]))
         top = tuple(zip(indices.tolist(), values.tolist(), strict=True))
     return Sampled(token_id=token, logprob=float(logprobs[token]), top_logprobs=top)
+
+
+def allowed_tokens(mask: bytes, *, vocab: int, device: torch.device) -> Tensor:
+    """The bitmask as [vocab] bools; tokens past its end are not allowed. Refuses a mask that allows nothing."""
+    raw = torch.frombuffer(bytearray(mask), dtype=torch.uint8)  # [bytes]
+    bits = (raw[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1  # [bytes, 8]: bit j of byte k is token 8k + j
+    allowed = torch.zeros(vocab, dtype=torch.bool)
+    n = min(vocab, bits.numel())
+    allowed[:n] = bits.reshape(-1)[:n].bool()
+    if not bool(allowed.any()):
+        raise NoTokenAllowedError(f"the allowed-token mask allows none of the {vocab} tokens")
+    return allowed.to(device)

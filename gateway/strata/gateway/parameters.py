@@ -67,16 +67,14 @@ _COMMON_HONOURED = frozenset(
 
 CHAT = Fields(
     honoured=_COMMON_HONOURED
-    | {"messages", "max_completion_tokens", "top_logprobs", "response_format"}
+    | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice"}
+    | {"parallel_tool_calls"}
     | {"metadata", "safety_identifier", "prompt_cache_key"},
     refused={
         "n": _SAMPLING_N,
         "presence_penalty": _PENALTY,
         "frequency_penalty": _PENALTY,
         "logit_bias": _LOGIT_BIAS,
-        "tools": Refused("tool calls are not supported yet", ((),)),
-        "tool_choice": Refused("tool calls are not supported yet", ("none",)),
-        "parallel_tool_calls": Refused("tool calls are not supported yet"),
         "functions": Refused("the deprecated functions API is not supported; it was replaced by tools", ((),)),
         "function_call": Refused("the deprecated functions API is not supported; it was replaced by tools", ("none",)),
         "audio": Refused("the model writes text only"),
@@ -114,11 +112,11 @@ MESSAGES: Mapping[str, Fields] = {
     "system": Fields(honoured=_MESSAGE_HONOURED, refused={"name": _NAME}),
     "developer": Fields(honoured=_MESSAGE_HONOURED, refused={"name": _NAME}),
     "user": Fields(honoured=_MESSAGE_HONOURED, refused={"name": _NAME}),
+    "tool": Fields(honoured=_MESSAGE_HONOURED | {"tool_call_id"}),
     "assistant": Fields(
-        honoured=_MESSAGE_HONOURED,
+        honoured=_MESSAGE_HONOURED | {"tool_calls"},
         refused={
             "name": _NAME,
-            "tool_calls": Refused("tool calls are not supported yet", ((),)),
             "function_call": Refused("the deprecated functions API is not supported; it was replaced by tools"),
             "audio": Refused("the model writes text only"),
             "refusal": Refused("a refusal is not passed to the chat template; give it as content"),
@@ -126,7 +124,6 @@ MESSAGES: Mapping[str, Fields] = {
     ),
 }
 REFUSED_ROLES: Mapping[str, str] = {
-    "tool": "tool calls are not supported yet",
     "function": "the deprecated functions API is not supported; it was replaced by tools",
 }
 

@@ -13,18 +13,27 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from pydantic import BaseModel
+from strata.gateway import chat_tools
 from strata.gateway import protocol as p
 from strata.gateway.admission import Admission
 from strata.gateway.chat_template import ChatTemplate
-from strata.gateway.errors import ContextLengthExceededError, GatewayError, InvalidRequestError, ModelNotFoundError
-from strata.gateway.grammar import ANY_OBJECT, Constraint, Grammars
+from strata.gateway.errors import (
+    ChatTemplateError,
+    ContextLengthExceededError,
+    GatewayError,
+    InvalidRequestError,
+    ModelNotFoundError,
+)
+from strata.gateway.grammar import ANY_OBJECT, Constraint, Grammar, Grammars
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.model_ids import canonical_model_id, same_model
 from strata.gateway.pipeline import Finished, Generation, Pipeline, Sampling, Token
 from strata.gateway.text import TextAssembler
 from strata.gateway.tokenizer import GGUFTokenizer
+from strata.gateway.tools import GENERIC, ToolFormat, format_from_probe, probe_tools
 
 
 @dataclass
@@ -111,28 +120,35 @@ class Serving:
         self._check_common(request)
         if self.template is None:
             raise InvalidRequestError("the model has no chat template; use /v1/completions", param="messages")
-        constraint = self._response_constraint(request.response_format)
-        rendered = self.template.render([{"role": m.role, "content": m.text()} for m in request.messages])
+        use = chat_tools.plan(request, self.tool_format)
+        grammar = use.grammar(self.grammars) if use is not None else self._response_grammar(request.response_format)
+        messages = chat_tools.template_messages(request, use, self.tool_format)
+        rendered = self.template.render(messages, tools=use.template_tools() if use is not None else None)
         prompt = self.tokenizer.encode(rendered, add_special=False)
         top = request.top_logprobs or 0 if request.logprobs else 0
+        constraint = self.grammars.start(grammar) if grammar is not None else None
         run = await self._start(request, prompt, param="messages", logprobs=top, constraint=constraint)
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if request.stream:
-            return self._chat_stream(request, run, completion_id=completion_id, created=created)
+            return self._chat_stream(request, run, use, completion_id=completion_id, created=created)
         text, tokens, reason = [], [], "stop"
         async for piece in self._pieces(run):
             text.append(piece.text)
             tokens.extend(piece.tokens)
             reason = piece.finish_reason or reason
+        content: str | None = "".join(text)
+        calls: list[p.ToolCall] = []
+        if use is not None:
+            content, calls = use.reply(plain="".join(text), raw=self._with_specials(tokens))
         return p.ChatCompletion(
             id=completion_id,
             created=created,
             model=self.model_name,
             choices=[
                 p.ChatChoice(
-                    message=p.AssistantMessage(content="".join(text)),
-                    finish_reason=reason,
+                    message=p.AssistantMessage(content=content, tool_calls=calls or None),
+                    finish_reason="tool_calls" if calls else reason,
                     logprobs=self._chat_logprobs(tokens) if request.logprobs else None,
                 )
             ],
@@ -140,8 +156,17 @@ class Serving:
         )
 
     async def _chat_stream(
-        self, request: p.ChatCompletionRequest, run: _Run, *, completion_id: str, created: int
+        self,
+        request: p.ChatCompletionRequest,
+        run: _Run,
+        use: chat_tools.ToolUse | None,
+        *,
+        completion_id: str,
+        created: int,
     ) -> AsyncIterator[str]:
+        """Text as it settles; with tools in play the reply is held back until it ends, since any of it may turn
+        out to be a call, and then sent as content or as tool-call deltas."""
+
         def chunk(delta: p.Delta, **fields: object) -> str:
             choice = p.ChatChunkChoice(delta=delta, **fields)  # type: ignore[arg-type]
             return sse(
@@ -150,12 +175,33 @@ class Serving:
 
         try:
             yield chunk(p.Delta(role="assistant", content=""))
+            held: list[Token] = []
+            held_text: list[str] = []
             async for piece in self._pieces(run):
                 logprobs = self._chat_logprobs(piece.tokens) if request.logprobs and piece.tokens else None
-                if piece.text or logprobs:
+                if use is not None:
+                    held.extend(piece.tokens)
+                    held_text.append(piece.text)
+                elif piece.text or logprobs:
                     yield chunk(p.Delta(content=piece.text), logprobs=logprobs)
-                if piece.finish_reason:
-                    yield chunk(p.Delta(), finish_reason=piece.finish_reason)
+                if not piece.finish_reason:
+                    continue
+                reason = piece.finish_reason
+                if use is not None:
+                    content, calls = use.reply(plain="".join(held_text), raw=self._with_specials(held))
+                    logprobs = self._chat_logprobs(held) if request.logprobs and held else None
+                    if content or logprobs:
+                        yield chunk(p.Delta(content=content or ""), logprobs=logprobs)
+                    for index, call in enumerate(calls):
+                        delta = p.ToolCallDelta(
+                            index=index,
+                            id=call.id,
+                            type="function",
+                            function=p.FunctionCallDelta(name=call.function.name, arguments=call.function.arguments),
+                        )
+                        yield chunk(p.Delta(tool_calls=[delta]))
+                    reason = "tool_calls" if calls else reason
+                yield chunk(p.Delta(), finish_reason=reason)
             if request.stream_options and request.stream_options.include_usage:
                 yield sse(
                     p.ChatCompletionChunk(
@@ -165,6 +211,23 @@ class Serving:
         except GatewayError as error:
             yield sse(error.body())
         yield sse("[DONE]")
+
+    def _with_specials(self, tokens: list[Token]) -> str:
+        """The reply as text with its special tokens written out (a Mistral call starts with one), ending tokens
+        left out."""
+        ids = [t.token_id for t in tokens if t.token_id not in self.tokenizer.stop_ids]
+        return self.tokenizer.decode(ids, skip_special=False)
+
+    @cached_property
+    def tool_format(self) -> ToolFormat:
+        """How this model's template shows tools, found once by rendering a probe tool through it."""
+        if self.template is None:
+            return GENERIC
+        try:
+            rendered = self.template.render([{"role": "user", "content": "hello"}], tools=probe_tools())
+        except ChatTemplateError:
+            return GENERIC
+        return format_from_probe(rendered)
 
     def _chat_logprobs(self, tokens: list[Token]) -> p.ChatLogprobs:
         def entry(token_id: int, logprob: float) -> p.TopLogprob:
@@ -178,13 +241,13 @@ class Serving:
             content.append(p.TokenLogprobContent(**head.model_dump(), top_logprobs=top))
         return p.ChatLogprobs(content=content)
 
-    def _response_constraint(self, response_format: p.ResponseFormat | None) -> Constraint | None:
+    def _response_grammar(self, response_format: p.ResponseFormat | None) -> Grammar | None:
         if response_format is None or response_format.type == "text":
             return None
         if response_format.json_schema is None:
-            return self.grammars.start(self.grammars.json_schema(ANY_OBJECT, param="response_format"))
+            return self.grammars.json_schema(ANY_OBJECT, param="response_format")
         schema = response_format.json_schema.schema_ or dict(ANY_OBJECT)
-        return self.grammars.start(self.grammars.json_schema(schema, param="response_format.json_schema.schema"))
+        return self.grammars.json_schema(schema, param="response_format.json_schema.schema")
 
     # Completions.
 

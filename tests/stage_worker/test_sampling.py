@@ -71,3 +71,30 @@ def test_log_probabilities_are_the_models_not_the_masks() -> None:
 def test_a_mask_that_allows_nothing_is_refused(mask: bytes, vocab: int) -> None:
     with pytest.raises(NoTokenAllowedError):
         sample(torch.zeros(vocab), params=Sampling(allowed=mask), position=0)
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        pytest.param(Sampling(logit_bias=((4, 100.0),)), 4, id="a large bias makes a token the greedy pick"),
+        pytest.param(Sampling(logit_bias=((0, -100.0),)), 1, id="a large negative bias removes the favourite"),
+        pytest.param(Sampling(logit_bias=((1, 0.5), (2, 2.5))), 2, id="biases add to the logits"),
+    ],
+)
+def test_a_logit_bias_moves_the_greedy_pick(params: Sampling, expected: int) -> None:
+    logits = torch.zeros(VOCAB)
+    logits[0], logits[1], logits[2] = 3.0, 2.0, 1.0
+    assert sample(logits, params=params, position=0).token_id == expected
+
+
+def test_min_p_keeps_only_tokens_near_the_likeliest() -> None:
+    logits = torch.full((VOCAB,), -10.0)
+    logits[[5, 6]] = 5.0
+    logits[7] = 4.0  # e^-1 of the likeliest: kept at min_p 0.3, dropped at 0.5
+    picks = {
+        min_p: {sample(logits, params=Sampling(temperature=1.0, min_p=min_p, seed=s), position=0).token_id
+                for s in range(200)}
+        for min_p in (0.3, 0.5)
+    }  # fmt: skip
+    assert picks[0.3] == {5, 6, 7}
+    assert picks[0.5] == {5, 6}

@@ -57,12 +57,14 @@ class Fields:
 
 _STORE = Refused("nothing is stored; leave it unset or false", _no_op(False))
 _SAMPLING_N = Refused("one choice per request (n=1)", _no_op(1))
-_PENALTY = Refused("penalties are not applied; leave it at 0", _no_op(0))
-_LOGIT_BIAS = Refused("logit biases are not applied; leave it unset or empty", ({},))
 _SERVICE_TIER = Refused("there is one service tier; leave it unset, auto or default", ("auto", "default"))
 
-_COMMON_HONOURED = frozenset(
-    {"model", "max_tokens", "temperature", "top_p", "stream", "stream_options", "stop", "seed", "user", "logprobs"}
+# llama-server's and vLLM's sampling extensions, in no OpenAI type: honoured where they are cheap.
+EXTENSIONS = frozenset({"top_k", "min_p"})
+_COMMON_HONOURED = (
+    frozenset({"model", "max_tokens", "temperature", "top_p", "stream", "stream_options", "stop", "seed", "user"})
+    | {"logprobs", "presence_penalty", "frequency_penalty", "logit_bias"}
+    | EXTENSIONS
 )
 
 CHAT = Fields(
@@ -72,9 +74,6 @@ CHAT = Fields(
     | {"metadata", "safety_identifier", "prompt_cache_key"},
     refused={
         "n": _SAMPLING_N,
-        "presence_penalty": _PENALTY,
-        "frequency_penalty": _PENALTY,
-        "logit_bias": _LOGIT_BIAS,
         "functions": Refused("the deprecated functions API is not supported; it was replaced by tools", ((),)),
         "function_call": Refused("the deprecated functions API is not supported; it was replaced by tools", ("none",)),
         "audio": Refused("the model writes text only"),
@@ -96,9 +95,6 @@ COMPLETION = Fields(
     refused={
         "n": _SAMPLING_N,
         "best_of": Refused("one candidate per request (best_of=1)", _no_op(1)),
-        "presence_penalty": _PENALTY,
-        "frequency_penalty": _PENALTY,
-        "logit_bias": _LOGIT_BIAS,
         "echo": Refused("the prompt is not echoed; leave it false", _no_op(False)),
         "suffix": Refused("insertion after a suffix is not supported", ("",)),
     },

@@ -45,8 +45,8 @@ import contextlib
 import logging
 import math
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,13 +88,33 @@ def stream_dropped() -> aio.AioRpcError:
 class Sampling:
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
     seed: int = 0
     logprobs: int = 0  # alternatives per token
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    presence_penalty: float = 0.0  # subtracted once from the logit of every token generated so far
+    frequency_penalty: float = 0.0  # subtracted for each time a token was generated so far
 
-    def to_proto(self) -> stage_pb2.SamplingParams:
+    def to_proto(self, generated: Mapping[int, int] | None = None) -> stage_pb2.SamplingParams:
+        """The step's parameters; the penalties become a bias on the tokens `generated` so far (token -> count),
+        so the stages need no history of their own."""
+        bias = dict(self.logit_bias)
+        for token, count in (generated or {}).items():
+            bias[token] = bias.get(token, 0.0) - self.presence_penalty - self.frequency_penalty * count
         return stage_pb2.SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, seed=self.seed, logprobs=self.logprobs
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            logprobs=self.logprobs,
+            logit_bias={t: b for t, b in bias.items() if b},
         )
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
 
 
 @dataclass(frozen=True)
@@ -130,6 +150,7 @@ class Generation:
     finished: bool = False
     in_flight: int = 0  # positions of its chunk in a step not yet answered; 0: its slot is free to step or reset
     landed: int = 0  # the step whose reply last carried it: the longest waiting go first when steps are split
+    generated: Counter[int] = field(default_factory=Counter)  # token -> times generated, for the penalties
 
     async def stream(self) -> AsyncIterator[Token | Finished]:
         """Tokens until a Finished; raises the GatewayError that ended the generation, if one did."""
@@ -354,7 +375,7 @@ class Pipeline:
                     length=len(ids),
                     token_ids=ids,
                     sample=g.fed + len(ids) == len(g.prompt),
-                    sampling=g.sampling.to_proto(),
+                    sampling=g.sampling.to_proto(g.generated),
                 )
             else:
                 chunk = stage_pb2.SlotChunk(
@@ -363,7 +384,7 @@ class Pipeline:
                     length=1,
                     token_ids=[g.last_token],
                     sample=True,
-                    sampling=g.sampling.to_proto(),
+                    sampling=g.sampling.to_proto(g.generated),
                 )
             if used + chunk.length > self.context or chunk.start_position + chunk.length > self.context:
                 self._finish(g, Finished("length"))
@@ -395,6 +416,8 @@ class Pipeline:
                 continue
             g.last_token = token.token_id
             g.produced += 1
+            if g.sampling.penalised:
+                g.generated[token.token_id] += 1
             if g.constraint is not None:
                 try:
                     g.constraint.advance(token.token_id)

@@ -27,6 +27,25 @@ class _Request(BaseModel):
     seed: int | None = Field(default=None, ge=0, lt=1 << 63)
     user: str | None = None
     stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=1024)
+    # llama-server's and vLLM's extensions (strata.gateway.parameters.EXTENSIONS).
+    top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids_to_biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (value or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"keys are token ids, not {token!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"a bias is between -100 and 100, not {bias}")
+        return value
+
+    def biases(self) -> dict[int, float]:
+        return {int(token): bias for token, bias in (self.logit_bias or {}).items()}
 
     @field_validator("stop")
     @classmethod

@@ -353,7 +353,24 @@ class Serving:
         limit = request.token_limit()
         max_tokens = min(limit, remaining) if limit is not None else remaining
         seed = request.seed if request.seed is not None else secrets.randbits(63)
-        sampling = Sampling(temperature=request.temperature, top_p=request.top_p, seed=seed, logprobs=logprobs)
+        biases = request.biases()
+        outside = sorted(t for t in biases if t >= self.tokenizer.vocab_size)
+        if outside:
+            raise InvalidRequestError(
+                f"logit_bias names token ids {outside[:5]} outside the vocabulary of {self.tokenizer.vocab_size}",
+                param="logit_bias",
+            )
+        sampling = Sampling(
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k,
+            min_p=request.min_p,
+            seed=seed,
+            logprobs=logprobs,
+            logit_bias=biases,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+        )
         lane = await self.admission.acquire()
         try:
             generation = self.pipeline.submit(

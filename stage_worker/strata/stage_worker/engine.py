@@ -105,6 +105,12 @@ class Engine:
                 raise InvalidRequestError(f"the chunk for slot {chunk.slot} has no positions")
             self.pool.check(slot=chunk.slot, start_position=chunk.start_position, length=chunk.length)
             total += chunk.length
+            vocab = self.model.config.vocab_size
+            outside = [t for t, _ in chunk.sampling.logit_bias if not 0 <= t < vocab]
+            if outside:
+                raise InvalidRequestError(
+                    f"slot {chunk.slot}: logit bias for tokens {outside[:5]} outside the vocabulary"
+                )
             mask_words = (self.model.config.vocab_size + 31) // 32
             if len(chunk.sampling.allowed) > 4 * mask_words:
                 raise InvalidRequestError(
@@ -198,7 +204,7 @@ class Engine:
         for i, chunk in enumerate(chunks):
             if not chunk.sample:
                 continue
-            if chunk.sampling.temperature <= 0.0 and chunk.sampling.logprobs == 0 and not chunk.sampling.allowed:
+            if chunk.sampling.greedy_as_is:
                 sampled[chunk.slot] = Sampled(token_id=int(tokens[i]), logprob=logprobs[i], top_logprobs=())
             else:
                 sampled[chunk.slot] = sample(out.logits[i], params=chunk.sampling, position=chunk.start_position + 1)

@@ -56,6 +56,8 @@ def chunk_from_proto(message: stage_pb2.SlotChunk) -> Chunk:
             seed=s.seed,
             logprobs=s.logprobs,
             allowed=message.allowed_tokens,
+            min_p=s.min_p,
+            logit_bias=tuple(sorted(s.logit_bias.items())),
         ),
         return_logits=message.return_logits,
     )

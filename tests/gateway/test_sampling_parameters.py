@@ -1,0 +1,48 @@
+"""The coordinator's sampling parameters on the wire: penalties folded into a logit bias over the tokens generated
+so far, and OpenAI's logit_bias honoured end to end."""
+
+from __future__ import annotations
+
+import pytest
+from openai import OpenAI
+from strata.gateway.pipeline import Sampling
+from strata.gateway.tokenizer import GGUFTokenizer, TokenizerSpec
+from strata.gguf.header import GGUFHeader
+from strata_testbed.serve import Served
+
+
+@pytest.mark.parametrize(
+    ("sampling", "generated", "bias"),
+    [
+        pytest.param(Sampling(), {7: 3}, {}, id="no penalty: no bias, whatever was generated"),
+        pytest.param(Sampling(presence_penalty=0.5), {7: 3, 9: 1}, {7: -0.5, 9: -0.5},
+                     id="presence: once per token generated"),
+        pytest.param(Sampling(frequency_penalty=0.25), {7: 3, 9: 1}, {7: -0.75, 9: -0.25},
+                     id="frequency: per time generated"),
+        pytest.param(Sampling(presence_penalty=1.0, frequency_penalty=1.0, logit_bias={7: 5.0, 8: 2.0}), {7: 2},
+                     {7: 2.0, 8: 2.0}, id="penalties add to the client's own bias"),
+        pytest.param(Sampling(presence_penalty=-1.0), {4: 1}, {4: 1.0}, id="a negative penalty encourages"),
+    ],
+)  # fmt: skip
+def test_penalties_become_a_bias_on_the_generated_tokens(
+    sampling: Sampling, generated: dict[int, int], bias: dict[int, float]
+) -> None:
+    assert dict(sampling.to_proto(generated).logit_bias) == pytest.approx(bias)
+
+
+@pytest.mark.parametrize(
+    ("logit_bias", "token"),
+    [
+        pytest.param({"321": 100}, 321, id="a bias of +100 makes one token every greedy pick"),
+        pytest.param({str(t): -100 for t in range(1000) if t != 42}, 42, id="-100 on every other token leaves one"),
+    ],
+)
+def test_a_logit_bias_steers_the_greedy_text(
+    two_stages: Served, qwen2_header: GGUFHeader, logit_bias: dict[str, int], token: int
+) -> None:
+    client = OpenAI(base_url=two_stages.base_url, api_key="unused", max_retries=0, timeout=60)
+    tokenizer = GGUFTokenizer(TokenizerSpec.from_metadata(qwen2_header.metadata))
+    reply = client.completions.create(
+        model=two_stages.model, prompt="Hello", max_tokens=6, temperature=0, logit_bias=logit_bias
+    )
+    assert reply.choices[0].text == tokenizer.decode([token] * 6)

@@ -121,7 +121,7 @@ def template_messages(
             written = generic_call_text([(c.function.name, c.function.arguments) for c in m.tool_calls])
             message = {"role": "assistant", "content": written}
         elif m.role == "tool":
-            message = {"role": "user", "content": generic_tool_result(m.tool_call_id or "", m.text())}
+            message = {"role": "user", "content": generic_tool_result(names.get(m.tool_call_id or "", ""), m.text())}
         else:
             message = {"role": m.role, "content": m.text()}
         messages.append(message)

@@ -227,8 +227,10 @@ def generic_call_text(calls: Sequence[tuple[str, str]]) -> str:
     )
 
 
-def generic_tool_result(tool_call_id: str, content: str) -> str:
-    return json.dumps({"tool_response": {"tool_call_id": tool_call_id, "content": content}}, ensure_ascii=False)
+def generic_tool_result(tool_name: str, content: str) -> str:
+    """A tool's result as the generic format shows it: under the tool's name, which the model knows from the system
+    message (a call id is noise to it, and a random one would make the prompt differ from run to run)."""
+    return json.dumps({"tool_response": {"tool": tool_name, "content": content}}, ensure_ascii=False)
 
 
 def _loads_or_text(arguments: str) -> Any:

@@ -28,7 +28,7 @@ class Pet(BaseModel):
     vaccinated: bool
 
 
-@pytest.fixture(params=["two_stages", "three_stages"])
+@pytest.fixture(params=["one_stage", "three_stages"])
 def served(request: pytest.FixtureRequest) -> Served:
     served: Served = request.getfixturevalue(request.param)
     return served

@@ -128,7 +128,7 @@ def test_a_forced_call_comes_out_whole_on_random_picks(
     grammars: tuple[Grammars, GGUFTokenizer], tool_format: ToolFormat, parallel: bool
 ) -> None:
     compiled, tokenizer = grammars
-    grammar = compiled.lark(tool_format.forced(TOOLS, parallel), param="tools")
+    grammar = compiled.lark(tool_format.forced(TOOLS, parallel, {}), param="tools")
     stops = tokenizer.stop_ids
     for seed in range(8):
         rng = random.Random(seed)  # noqa: S311  # random weights, not secrets
@@ -149,3 +149,15 @@ def test_a_forced_call_comes_out_whole_on_random_picks(
         for call in calls:
             arguments = json.loads(call.arguments)
             assert (call.name, tuple(sorted(arguments))) in {("weather", ("city",)), ("add", ("a", "b"))}, text
+
+
+def test_a_mistral_call_starts_with_the_special_token_where_the_vocabulary_has_one(
+    grammars: tuple[Grammars, GGUFTokenizer],
+) -> None:
+    compiled, tokenizer = grammars
+    # The generated vocabulary has no [TOOL_CALLS]: lend its text to one of the special tokens it has.
+    marker_id = min(tokenizer.special_ids - tokenizer.stop_ids)
+    grammar = compiled.lark(MISTRAL.forced(TOOLS, False, {"[TOOL_CALLS]": marker_id}), param="tools")
+    mask = compiled.start(grammar).mask()
+    allowed = [i for i in range(tokenizer.vocab_size) if mask[i // 8] >> (i % 8) & 1]
+    assert allowed == [marker_id]

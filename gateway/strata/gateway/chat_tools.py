@@ -42,7 +42,7 @@ class ToolUse:
 
     def grammar(self, grammars: Grammars) -> Grammar | None:
         if self.forced is not None:
-            return grammars.lark(self.format.forced(self.forced, self.parallel), param="tools")
+            return grammars.lark(self.format.forced(self.forced, self.parallel, grammars.special_ids), param="tools")
         if not self.format.native:  # the generic format is JSON either way: calls, or a response
             schema = generic_schema(self.tools, parallel=self.parallel, required=False)
             return grammars.json_schema(schema, param="tools")

@@ -82,6 +82,11 @@ class Grammars:
         stops = sorted(self._tokenizer.stop_ids) or None
         return LLTokenizer(TokenizerWrapper(_Wrapped(self._tokenizer)), eos_token=stops)
 
+    @cached_property
+    def special_ids(self) -> Mapping[str, int]:
+        """The vocabulary's special tokens by their text, for grammars that name one (Lark's <[id]>)."""
+        return {self._tokenizer.token(i): i for i in sorted(self._tokenizer.special_ids)}
+
     def json_schema(self, schema: Mapping[str, Any], *, param: str) -> Grammar:
         """The grammar of JSON documents valid for `schema`; a schema llguidance rejects is a 400 naming `param`."""
         try:

@@ -24,6 +24,7 @@ from typing import Any
 ANY_ARGUMENTS: Mapping[str, Any] = {"type": "object"}
 PROBE_TOOL = "strata_probe_tool_7f3a"
 MAX_PARALLEL_CALLS = 4  # a forced reply ends on any weights: at most this many calls, then the end
+MISTRAL_MARKER = "[TOOL_CALLS]"
 COMPACT = {"whitespace_flexible": False}  # as strata.gateway.grammar's JSON: no whitespace to run on with
 
 
@@ -96,11 +97,12 @@ class ToolFormat:
     name: str
     marker: str  # what the template writes when it shows tools; "" for the generic format
     native: bool  # the template renders tools itself
-    forced: Callable[[Sequence[ToolSpec], bool], str]  # Lark grammar of one or more calls (tools, parallel)
+    # Lark grammar of one or more calls, from (tools, parallel, the vocabulary's special tokens by text).
+    forced: Callable[[Sequence[ToolSpec], bool, Mapping[str, int]], str]
     parse: Callable[[str], tuple[str, list[ParsedCall]]]  # the reply's text -> (content, calls)
 
 
-def _hermes_forced(tools: Sequence[ToolSpec], parallel: bool) -> str:
+def _hermes_forced(tools: Sequence[ToolSpec], parallel: bool, specials: Mapping[str, int]) -> str:
     schema = _embedded(_call_schema(tools, arguments_key="arguments"))
     start = _repeat("block", '"\\n"', parallel)
     return f'start: {start}\nblock: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json {schema}'
@@ -120,7 +122,7 @@ def _hermes_parse(text: str) -> tuple[str, list[ParsedCall]]:
     return (_HERMES_CALL.sub("", text).strip(), calls) if calls else (text, [])
 
 
-def _llama3_forced(tools: Sequence[ToolSpec], parallel: bool) -> str:
+def _llama3_forced(tools: Sequence[ToolSpec], parallel: bool, specials: Mapping[str, int]) -> str:
     schema = _embedded(_call_schema(tools, arguments_key="parameters"))
     start = _repeat("call", '"; "', parallel)
     return f"start: {start}\ncall: %json {schema}"
@@ -138,14 +140,17 @@ def _llama3_parse(text: str) -> tuple[str, list[ParsedCall]]:
     return "", calls
 
 
-def _mistral_forced(tools: Sequence[ToolSpec], parallel: bool) -> str:
+def _mistral_forced(tools: Sequence[ToolSpec], parallel: bool, specials: Mapping[str, int]) -> str:
     schema = _call_schema(tools, arguments_key="arguments")
     array = {"type": "array", "items": schema, **_bounded(parallel)}
-    return f'start: "[TOOL_CALLS]" calls\ncalls: %json {_embedded(array)}'
+    # Mistral's tokenizers hold [TOOL_CALLS] as one special token: the grammar asks for that token, as the model
+    # writes it, rather than for its text spelled out in ordinary tokens.
+    marker = f"<[{specials[MISTRAL_MARKER]}]>" if MISTRAL_MARKER in specials else json.dumps(MISTRAL_MARKER)
+    return f"start: {marker} calls\ncalls: %json {_embedded(array)}"
 
 
 def _mistral_parse(text: str) -> tuple[str, list[ParsedCall]]:
-    before, marker, after = text.partition("[TOOL_CALLS]")
+    before, marker, after = text.partition(MISTRAL_MARKER)
     found = _json_prefix(after.strip()) if marker else None
     calls = _calls_from_json(found[0], arguments_key="arguments") if found else None
     return (before.strip(), calls) if calls else (text, [])
@@ -165,7 +170,7 @@ def generic_schema(tools: Sequence[ToolSpec], *, parallel: bool, required: bool)
     return {"anyOf": [with_calls | {"additionalProperties": False}, response | {"additionalProperties": False}]}
 
 
-def _generic_forced(tools: Sequence[ToolSpec], parallel: bool) -> str:
+def _generic_forced(tools: Sequence[ToolSpec], parallel: bool, specials: Mapping[str, int]) -> str:
     return f"start: %json {_embedded(generic_schema(tools, parallel=parallel, required=True))}"
 
 

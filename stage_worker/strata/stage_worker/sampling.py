@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from strata.stage_worker.errors import InvalidRequestError
 from torch import Tensor
@@ -86,11 +87,10 @@ def sample(logits: Tensor, *, params: Sampling, position: int) -> Sampled:
 
 def allowed_tokens(mask: bytes, *, vocab: int, device: torch.device) -> Tensor:
     """The bitmask as [vocab] bools; tokens past its end are not allowed. Refuses a mask that allows nothing."""
-    raw = torch.frombuffer(bytearray(mask), dtype=torch.uint8)  # [bytes]
-    bits = (raw[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1  # [bytes, 8]: bit j of byte k is token 8k + j
-    allowed = torch.zeros(vocab, dtype=torch.bool)
-    n = min(vocab, bits.numel())
-    allowed[:n] = bits.reshape(-1)[:n].bool()
-    if not bool(allowed.any()):
+    # One C call (numpy's unpackbits) rather than a chain of small torch ops: this runs per slot per step.
+    bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")[:vocab]  # [<= vocab]
+    if not bits.any():
         raise NoTokenAllowedError(f"the allowed-token mask allows none of the {vocab} tokens")
+    allowed = torch.zeros(vocab, dtype=torch.bool)
+    allowed[: bits.shape[0]] = torch.from_numpy(bits.astype(np.bool_))
     return allowed.to(device)

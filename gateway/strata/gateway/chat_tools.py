@@ -12,18 +12,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from strata.gateway import protocol as p
-from strata.gateway.errors import InvalidRequestError
+from strata.gateway.chat_template import ChatTemplate
+from strata.gateway.errors import ChatTemplateError, InvalidRequestError
 from strata.gateway.grammar import Grammar, Grammars
 from strata.gateway.tools import (
     ANY_ARGUMENTS,
+    GENERIC,
     ParsedCall,
     ToolFormat,
     ToolSpec,
+    format_from_probe,
     generic_call_text,
     generic_schema,
     generic_system_prompt,
     generic_tool_result,
     openai_tool,
+    probe_tools,
     template_call,
 )
 
@@ -63,6 +67,17 @@ class ToolUse:
 
 def _tool_call(call: ParsedCall) -> p.ToolCall:
     return p.ToolCall(id=ParsedCall.new_id(), function=p.FunctionCall(name=call.name, arguments=call.arguments))
+
+
+def template_format(template: ChatTemplate | None) -> ToolFormat:
+    """How a model's template shows tools, found by rendering a probe tool through it (once per model)."""
+    if template is None:
+        return GENERIC
+    try:
+        rendered = template.render([{"role": "user", "content": "hello"}], tools=probe_tools())
+    except ChatTemplateError:
+        return GENERIC
+    return format_from_probe(rendered)
 
 
 def plan(request: p.ChatCompletionRequest, tool_format: ToolFormat) -> ToolUse | None:

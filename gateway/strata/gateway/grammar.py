@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 from strata.gateway.errors import InvalidRequestError
+from strata.gateway.protocol import ResponseFormat
 from strata.gateway.tokenizer import GGUFTokenizer
 
 if TYPE_CHECKING:
@@ -94,6 +95,15 @@ class Grammars:
         except (ValueError, TypeError) as exc:
             raise InvalidRequestError(f"{param}: the schema is not valid JSON: {exc}", param=param) from None
         return self._checked(source, param=param)
+
+    def response(self, response_format: ResponseFormat | None) -> Grammar | None:
+        """The grammar a chat request's response_format asks for; None for free text."""
+        if response_format is None or response_format.type == "text":
+            return None
+        if response_format.json_schema is None:
+            return self.json_schema(ANY_OBJECT, param="response_format")
+        schema = response_format.json_schema.schema_ or ANY_OBJECT
+        return self.json_schema(schema, param="response_format.json_schema.schema")
 
     def lark(self, source: str, *, param: str) -> Grammar:
         """A Lark grammar (llguidance's dialect, which embeds JSON schemas with %json)."""

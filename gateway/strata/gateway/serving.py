@@ -21,19 +21,18 @@ from strata.gateway import protocol as p
 from strata.gateway.admission import Admission
 from strata.gateway.chat_template import ChatTemplate
 from strata.gateway.errors import (
-    ChatTemplateError,
     ContextLengthExceededError,
     GatewayError,
     InvalidRequestError,
     ModelNotFoundError,
 )
-from strata.gateway.grammar import ANY_OBJECT, Constraint, Grammar, Grammars
+from strata.gateway.grammar import Constraint, Grammars
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.model_ids import canonical_model_id, same_model
 from strata.gateway.pipeline import Finished, Generation, Pipeline, Sampling, Token
 from strata.gateway.text import TextAssembler
 from strata.gateway.tokenizer import GGUFTokenizer
-from strata.gateway.tools import GENERIC, ToolFormat, format_from_probe, probe_tools
+from strata.gateway.tools import ToolFormat
 
 
 @dataclass
@@ -121,7 +120,7 @@ class Serving:
         if self.template is None:
             raise InvalidRequestError("the model has no chat template; use /v1/completions", param="messages")
         use = chat_tools.plan(request, self.tool_format)
-        grammar = use.grammar(self.grammars) if use is not None else self._response_grammar(request.response_format)
+        grammar = use.grammar(self.grammars) if use is not None else self.grammars.response(request.response_format)
         messages = chat_tools.template_messages(request, use, self.tool_format)
         rendered = self.template.render(messages, tools=use.template_tools() if use is not None else None)
         prompt = self.tokenizer.encode(rendered, add_special=False)
@@ -220,14 +219,7 @@ class Serving:
 
     @cached_property
     def tool_format(self) -> ToolFormat:
-        """How this model's template shows tools, found once by rendering a probe tool through it."""
-        if self.template is None:
-            return GENERIC
-        try:
-            rendered = self.template.render([{"role": "user", "content": "hello"}], tools=probe_tools())
-        except ChatTemplateError:
-            return GENERIC
-        return format_from_probe(rendered)
+        return chat_tools.template_format(self.template)
 
     def _chat_logprobs(self, tokens: list[Token]) -> p.ChatLogprobs:
         def entry(token_id: int, logprob: float) -> p.TopLogprob:
@@ -240,14 +232,6 @@ class Serving:
             top = [entry(i, lp) for i, lp in t.top_logprobs]
             content.append(p.TokenLogprobContent(**head.model_dump(), top_logprobs=top))
         return p.ChatLogprobs(content=content)
-
-    def _response_grammar(self, response_format: p.ResponseFormat | None) -> Grammar | None:
-        if response_format is None or response_format.type == "text":
-            return None
-        if response_format.json_schema is None:
-            return self.grammars.json_schema(ANY_OBJECT, param="response_format")
-        schema = response_format.json_schema.schema_ or dict(ANY_OBJECT)
-        return self.grammars.json_schema(schema, param="response_format.json_schema.schema")
 
     # Completions.
 

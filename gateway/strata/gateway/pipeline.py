@@ -389,15 +389,26 @@ class Pipeline:
             if used + chunk.length > self.context or chunk.start_position + chunk.length > self.context:
                 self._finish(g, Finished("length"))
                 continue
-            if chunk.sample and g.constraint is not None:
-                try:
-                    chunk.allowed_tokens = g.constraint.mask()
-                except ConstraintViolationError as exc:
-                    self._finish(g, PipelineError(f"the output constraint failed: {exc}"))
-                    continue
             used += chunk.length
             chunks.append(chunk)
-        return chunks
+        return self._with_masks(chunks)
+
+    def _with_masks(self, chunks: list[stage_pb2.SlotChunk]) -> list[stage_pb2.SlotChunk]:
+        """Each sampling chunk of a constrained generation gets its mask, all of the step's computed together; a
+        generation whose grammar failed ends with an error and leaves the step."""
+        constrained = [(c, g) for c in chunks if c.sample and (g := self._active[c.slot]).constraint is not None]
+        if not constrained:
+            return chunks
+        constraints = [g.constraint for _, g in constrained if g.constraint is not None]
+        failed = set()
+        for (chunk, g), mask in zip(constrained, constraints[0].grammars.masks(constraints), strict=True):
+            if mask is None:
+                error = g.constraint.error if g.constraint is not None else ""
+                self._finish(g, PipelineError(f"the output constraint failed: {error}"))
+                failed.add(chunk.slot)
+            else:
+                chunk.allowed_tokens = mask
+        return [c for c in chunks if c.slot not in failed]
 
     def _dispatch(self, step: _Step, reply: stage_pb2.ForwardReply) -> None:
         sampled = {t.slot: t for t in reply.tokens}

@@ -83,7 +83,6 @@ REFUSED = [
     *[
         pytest.param("/v1/chat/completions", chat(**{name: value}), name, id=f"chat {name}={value!r}")
         for name, value in {
-            "n": 2,
             "audio": {"voice": "alloy", "format": "wav"},
             "modalities": ["text", "audio"],
             "prediction": {"type": "content", "content": "x"},
@@ -118,7 +117,6 @@ REFUSED = [
     *[
         pytest.param("/v1/completions", completion(**{name: value}), name, id=f"completions {name}={value!r}")
         for name, value in {
-            "n": 3,
             "best_of": 2,
             "echo": True,
             "suffix": "tail",

@@ -3,8 +3,11 @@ so far, and OpenAI's logit_bias honoured end to end."""
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import pytest
 from openai import OpenAI
+from pydantic import BaseModel, Field
 from strata.gateway.pipeline import Sampling
 from strata.gateway.tokenizer import GGUFTokenizer, TokenizerSpec
 from strata.gguf.header import GGUFHeader
@@ -46,3 +49,33 @@ def test_a_logit_bias_steers_the_greedy_text(
         model=two_stages.model, prompt="Hello", max_tokens=6, temperature=0, logit_bias=logit_bias
     )
     assert reply.choices[0].text == tokenizer.decode([token] * 6)
+
+
+def test_n_choices_come_back_each_sampled_on_its_own(two_stages: Served) -> None:
+    client = OpenAI(base_url=two_stages.base_url, api_key="unused", max_retries=0, timeout=60)
+
+    def choices(seed: int) -> tuple[list[str], int]:
+        reply = client.completions.create(
+            model=two_stages.model, prompt="Once upon a time", max_tokens=8, temperature=1.0, n=2, seed=seed
+        )
+        assert [c.index for c in reply.choices] == [0, 1]
+        assert reply.usage is not None
+        return [c.text for c in reply.choices], reply.usage.completion_tokens
+
+    texts, completion_tokens = choices(11)
+    assert texts[0] != texts[1]
+    assert choices(11) == (texts, completion_tokens)  # seeded: the same choices again
+    assert completion_tokens <= 16
+
+
+def test_n_parsed_choices_each_follow_the_schema(two_stages: Served) -> None:
+    class Answer(BaseModel):
+        ok: bool
+        size: Annotated[int, Field(ge=0, le=9)]
+
+    client = OpenAI(base_url=two_stages.base_url, api_key="unused", max_retries=0, timeout=60)
+    reply = client.chat.completions.parse(
+        model=two_stages.model, messages=[{"role": "user", "content": "JSON"}], response_format=Answer, n=2, seed=1
+    )
+    assert len(reply.choices) == 2
+    assert all(isinstance(c.message.parsed, Answer) for c in reply.choices)

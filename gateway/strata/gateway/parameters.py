@@ -56,14 +56,13 @@ class Fields:
 
 
 _STORE = Refused("nothing is stored; leave it unset or false", _no_op(False))
-_SAMPLING_N = Refused("one choice per request (n=1)", _no_op(1))
 _SERVICE_TIER = Refused("there is one service tier; leave it unset, auto or default", ("auto", "default"))
 
 # llama-server's and vLLM's sampling extensions, in no OpenAI type: honoured where they are cheap.
 EXTENSIONS = frozenset({"top_k", "min_p"})
 _COMMON_HONOURED = (
     frozenset({"model", "max_tokens", "temperature", "top_p", "stream", "stream_options", "stop", "seed", "user"})
-    | {"logprobs", "presence_penalty", "frequency_penalty", "logit_bias"}
+    | {"logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "n"}
     | EXTENSIONS
 )
 
@@ -73,7 +72,6 @@ CHAT = Fields(
     | {"parallel_tool_calls"}
     | {"metadata", "safety_identifier", "prompt_cache_key"},
     refused={
-        "n": _SAMPLING_N,
         "functions": Refused("the deprecated functions API is not supported; it was replaced by tools", ((),)),
         "function_call": Refused("the deprecated functions API is not supported; it was replaced by tools", ("none",)),
         "audio": Refused("the model writes text only"),
@@ -93,7 +91,6 @@ CHAT = Fields(
 COMPLETION = Fields(
     honoured=_COMMON_HONOURED | {"prompt"},
     refused={
-        "n": _SAMPLING_N,
         "best_of": Refused("one candidate per request (best_of=1)", _no_op(1)),
         "echo": Refused("the prompt is not echoed; leave it false", _no_op(False)),
         "suffix": Refused("insertion after a suffix is not supported", ("",)),

@@ -22,6 +22,7 @@ class _Request(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=128)
     stream: bool = False
     stop: StopField
     seed: int | None = Field(default=None, ge=0, lt=1 << 63)

@@ -8,10 +8,13 @@ which resets its slot and frees its lane.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import functools
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -27,6 +30,7 @@ from strata.gateway.errors import (
     ModelNotFoundError,
 )
 from strata.gateway.grammar import Constraint, Grammars
+from strata.gateway.logprobs import chat_logprobs, completion_logprobs
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.model_ids import canonical_model_id, same_model
 from strata.gateway.pipeline import Finished, Generation, Pipeline, Sampling, Token
@@ -59,6 +63,18 @@ class _Run:
             total_tokens=self.prompt_tokens + self.completion_tokens,
             prompt_tokens_details=p.PromptTokensDetails(cached_tokens=self.generation.cached),
         )
+
+
+def _usage(runs: list[_Run]) -> p.Usage:
+    """The prompt once (the choices share it), the completions of every choice."""
+    completion = sum(run.completion_tokens for run in runs)
+    prompt = runs[0].prompt_tokens
+    return p.Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=p.PromptTokensDetails(cached_tokens=runs[0].generation.cached),
+    )
 
 
 def sse(payload: BaseModel | dict[str, object] | str) -> str:
@@ -125,33 +141,27 @@ class Serving:
         rendered = self.template.render(messages, tools=use.template_tools() if use is not None else None)
         prompt = self.tokenizer.encode(rendered, add_special=False)
         top = request.top_logprobs or 0 if request.logprobs else 0
-        constraint = self.grammars.start(grammar) if grammar is not None else None
-        run = await self._start(request, prompt, param="messages", logprobs=top, constraint=constraint)
+        constraints = [self.grammars.start(grammar) if grammar is not None else None for _ in range(request.n)]
+        runs = await self._start(request, prompt, param="messages", logprobs=top, constraints=constraints)
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if request.stream:
-            return self._chat_stream(request, run, use, completion_id=completion_id, created=created)
-        text, tokens, reason = [], [], "stop"
-        async for piece in self._pieces(run):
-            text.append(piece.text)
-            tokens.extend(piece.tokens)
-            reason = piece.finish_reason or reason
-        content: str | None = "".join(text)
-        calls: list[p.ToolCall] = []
-        if use is not None:
-            content, calls = use.reply(plain="".join(text), raw=self._with_specials(tokens))
+            return self._chat_stream(request, runs[0], use, completion_id=completion_id, created=created)
+        choices = []
+        for index, (text, tokens, reason) in enumerate(await self._collect(runs)):
+            content: str | None = text
+            calls: list[p.ToolCall] = []
+            if use is not None:
+                content, calls = use.reply(plain=text, raw=self._with_specials(tokens))
+            choice = p.ChatChoice(
+                index=index,
+                message=p.AssistantMessage(content=content, tool_calls=calls or None),
+                finish_reason="tool_calls" if calls else reason,
+                logprobs=chat_logprobs(self.tokenizer, tokens) if request.logprobs else None,
+            )
+            choices.append(choice)
         return p.ChatCompletion(
-            id=completion_id,
-            created=created,
-            model=self.model_name,
-            choices=[
-                p.ChatChoice(
-                    message=p.AssistantMessage(content=content, tool_calls=calls or None),
-                    finish_reason="tool_calls" if calls else reason,
-                    logprobs=self._chat_logprobs(tokens) if request.logprobs else None,
-                )
-            ],
-            usage=run.usage(),
+            id=completion_id, created=created, model=self.model_name, choices=choices, usage=_usage(runs)
         )
 
     async def _chat_stream(
@@ -177,7 +187,7 @@ class Serving:
             held: list[Token] = []
             held_text: list[str] = []
             async for piece in self._pieces(run):
-                logprobs = self._chat_logprobs(piece.tokens) if request.logprobs and piece.tokens else None
+                logprobs = chat_logprobs(self.tokenizer, piece.tokens) if request.logprobs and piece.tokens else None
                 if use is not None:
                     held.extend(piece.tokens)
                     held_text.append(piece.text)
@@ -188,7 +198,7 @@ class Serving:
                 reason = piece.finish_reason
                 if use is not None:
                     content, calls = use.reply(plain="".join(held_text), raw=self._with_specials(held))
-                    logprobs = self._chat_logprobs(held) if request.logprobs and held else None
+                    logprobs = chat_logprobs(self.tokenizer, held) if request.logprobs and held else None
                     if content or logprobs:
                         yield chunk(p.Delta(content=content or ""), logprobs=logprobs)
                     for index, call in enumerate(calls):
@@ -221,40 +231,28 @@ class Serving:
     def tool_format(self) -> ToolFormat:
         return chat_tools.template_format(self.template)
 
-    def _chat_logprobs(self, tokens: list[Token]) -> p.ChatLogprobs:
-        def entry(token_id: int, logprob: float) -> p.TopLogprob:
-            raw = self.tokenizer.token_bytes(token_id)
-            return p.TopLogprob(token=raw.decode("utf-8", errors="replace"), logprob=logprob, bytes=list(raw))
-
-        content = []
-        for t in tokens:
-            head = entry(t.token_id, t.logprob)
-            top = [entry(i, lp) for i, lp in t.top_logprobs]
-            content.append(p.TokenLogprobContent(**head.model_dump(), top_logprobs=top))
-        return p.ChatLogprobs(content=content)
-
     # Completions.
 
     async def complete(self, request: p.CompletionRequest) -> p.Completion | AsyncIterator[str]:
         self._check_common(request)
         prompt = self._completion_prompt(request.prompt)
-        run = await self._start(request, prompt, param="prompt", logprobs=request.logprobs or 0)
+        runs = await self._start(request, prompt, param="prompt", logprobs=request.logprobs or 0,
+                                 constraints=[None] * request.n)  # fmt: skip
         completion_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if request.stream:
-            return self._completion_stream(request, run, completion_id=completion_id, created=created)
-        text, tokens, reason = [], [], "stop"
-        async for piece in self._pieces(run):
-            text.append(piece.text)
-            tokens.extend(piece.tokens)
-            reason = piece.finish_reason or reason
-        logprobs = self._completion_logprobs(run, tokens) if request.logprobs is not None else None
+            return self._completion_stream(request, runs[0], completion_id=completion_id, created=created)
+        choices = [
+            p.CompletionChoice(
+                index=index,
+                text=text,
+                finish_reason=reason,
+                logprobs=completion_logprobs(self.tokenizer, tokens, run=run) if request.logprobs is not None else None,
+            )
+            for index, (run, (text, tokens, reason)) in enumerate(zip(runs, await self._collect(runs), strict=True))
+        ]
         return p.Completion(
-            id=completion_id,
-            created=created,
-            model=self.model_name,
-            choices=[p.CompletionChoice(text="".join(text), finish_reason=reason, logprobs=logprobs)],
-            usage=run.usage(),
+            id=completion_id, created=created, model=self.model_name, choices=choices, usage=_usage(runs)
         )
 
     async def _completion_stream(
@@ -266,7 +264,9 @@ class Serving:
 
         try:
             async for piece in self._pieces(run):
-                logprobs = self._completion_logprobs(run, piece.tokens) if request.logprobs is not None else None
+                logprobs = (
+                    completion_logprobs(self.tokenizer, piece.tokens, run=run) if request.logprobs is not None else None
+                )
                 if piece.text or piece.tokens:
                     yield chunk(text=piece.text, logprobs=logprobs)
                 if piece.finish_reason:
@@ -280,19 +280,6 @@ class Serving:
         except GatewayError as error:
             yield sse(error.body())
         yield sse("[DONE]")
-
-    def _completion_logprobs(self, run: _Run, tokens: list[Token]) -> p.CompletionLogprobs:
-        def text(token_id: int) -> str:
-            return self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
-
-        result = p.CompletionLogprobs()
-        for t in tokens:
-            result.tokens.append(text(t.token_id))
-            result.text_offset.append(run.text_offset)
-            run.text_offset += len(result.tokens[-1])
-            result.token_logprobs.append(t.logprob)
-            result.top_logprobs.append({text(i): lp for i, lp in t.top_logprobs})
-        return result
 
     def _completion_prompt(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
         if isinstance(prompt, str):
@@ -323,8 +310,18 @@ class Serving:
         *,
         param: str,
         logprobs: int,
-        constraint: Constraint | None = None,
-    ) -> _Run:
+        constraints: Sequence[Constraint | None],
+    ) -> list[_Run]:
+        """One run per choice (n of them, `constraints` holds each one's grammar), on lanes taken all at once."""
+        n = len(constraints)
+        if n > 1 and request.stream:
+            raise InvalidRequestError(
+                "n > 1 is not supported with stream yet; ask for the choices unstreamed", param="n"
+            )
+        if n > self.admission.policy.lanes:
+            raise InvalidRequestError(
+                f"n={n} asks for more choices than the {self.admission.policy.lanes} lanes that run at once", param="n"
+            )
         if not prompt:
             raise InvalidRequestError("the prompt is empty", param=param)
         if len(prompt) >= self.context:
@@ -355,22 +352,49 @@ class Serving:
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
         )
-        lane = await self.admission.acquire()
+        lanes = await self.admission.acquire_lanes(n)
+        runs: list[_Run] = []
         try:
-            generation = self.pipeline.submit(
-                slot=lane,
-                prompt=tuple(prompt),
-                max_tokens=max_tokens,
-                sampling=sampling,
-                stop_ids=self.tokenizer.stop_ids,
-                on_freed=lambda: self.admission.release(lane),
-                constraint=constraint,
-            )
+            for index, (lane, constraint) in enumerate(zip(lanes, constraints, strict=True)):
+                generation = self.pipeline.submit(
+                    slot=lane,
+                    prompt=tuple(prompt),
+                    max_tokens=max_tokens,
+                    # Each choice draws its own tokens: seeds one apart, so a seeded request repeats whole.
+                    sampling=dataclasses.replace(sampling, seed=(seed + index) % (1 << 63)),
+                    stop_ids=self.tokenizer.stop_ids,
+                    on_freed=functools.partial(self.admission.release, lane),
+                    constraint=constraint,
+                )
+                runs.append(_Run(generation=generation, prompt_tokens=len(prompt), stops=request.stop_strings()))
         except BaseException:
-            self.admission.release(lane)
+            for run in runs:  # submitted: the driver frees their lanes once their slots are reset
+                self.pipeline.cancel(run.generation)
+            for lane in lanes[len(runs) :]:
+                self.admission.release(lane)
             raise
         self.metrics.prompt_tokens.inc(len(prompt))
-        return _Run(generation=generation, prompt_tokens=len(prompt), stops=request.stop_strings())
+        return runs
+
+    async def _collect(self, runs: list[_Run]) -> list[tuple[str, list[Token], str]]:
+        """(text, tokens, finish reason) of each run, run side by side; a failure in one cancels the others."""
+
+        async def one(run: _Run) -> tuple[str, list[Token], str]:
+            text, tokens, reason = [], [], "stop"
+            async for piece in self._pieces(run):
+                text.append(piece.text)
+                tokens.extend(piece.tokens)
+                reason = piece.finish_reason or reason
+            return "".join(text), tokens, reason
+
+        if len(runs) == 1:
+            return [await one(runs[0])]
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(one(run)) for run in runs]
+        except BaseExceptionGroup as failed:  # the first GatewayError is what the client hears
+            raise failed.exceptions[0] from None
+        return [task.result() for task in tasks]
 
     async def _pieces(self, run: _Run) -> AsyncIterator[_Piece]:
         """Text as it settles; the last piece carries the finish reason. Cancels the generation if left early."""

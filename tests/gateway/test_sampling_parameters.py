@@ -79,3 +79,29 @@ def test_n_parsed_choices_each_follow_the_schema(two_stages: Served) -> None:
     )
     assert len(reply.choices) == 2
     assert all(isinstance(c.message.parsed, Answer) for c in reply.choices)
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_n_streamed_choices_carry_the_same_text_as_unstreamed(two_stages: Served, api: str) -> None:
+    client = OpenAI(base_url=two_stages.base_url, api_key="unused", max_retries=0, timeout=60)
+    common = {"model": two_stages.model, "max_tokens": 8, "temperature": 1.0, "n": 2, "seed": 5}
+    texts: dict[int, str] = {0: "", 1: ""}
+    reasons: dict[int, str] = {}
+    if api == "completions":
+        whole = [c.text for c in client.completions.create(prompt="Once upon a time", **common).choices]  # type: ignore[call-overload]
+        for chunk in client.completions.create(prompt="Once upon a time", stream=True, **common):  # type: ignore[call-overload]
+            for c in chunk.choices:
+                texts[c.index] += c.text
+                if c.finish_reason:
+                    reasons[c.index] = c.finish_reason
+    else:
+        messages = [{"role": "user", "content": "Tell me a story."}]
+        reply = client.chat.completions.create(messages=messages, **common)  # type: ignore[call-overload]
+        whole = [c.message.content for c in reply.choices]
+        for chunk in client.chat.completions.create(messages=messages, stream=True, **common):  # type: ignore[call-overload]
+            for c in chunk.choices:
+                texts[c.index] += c.delta.content or ""
+                if c.finish_reason:
+                    reasons[c.index] = c.finish_reason
+    assert [texts[0], texts[1]] == whole
+    assert set(reasons) == {0, 1}

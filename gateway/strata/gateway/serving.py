@@ -34,6 +34,7 @@ from strata.gateway.logprobs import chat_logprobs, completion_logprobs
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.model_ids import canonical_model_id, same_model
 from strata.gateway.pipeline import Finished, Generation, Pipeline, Sampling, Token
+from strata.gateway.streams import merged
 from strata.gateway.text import TextAssembler
 from strata.gateway.tokenizer import GGUFTokenizer
 from strata.gateway.tools import ToolFormat
@@ -146,7 +147,7 @@ class Serving:
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if request.stream:
-            return self._chat_stream(request, runs[0], use, completion_id=completion_id, created=created)
+            return self._chat_stream(request, runs, use, completion_id=completion_id, created=created)
         choices = []
         for index, (text, tokens, reason) in enumerate(await self._collect(runs)):
             content: str | None = text
@@ -167,23 +168,22 @@ class Serving:
     async def _chat_stream(
         self,
         request: p.ChatCompletionRequest,
-        run: _Run,
+        runs: list[_Run],
         use: chat_tools.ToolUse | None,
         *,
         completion_id: str,
         created: int,
     ) -> AsyncIterator[str]:
-        """Text as it settles; with tools in play the reply is held back until it ends, since any of it may turn
-        out to be a call, and then sent as content or as tool-call deltas."""
+        """Text as it settles, the choices side by side; with tools in play a choice is held back until it ends,
+        since any of it may turn out to be a call, and then sent as content or as tool-call deltas."""
 
-        def chunk(delta: p.Delta, **fields: object) -> str:
-            choice = p.ChatChunkChoice(delta=delta, **fields)  # type: ignore[arg-type]
+        def chunk(index: int, delta: p.Delta, **fields: object) -> str:
+            choice = p.ChatChunkChoice(index=index, delta=delta, **fields)  # type: ignore[arg-type]
             return sse(
                 p.ChatCompletionChunk(id=completion_id, created=created, model=self.model_name, choices=[choice])
             )
 
-        try:
-            yield chunk(p.Delta(role="assistant", content=""))
+        async def choice(index: int, run: _Run) -> AsyncIterator[str]:
             held: list[Token] = []
             held_text: list[str] = []
             async for piece in self._pieces(run):
@@ -192,7 +192,7 @@ class Serving:
                     held.extend(piece.tokens)
                     held_text.append(piece.text)
                 elif piece.text or logprobs:
-                    yield chunk(p.Delta(content=piece.text), logprobs=logprobs)
+                    yield chunk(index, p.Delta(content=piece.text), logprobs=logprobs)
                 if not piece.finish_reason:
                     continue
                 reason = piece.finish_reason
@@ -200,21 +200,27 @@ class Serving:
                     content, calls = use.reply(plain="".join(held_text), raw=self._with_specials(held))
                     logprobs = chat_logprobs(self.tokenizer, held) if request.logprobs and held else None
                     if content or logprobs:
-                        yield chunk(p.Delta(content=content or ""), logprobs=logprobs)
-                    for index, call in enumerate(calls):
+                        yield chunk(index, p.Delta(content=content or ""), logprobs=logprobs)
+                    for number, call in enumerate(calls):
                         delta = p.ToolCallDelta(
-                            index=index,
+                            index=number,
                             id=call.id,
                             type="function",
                             function=p.FunctionCallDelta(name=call.function.name, arguments=call.function.arguments),
                         )
-                        yield chunk(p.Delta(tool_calls=[delta]))
+                        yield chunk(index, p.Delta(tool_calls=[delta]))
                     reason = "tool_calls" if calls else reason
-                yield chunk(p.Delta(), finish_reason=reason)
+                yield chunk(index, p.Delta(), finish_reason=reason)
+
+        try:
+            for index in range(len(runs)):
+                yield chunk(index, p.Delta(role="assistant", content=""))
+            async for line in merged([choice(index, run) for index, run in enumerate(runs)]):
+                yield line
             if request.stream_options and request.stream_options.include_usage:
                 yield sse(
                     p.ChatCompletionChunk(
-                        id=completion_id, created=created, model=self.model_name, choices=[], usage=run.usage()
+                        id=completion_id, created=created, model=self.model_name, choices=[], usage=_usage(runs)
                     )
                 )
         except GatewayError as error:
@@ -241,7 +247,7 @@ class Serving:
         completion_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if request.stream:
-            return self._completion_stream(request, runs[0], completion_id=completion_id, created=created)
+            return self._completion_stream(request, runs, completion_id=completion_id, created=created)
         choices = [
             p.CompletionChoice(
                 index=index,
@@ -256,25 +262,29 @@ class Serving:
         )
 
     async def _completion_stream(
-        self, request: p.CompletionRequest, run: _Run, *, completion_id: str, created: int
+        self, request: p.CompletionRequest, runs: list[_Run], *, completion_id: str, created: int
     ) -> AsyncIterator[str]:
         def chunk(**fields: object) -> str:
             choice = p.CompletionChoice(**fields)  # type: ignore[arg-type]
             return sse(p.Completion(id=completion_id, created=created, model=self.model_name, choices=[choice]))
 
-        try:
+        async def choice(index: int, run: _Run) -> AsyncIterator[str]:
             async for piece in self._pieces(run):
                 logprobs = (
                     completion_logprobs(self.tokenizer, piece.tokens, run=run) if request.logprobs is not None else None
                 )
                 if piece.text or piece.tokens:
-                    yield chunk(text=piece.text, logprobs=logprobs)
+                    yield chunk(index=index, text=piece.text, logprobs=logprobs)
                 if piece.finish_reason:
-                    yield chunk(text="", finish_reason=piece.finish_reason)
+                    yield chunk(index=index, text="", finish_reason=piece.finish_reason)
+
+        try:
+            async for line in merged([choice(index, run) for index, run in enumerate(runs)]):
+                yield line
             if request.stream_options and request.stream_options.include_usage:
                 yield sse(
                     p.Completion(
-                        id=completion_id, created=created, model=self.model_name, choices=[], usage=run.usage()
+                        id=completion_id, created=created, model=self.model_name, choices=[], usage=_usage(runs)
                     )
                 )
         except GatewayError as error:
@@ -314,10 +324,6 @@ class Serving:
     ) -> list[_Run]:
         """One run per choice (n of them, `constraints` holds each one's grammar), on lanes taken all at once."""
         n = len(constraints)
-        if n > 1 and request.stream:
-            raise InvalidRequestError(
-                "n > 1 is not supported with stream yet; ask for the choices unstreamed", param="n"
-            )
         if n > self.admission.policy.lanes:
             raise InvalidRequestError(
                 f"n={n} asks for more choices than the {self.admission.policy.lanes} lanes that run at once", param="n"

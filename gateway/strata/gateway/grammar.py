@@ -1,10 +1,10 @@
 """Grammar-constrained decoding: what the model may write next, as a mask over the GGUF's own vocabulary.
 
-llguidance (the library llama.cpp, vLLM and SGLang use for structured outputs) turns a JSON schema or a Lark grammar
+llguidance (a structured-output backend of llama.cpp, vLLM and SGLang) turns a JSON schema or a Lark grammar
 into a matcher that, given the tokens so far, says which tokens may come next. It was chosen over xgrammar and
 outlines-core by measurement (docs/benchmarks.md): a schema compiles in about a millisecond where the others take
-half a second to seconds on a 128k vocabulary, masks take tens of microseconds, and every JSON it let through parsed
-(xgrammar let raw control characters into strings).
+half a second to seconds on a 128k vocabulary, a mask takes tens to hundreds of microseconds, and every JSON it let
+through parsed (xgrammar let raw control characters into strings).
 
 The grammar's state lives here, in the gateway, beside the generation it constrains, and the mask travels in the
 step (SlotChunk.allowed_tokens) to the last stage, which samples inside it. That keeps the stages free of tokenizers

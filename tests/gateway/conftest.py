@@ -33,6 +33,18 @@ def two_stages(qwen2_model: Path) -> Iterator[Served]:
 
 
 @pytest.fixture(scope="session")
+def one_stage(qwen2_model: Path) -> Iterator[Served]:
+    with strata_serve(str(qwen2_model), "--stages", "1", "--parallel", "2", "--context", "1024") as served:
+        yield served
+
+
+@pytest.fixture(scope="session")
+def three_stages(qwen2_model: Path) -> Iterator[Served]:
+    with strata_serve(str(qwen2_model), "--stages", "3", "--parallel", "2", "--context", "1024") as served:
+        yield served
+
+
+@pytest.fixture(scope="session")
 def one_lane(qwen2_model: Path) -> Iterator[Served]:
     """One lane, one waiting place, a one-second wait: what the admission tests probe."""
     args = ("--parallel", "1", "--queue-per-lane", "1", "--max-wait-seconds", "1", "--context", "4096")

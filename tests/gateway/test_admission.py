@@ -82,3 +82,39 @@ def test_a_waiter_that_hangs_up_gives_back_a_lane_handed_to_it() -> None:
         assert await asyncio.wait_for(gate.acquire(), timeout=0.1) == lane
 
     asyncio.run(run())
+
+
+def test_a_request_for_several_lanes_waits_for_all_of_them_and_nobody_overtakes() -> None:
+    async def scenario() -> None:
+        admission = Admission(AdmissionPolicy(lanes=3, queue_per_lane=1, max_wait_s=5), metrics=GatewayMetrics())
+        held = await admission.acquire_lanes(2)
+        three = asyncio.ensure_future(admission.acquire_lanes(3))
+        await asyncio.sleep(0)
+        one = asyncio.ensure_future(admission.acquire())  # behind the waiter for three, though a lane is free
+        await asyncio.sleep(0)
+        assert not three.done()
+        assert not one.done()
+        admission.release(held[0])
+        await asyncio.sleep(0)
+        assert not three.done()
+        admission.release(held[1])
+        assert sorted(await three) == [0, 1, 2]
+        assert not one.done()
+        for lane in await three:
+            admission.release(lane)
+        assert await one in (0, 1, 2)
+
+    asyncio.run(scenario())
+
+
+def test_an_expired_wait_for_several_lanes_passes_what_it_collected_on() -> None:
+    async def scenario() -> None:
+        admission = Admission(AdmissionPolicy(lanes=2, queue_per_lane=2, max_wait_s=0.05), metrics=GatewayMetrics())
+        first = await admission.acquire()
+        with pytest.raises(RateLimitedError):
+            await admission.acquire_lanes(2)  # collects the free lane, waits for the other in vain
+        assert admission.busy == 1
+        admission.release(first)
+        assert sorted(await admission.acquire_lanes(2)) == [0, 1]
+
+    asyncio.run(scenario())

@@ -124,7 +124,7 @@ def test_logprobs_come_back_for_each_token_with_alternatives(client: OpenAI, two
     [
         pytest.param({"model": "someone/else:Q4", "prompt": "x"}, 404, "model", id="an unknown model is 404"),
         pytest.param({"prompt": "x", "temperature": 3}, 400, "temperature", id="temperature above 2 is 400"),
-        pytest.param({"prompt": "x", "n": 2}, 400, "n", id="more than one choice is 400"),
+        pytest.param({"prompt": "x", "n": 3}, 400, "n", id="more choices than lanes is 400"),
         pytest.param({"prompt": "x " * 2000}, 400, "prompt", id="a prompt longer than the context is 400"),
         pytest.param({"prompt": [10**7]}, 400, "prompt", id="a token id outside the vocabulary is 400"),
     ],

@@ -102,6 +102,26 @@ def test_token_ids_and_text_match_hf_transformers(models: dict[str, Path], key: 
 
 
 @pytest.mark.parametrize(
+    "key",
+    [
+        pytest.param("qwen2", id="byte-level BPE, where one token may hold part of a character"),
+        pytest.param("sentencepiece", id="SentencePiece with byte-fallback tokens and word-start marks"),
+    ],
+)
+def test_the_raw_bytes_of_the_tokens_spell_the_decoded_text(models: dict[str, Path], key: str) -> None:
+    path = models[key]
+    ours = GGUFTokenizer(TokenizerSpec.from_metadata(read_model_header(str(path))[0].metadata))
+    raw = ours.vocabulary_bytes
+    assert len(raw) == ours.vocab_size
+    for text in CORPUS:
+        ids = ours.encode(text, add_special=False)
+        spelled = b"".join(raw[i] for i in ids).decode("utf-8")
+        if key == "sentencepiece":  # it marks the start of the text with a space that its decoder strips again
+            spelled = spelled.removeprefix(" ")
+        assert spelled == ours.decode(ids), text
+
+
+@pytest.mark.parametrize(
     ("changes", "message"),
     [
         pytest.param({"tokenizer.ggml.pre": "no-such-pre"}, "not a known pre-tokenizer", id="an unknown pre-tokenizer"),

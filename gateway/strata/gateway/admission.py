@@ -3,7 +3,9 @@
 Lanes are the plan's parallel slots; a lane is held from admission until its slot has been reset on the stages. With
 every lane busy a request may wait in a queue of `queue_per_lane * lanes` places for at most `max_wait_s`; a full
 queue or an expired wait is RateLimitedError carrying Retry-After. A released lane goes straight to the oldest
-waiter, so nobody overtakes the queue. All of it runs on the event loop: no locks, and no sleeping.
+waiter, so nobody overtakes the queue. A request for n choices takes n lanes at once or waits for all n: the oldest
+waiter collects lanes as they come free and is admitted when it has its count (a wait that expires gives back what
+it collected). All of it runs on the event loop: no locks, and no sleeping.
 """
 
 from __future__ import annotations
@@ -33,12 +35,19 @@ class AdmissionPolicy:
         return self.lanes * self.queue_per_lane
 
 
+@dataclass(eq=False)
+class _Waiter:
+    count: int
+    future: asyncio.Future[None]
+    lanes: list[int]
+
+
 class Admission:
     def __init__(self, policy: AdmissionPolicy, *, metrics: GatewayMetrics) -> None:
         self.policy = policy
         self._metrics = metrics
         self._free: deque[int] = deque(range(policy.lanes))
-        self._waiters: deque[asyncio.Future[int]] = deque()
+        self._waiters: deque[_Waiter] = deque()
         self._update()
 
     @property
@@ -51,8 +60,14 @@ class Admission:
 
     async def acquire(self) -> int:
         """A lane index; raises RateLimitedError when the queue is full or the wait expires."""
-        if self._free and not self._waiters:
-            return self._admit(self._free.popleft())
+        return (await self.acquire_lanes(1))[0]
+
+    async def acquire_lanes(self, count: int) -> list[int]:
+        """`count` lane indices, all at once (1 <= count <= lanes); RateLimitedError as for one."""
+        if not 1 <= count <= self.policy.lanes:
+            raise ValueError(f"a request takes 1 to {self.policy.lanes} lanes, not {count}")
+        if len(self._free) >= count and not self._waiters:
+            return self._admit([self._free.popleft() for _ in range(count)])
         if len(self._waiters) >= self.policy.queue_limit:
             self._reject("queue_full")
             raise RateLimitedError(
@@ -60,49 +75,62 @@ class Admission:
                 "retry shortly",
                 retry_after_s=self.policy.retry_after_s,
             )
-        waiter: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(count=count, future=asyncio.get_running_loop().create_future(), lanes=[])
         self._waiters.append(waiter)
+        while self._free and len(waiter.lanes) < count and self._waiters[0] is waiter:
+            waiter.lanes.append(self._free.popleft())  # free lanes a waiter ahead did not need
         self._update()
         try:
-            await asyncio.wait({waiter}, timeout=self.policy.max_wait_s)
-        except asyncio.CancelledError:  # the client went away while waiting: a lane handed over meanwhile goes back
+            if len(waiter.lanes) < count:
+                await asyncio.wait({waiter.future}, timeout=self.policy.max_wait_s)
+        except asyncio.CancelledError:  # the client went away while waiting: lanes handed over meanwhile go back
             self._withdraw(waiter, give_back=True)
             raise
-        lane = self._withdraw(waiter, give_back=False)
-        if lane is None:
+        lanes = self._withdraw(waiter, give_back=False)
+        if lanes is None:
             self._reject("wait_expired")
             raise RateLimitedError(
                 f"no lane came free within {self.policy.max_wait_s:g} s; retry shortly",
                 retry_after_s=self.policy.retry_after_s,
             )
-        return self._admit(lane)
+        return self._admit(lanes)
 
     def release(self, lane: int) -> None:
         """Hand `lane` to the oldest live waiter, or back to the free list."""
         while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(lane)
-                self._update()
-                return
+            waiter = self._waiters[0]
+            if waiter.future.done():  # expired or cancelled: its own task withdraws it and passes its lanes on
+                self._waiters.popleft()
+                continue
+            waiter.lanes.append(lane)
+            if len(waiter.lanes) == waiter.count:
+                self._waiters.popleft()
+                waiter.future.set_result(None)
+            self._update()
+            return
         self._free.append(lane)
         self._update()
 
-    def _withdraw(self, waiter: asyncio.Future[int], *, give_back: bool) -> int | None:
+    def _withdraw(self, waiter: _Waiter, *, give_back: bool) -> list[int] | None:
+        """Take `waiter` out of the queue: its lanes when it has them all and may keep them, else None (any lanes it
+        collected go to the next waiters)."""
         with contextlib.suppress(ValueError):
             self._waiters.remove(waiter)
-        lane = waiter.result() if waiter.done() and not waiter.cancelled() else None
-        waiter.cancel()
+        complete = len(waiter.lanes) == waiter.count
+        if not waiter.future.done():
+            waiter.future.cancel()
+        lanes, waiter.lanes = waiter.lanes, []
         self._update()
-        if give_back and lane is not None:
+        if complete and not give_back:
+            return lanes
+        for lane in lanes:
             self.release(lane)
-            return None
-        return lane
+        return None
 
-    def _admit(self, lane: int) -> int:
+    def _admit(self, lanes: list[int]) -> list[int]:
         self._metrics.admitted.inc()
         self._update()
-        return lane
+        return lanes
 
     def _reject(self, reason: str) -> None:
         self._metrics.rejected.labels(reason=reason).inc()

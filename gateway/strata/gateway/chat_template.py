@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from jinja2 import TemplateError, Undefined
@@ -54,13 +54,23 @@ class ChatTemplate:
         except TemplateError as exc:
             raise ChatTemplateError(f"the model's chat template does not compile: {exc}") from None
 
-    def render(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """The prompt; `tools` (OpenAI's shape, as HF's templates take them) only when given, so a template's
+        `tools is defined` checks read true only then."""
+        extra = {} if tools is None else {"tools": [dict(t) for t in tools]}
         try:
             text = self._template.render(
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._bos_token,
                 eos_token=self._eos_token,
+                **extra,
             )
         except SecurityError as exc:
             raise ChatTemplateError(f"the model's chat template tried to leave its sandbox: {exc}") from None

@@ -16,6 +16,10 @@ in flight. Everything that touches a slot outside a step (ResetSlot, SavePrefix,
 has no step in flight, and the pool count includes the positions of the steps in flight. Any error fails every step
 in flight, and the stream with them. With G = 1 it is one step at a time, as before.
 
+A generation under a grammar (strata.gateway.grammar) carries its mask of allowed tokens in each chunk that samples,
+computed when the chunk is built (after its previous token landed and advanced the grammar); it ends with "stop"
+as soon as the grammar allows nothing more, without a step to sample the end-of-text token.
+
 Every call carries the coordinator's fencing token. A stage answering FAILED_PRECONDITION means another coordinator
 holds a newer term (or another plan generation is live): this one steps down at once, fails what it was running
 with NotReadyError (503 + Retry-After) and stays down until it is given a new token. An elected token is only good
@@ -41,14 +45,15 @@ import contextlib
 import logging
 import math
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 from grpc import aio
 from strata.gateway.errors import GatewayError, NotReadyError, PipelineError
+from strata.gateway.grammar import Constraint, ConstraintViolationError
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.prefix_index import PrefixIndex
 from strata.lease import FencingToken
@@ -83,13 +88,33 @@ def stream_dropped() -> aio.AioRpcError:
 class Sampling:
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
     seed: int = 0
     logprobs: int = 0  # alternatives per token
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    presence_penalty: float = 0.0  # subtracted once from the logit of every token generated so far
+    frequency_penalty: float = 0.0  # subtracted for each time a token was generated so far
 
-    def to_proto(self) -> stage_pb2.SamplingParams:
+    def to_proto(self, generated: Mapping[int, int] | None = None) -> stage_pb2.SamplingParams:
+        """The step's parameters; the penalties become a bias on the tokens `generated` so far (token -> count),
+        so the stages need no history of their own."""
+        bias = dict(self.logit_bias)
+        for token, count in (generated or {}).items():
+            bias[token] = bias.get(token, 0.0) - self.presence_penalty - self.frequency_penalty * count
         return stage_pb2.SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, seed=self.seed, logprobs=self.logprobs
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            logprobs=self.logprobs,
+            logit_bias={t: b for t, b in bias.items() if b},
         )
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
 
 
 @dataclass(frozen=True)
@@ -114,6 +139,7 @@ class Generation:
     sampling: Sampling
     stop_ids: frozenset[int]
     on_freed: Callable[[], None]
+    constraint: Constraint | None = None  # a grammar the tokens must follow; its mask goes with each sampling chunk
     events: asyncio.Queue[Token | Finished | GatewayError] = field(default_factory=asyncio.Queue)
     fed: int = 0
     cached: int = 0  # prompt tokens restored from a prefix snapshot instead of prefilled
@@ -124,6 +150,7 @@ class Generation:
     finished: bool = False
     in_flight: int = 0  # positions of its chunk in a step not yet answered; 0: its slot is free to step or reset
     landed: int = 0  # the step whose reply last carried it: the longest waiting go first when steps are split
+    generated: Counter[int] = field(default_factory=Counter)  # token -> times generated, for the penalties
 
     async def stream(self) -> AsyncIterator[Token | Finished]:
         """Tokens until a Finished; raises the GatewayError that ended the generation, if one did."""
@@ -266,13 +293,20 @@ class Pipeline:
         sampling: Sampling,
         stop_ids: frozenset[int],
         on_freed: Callable[[], None],
+        constraint: Constraint | None = None,
     ) -> Generation:
         if not self._ready:
             raise NotReadyError(f"the pipeline is not ready: {self.not_ready_reason}", retry_after_s=1)
         if slot in self._active:
             raise PipelineError(f"slot {slot} is still in use")
         generation = Generation(
-            slot=slot, prompt=prompt, max_tokens=max_tokens, sampling=sampling, stop_ids=stop_ids, on_freed=on_freed
+            slot=slot,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            sampling=sampling,
+            stop_ids=stop_ids,
+            on_freed=on_freed,
+            constraint=constraint,
         )
         self._active[slot] = generation
         self._wake.set()
@@ -341,7 +375,7 @@ class Pipeline:
                     length=len(ids),
                     token_ids=ids,
                     sample=g.fed + len(ids) == len(g.prompt),
-                    sampling=g.sampling.to_proto(),
+                    sampling=g.sampling.to_proto(g.generated),
                 )
             else:
                 chunk = stage_pb2.SlotChunk(
@@ -350,14 +384,31 @@ class Pipeline:
                     length=1,
                     token_ids=[g.last_token],
                     sample=True,
-                    sampling=g.sampling.to_proto(),
+                    sampling=g.sampling.to_proto(g.generated),
                 )
             if used + chunk.length > self.context or chunk.start_position + chunk.length > self.context:
                 self._finish(g, Finished("length"))
                 continue
             used += chunk.length
             chunks.append(chunk)
-        return chunks
+        return self._with_masks(chunks)
+
+    def _with_masks(self, chunks: list[stage_pb2.SlotChunk]) -> list[stage_pb2.SlotChunk]:
+        """Each sampling chunk of a constrained generation gets its mask, all of the step's computed together; a
+        generation whose grammar failed ends with an error and leaves the step."""
+        constrained = [(c, g) for c in chunks if c.sample and (g := self._active[c.slot]).constraint is not None]
+        if not constrained:
+            return chunks
+        constraints = [g.constraint for _, g in constrained if g.constraint is not None]
+        failed = set()
+        for (chunk, g), mask in zip(constrained, constraints[0].grammars.masks(constraints), strict=True):
+            if mask is None:
+                error = g.constraint.error if g.constraint is not None else ""
+                self._finish(g, PipelineError(f"the output constraint failed: {error}"))
+                failed.add(chunk.slot)
+            else:
+                chunk.allowed_tokens = mask
+        return [c for c in chunks if c.slot not in failed]
 
     def _dispatch(self, step: _Step, reply: stage_pb2.ForwardReply) -> None:
         sampled = {t.slot: t for t in reply.tokens}
@@ -376,6 +427,14 @@ class Pipeline:
                 continue
             g.last_token = token.token_id
             g.produced += 1
+            if g.sampling.penalised:
+                g.generated[token.token_id] += 1
+            if g.constraint is not None:
+                try:
+                    g.constraint.advance(token.token_id)
+                except ConstraintViolationError as exc:
+                    self._finish(g, PipelineError(f"the output constraint failed: {exc}"))
+                    continue
             if not g.cancelled:
                 g.events.put_nowait(
                     Token(
@@ -384,7 +443,7 @@ class Pipeline:
                         top_logprobs=tuple((t.token_id, t.logprob) for t in token.top_logprobs),
                     )
                 )
-            if token.token_id in g.stop_ids:
+            if token.token_id in g.stop_ids or (g.constraint is not None and g.constraint.complete):
                 self._finish(g, Finished("stop"))
             elif g.produced >= g.max_tokens:
                 self._finish(g, Finished("length"))

@@ -8,22 +8,36 @@ which resets its slot and frees its lane.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import functools
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from pydantic import BaseModel
+from strata.gateway import chat_tools
 from strata.gateway import protocol as p
 from strata.gateway.admission import Admission
 from strata.gateway.chat_template import ChatTemplate
-from strata.gateway.errors import ContextLengthExceededError, GatewayError, InvalidRequestError, ModelNotFoundError
+from strata.gateway.errors import (
+    ContextLengthExceededError,
+    GatewayError,
+    InvalidRequestError,
+    ModelNotFoundError,
+)
+from strata.gateway.grammar import Constraint, Grammars
+from strata.gateway.logprobs import chat_logprobs, completion_logprobs
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.model_ids import canonical_model_id, same_model
 from strata.gateway.pipeline import Finished, Generation, Pipeline, Sampling, Token
+from strata.gateway.streams import merged
 from strata.gateway.text import TextAssembler
 from strata.gateway.tokenizer import GGUFTokenizer
+from strata.gateway.tools import ToolFormat
 
 
 @dataclass
@@ -50,6 +64,18 @@ class _Run:
             total_tokens=self.prompt_tokens + self.completion_tokens,
             prompt_tokens_details=p.PromptTokensDetails(cached_tokens=self.generation.cached),
         )
+
+
+def _usage(runs: list[_Run]) -> p.Usage:
+    """The prompt once (the choices share it), the completions of every choice."""
+    completion = sum(run.completion_tokens for run in runs)
+    prompt = runs[0].prompt_tokens
+    return p.Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=p.PromptTokensDetails(cached_tokens=runs[0].generation.cached),
+    )
 
 
 def sse(payload: BaseModel | dict[str, object] | str) -> str:
@@ -85,6 +111,7 @@ class Serving:
         self.admission = admission
         self.metrics = metrics
         self.context = context
+        self.grammars = Grammars(tokenizer)
         self.created = int(time.time())
         self._clock = clock
 
@@ -109,136 +136,160 @@ class Serving:
         self._check_common(request)
         if self.template is None:
             raise InvalidRequestError("the model has no chat template; use /v1/completions", param="messages")
-        rendered = self.template.render([{"role": m.role, "content": m.text()} for m in request.messages])
+        use = chat_tools.plan(request, self.tool_format)
+        grammar = use.grammar(self.grammars) if use is not None else self.grammars.response(request.response_format)
+        messages = chat_tools.template_messages(request, use, self.tool_format)
+        rendered = self.template.render(messages, tools=use.template_tools() if use is not None else None)
         prompt = self.tokenizer.encode(rendered, add_special=False)
         top = request.top_logprobs or 0 if request.logprobs else 0
-        run = await self._start(request, prompt, param="messages", logprobs=top)
+        constraints = [self.grammars.start(grammar) if grammar is not None else None for _ in range(request.n)]
+        runs = await self._start(request, prompt, param="messages", logprobs=top, constraints=constraints)
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if request.stream:
-            return self._chat_stream(request, run, completion_id=completion_id, created=created)
-        text, tokens, reason = [], [], "stop"
-        async for piece in self._pieces(run):
-            text.append(piece.text)
-            tokens.extend(piece.tokens)
-            reason = piece.finish_reason or reason
+            return self._chat_stream(request, runs, use, completion_id=completion_id, created=created)
+        choices = []
+        for index, (text, tokens, reason) in enumerate(await self._collect(runs)):
+            content: str | None = text
+            calls: list[p.ToolCall] = []
+            if use is not None:
+                content, calls = use.reply(plain=text, raw=self._with_specials(tokens))
+            choice = p.ChatChoice(
+                index=index,
+                message=p.AssistantMessage(content=content, tool_calls=calls or None),
+                finish_reason="tool_calls" if calls else reason,
+                logprobs=chat_logprobs(self.tokenizer, tokens) if request.logprobs else None,
+            )
+            choices.append(choice)
         return p.ChatCompletion(
-            id=completion_id,
-            created=created,
-            model=self.model_name,
-            choices=[
-                p.ChatChoice(
-                    message=p.AssistantMessage(content="".join(text)),
-                    finish_reason=reason,
-                    logprobs=self._chat_logprobs(tokens) if request.logprobs else None,
-                )
-            ],
-            usage=run.usage(),
+            id=completion_id, created=created, model=self.model_name, choices=choices, usage=_usage(runs)
         )
 
     async def _chat_stream(
-        self, request: p.ChatCompletionRequest, run: _Run, *, completion_id: str, created: int
+        self,
+        request: p.ChatCompletionRequest,
+        runs: list[_Run],
+        use: chat_tools.ToolUse | None,
+        *,
+        completion_id: str,
+        created: int,
     ) -> AsyncIterator[str]:
-        def chunk(delta: p.Delta, **fields: object) -> str:
-            choice = p.ChatChunkChoice(delta=delta, **fields)  # type: ignore[arg-type]
+        """Text as it settles, the choices side by side; with tools in play a choice is held back until it ends,
+        since any of it may turn out to be a call, and then sent as content or as tool-call deltas."""
+
+        def chunk(index: int, delta: p.Delta, **fields: object) -> str:
+            choice = p.ChatChunkChoice(index=index, delta=delta, **fields)  # type: ignore[arg-type]
             return sse(
                 p.ChatCompletionChunk(id=completion_id, created=created, model=self.model_name, choices=[choice])
             )
 
-        try:
-            yield chunk(p.Delta(role="assistant", content=""))
+        async def choice(index: int, run: _Run) -> AsyncIterator[str]:
+            held: list[Token] = []
+            held_text: list[str] = []
             async for piece in self._pieces(run):
-                logprobs = self._chat_logprobs(piece.tokens) if request.logprobs and piece.tokens else None
-                if piece.text or logprobs:
-                    yield chunk(p.Delta(content=piece.text), logprobs=logprobs)
-                if piece.finish_reason:
-                    yield chunk(p.Delta(), finish_reason=piece.finish_reason)
+                logprobs = chat_logprobs(self.tokenizer, piece.tokens) if request.logprobs and piece.tokens else None
+                if use is not None:
+                    held.extend(piece.tokens)
+                    held_text.append(piece.text)
+                elif piece.text or logprobs:
+                    yield chunk(index, p.Delta(content=piece.text), logprobs=logprobs)
+                if not piece.finish_reason:
+                    continue
+                reason = piece.finish_reason
+                if use is not None:
+                    content, calls = use.reply(plain="".join(held_text), raw=self._with_specials(held))
+                    logprobs = chat_logprobs(self.tokenizer, held) if request.logprobs and held else None
+                    if content or logprobs:
+                        yield chunk(index, p.Delta(content=content or ""), logprobs=logprobs)
+                    for number, call in enumerate(calls):
+                        delta = p.ToolCallDelta(
+                            index=number,
+                            id=call.id,
+                            type="function",
+                            function=p.FunctionCallDelta(name=call.function.name, arguments=call.function.arguments),
+                        )
+                        yield chunk(index, p.Delta(tool_calls=[delta]))
+                    reason = "tool_calls" if calls else reason
+                yield chunk(index, p.Delta(), finish_reason=reason)
+
+        try:
+            for index in range(len(runs)):
+                yield chunk(index, p.Delta(role="assistant", content=""))
+            async for line in merged([choice(index, run) for index, run in enumerate(runs)]):
+                yield line
             if request.stream_options and request.stream_options.include_usage:
                 yield sse(
                     p.ChatCompletionChunk(
-                        id=completion_id, created=created, model=self.model_name, choices=[], usage=run.usage()
+                        id=completion_id, created=created, model=self.model_name, choices=[], usage=_usage(runs)
                     )
                 )
         except GatewayError as error:
             yield sse(error.body())
         yield sse("[DONE]")
 
-    def _chat_logprobs(self, tokens: list[Token]) -> p.ChatLogprobs:
-        def entry(token_id: int, logprob: float) -> p.TopLogprob:
-            raw = self.tokenizer.token_bytes(token_id)
-            return p.TopLogprob(token=raw.decode("utf-8", errors="replace"), logprob=logprob, bytes=list(raw))
+    def _with_specials(self, tokens: list[Token]) -> str:
+        """The reply as text with its special tokens written out (a Mistral call starts with one), ending tokens
+        left out."""
+        ids = [t.token_id for t in tokens if t.token_id not in self.tokenizer.stop_ids]
+        return self.tokenizer.decode(ids, skip_special=False)
 
-        content = []
-        for t in tokens:
-            head = entry(t.token_id, t.logprob)
-            top = [entry(i, lp) for i, lp in t.top_logprobs]
-            content.append(p.TokenLogprobContent(**head.model_dump(), top_logprobs=top))
-        return p.ChatLogprobs(content=content)
+    @cached_property
+    def tool_format(self) -> ToolFormat:
+        return chat_tools.template_format(self.template)
 
     # Completions.
 
     async def complete(self, request: p.CompletionRequest) -> p.Completion | AsyncIterator[str]:
         self._check_common(request)
-        if request.echo:
-            raise InvalidRequestError("echo is not supported", param="echo")
-        if request.suffix:
-            raise InvalidRequestError("suffix is not supported", param="suffix")
         prompt = self._completion_prompt(request.prompt)
-        run = await self._start(request, prompt, param="prompt", logprobs=request.logprobs or 0)
+        runs = await self._start(request, prompt, param="prompt", logprobs=request.logprobs or 0,
+                                 constraints=[None] * request.n)  # fmt: skip
         completion_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if request.stream:
-            return self._completion_stream(request, run, completion_id=completion_id, created=created)
-        text, tokens, reason = [], [], "stop"
-        async for piece in self._pieces(run):
-            text.append(piece.text)
-            tokens.extend(piece.tokens)
-            reason = piece.finish_reason or reason
-        logprobs = self._completion_logprobs(run, tokens) if request.logprobs is not None else None
+            return self._completion_stream(request, runs, completion_id=completion_id, created=created)
+        choices = [
+            p.CompletionChoice(
+                index=index,
+                text=text,
+                finish_reason=reason,
+                logprobs=completion_logprobs(self.tokenizer, tokens, run=run) if request.logprobs is not None else None,
+            )
+            for index, (run, (text, tokens, reason)) in enumerate(zip(runs, await self._collect(runs), strict=True))
+        ]
         return p.Completion(
-            id=completion_id,
-            created=created,
-            model=self.model_name,
-            choices=[p.CompletionChoice(text="".join(text), finish_reason=reason, logprobs=logprobs)],
-            usage=run.usage(),
+            id=completion_id, created=created, model=self.model_name, choices=choices, usage=_usage(runs)
         )
 
     async def _completion_stream(
-        self, request: p.CompletionRequest, run: _Run, *, completion_id: str, created: int
+        self, request: p.CompletionRequest, runs: list[_Run], *, completion_id: str, created: int
     ) -> AsyncIterator[str]:
         def chunk(**fields: object) -> str:
             choice = p.CompletionChoice(**fields)  # type: ignore[arg-type]
             return sse(p.Completion(id=completion_id, created=created, model=self.model_name, choices=[choice]))
 
-        try:
+        async def choice(index: int, run: _Run) -> AsyncIterator[str]:
             async for piece in self._pieces(run):
-                logprobs = self._completion_logprobs(run, piece.tokens) if request.logprobs is not None else None
+                logprobs = (
+                    completion_logprobs(self.tokenizer, piece.tokens, run=run) if request.logprobs is not None else None
+                )
                 if piece.text or piece.tokens:
-                    yield chunk(text=piece.text, logprobs=logprobs)
+                    yield chunk(index=index, text=piece.text, logprobs=logprobs)
                 if piece.finish_reason:
-                    yield chunk(text="", finish_reason=piece.finish_reason)
+                    yield chunk(index=index, text="", finish_reason=piece.finish_reason)
+
+        try:
+            async for line in merged([choice(index, run) for index, run in enumerate(runs)]):
+                yield line
             if request.stream_options and request.stream_options.include_usage:
                 yield sse(
                     p.Completion(
-                        id=completion_id, created=created, model=self.model_name, choices=[], usage=run.usage()
+                        id=completion_id, created=created, model=self.model_name, choices=[], usage=_usage(runs)
                     )
                 )
         except GatewayError as error:
             yield sse(error.body())
         yield sse("[DONE]")
-
-    def _completion_logprobs(self, run: _Run, tokens: list[Token]) -> p.CompletionLogprobs:
-        def text(token_id: int) -> str:
-            return self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
-
-        result = p.CompletionLogprobs()
-        for t in tokens:
-            result.tokens.append(text(t.token_id))
-            result.text_offset.append(run.text_offset)
-            run.text_offset += len(result.tokens[-1])
-            result.token_logprobs.append(t.logprob)
-            result.top_logprobs.append({text(i): lp for i, lp in t.top_logprobs})
-        return result
 
     def _completion_prompt(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
         if isinstance(prompt, str):
@@ -261,15 +312,22 @@ class Serving:
 
     def _check_common(self, request: p.ChatCompletionRequest | p.CompletionRequest) -> None:
         self._check_model(request.model)
-        if request.n != 1:
-            raise InvalidRequestError("only n=1 is supported", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(request, name):
-                raise InvalidRequestError(f"{name} is not supported; leave it at 0", param=name)
 
     async def _start(
-        self, request: p.ChatCompletionRequest | p.CompletionRequest, prompt: list[int], *, param: str, logprobs: int
-    ) -> _Run:
+        self,
+        request: p.ChatCompletionRequest | p.CompletionRequest,
+        prompt: list[int],
+        *,
+        param: str,
+        logprobs: int,
+        constraints: Sequence[Constraint | None],
+    ) -> list[_Run]:
+        """One run per choice (n of them, `constraints` holds each one's grammar), on lanes taken all at once."""
+        n = len(constraints)
+        if n > self.admission.policy.lanes:
+            raise InvalidRequestError(
+                f"n={n} asks for more choices than the {self.admission.policy.lanes} lanes that run at once", param="n"
+            )
         if not prompt:
             raise InvalidRequestError("the prompt is empty", param=param)
         if len(prompt) >= self.context:
@@ -282,22 +340,67 @@ class Serving:
         limit = request.token_limit()
         max_tokens = min(limit, remaining) if limit is not None else remaining
         seed = request.seed if request.seed is not None else secrets.randbits(63)
-        sampling = Sampling(temperature=request.temperature, top_p=request.top_p, seed=seed, logprobs=logprobs)
-        lane = await self.admission.acquire()
-        try:
-            generation = self.pipeline.submit(
-                slot=lane,
-                prompt=tuple(prompt),
-                max_tokens=max_tokens,
-                sampling=sampling,
-                stop_ids=self.tokenizer.stop_ids,
-                on_freed=lambda: self.admission.release(lane),
+        biases = request.biases()
+        outside = sorted(t for t in biases if t >= self.tokenizer.vocab_size)
+        if outside:
+            raise InvalidRequestError(
+                f"logit_bias names token ids {outside[:5]} outside the vocabulary of {self.tokenizer.vocab_size}",
+                param="logit_bias",
             )
+        sampling = Sampling(
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k,
+            min_p=request.min_p,
+            seed=seed,
+            logprobs=logprobs,
+            logit_bias=biases,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+        )
+        lanes = await self.admission.acquire_lanes(n)
+        runs: list[_Run] = []
+        try:
+            for index, (lane, constraint) in enumerate(zip(lanes, constraints, strict=True)):
+                generation = self.pipeline.submit(
+                    slot=lane,
+                    prompt=tuple(prompt),
+                    max_tokens=max_tokens,
+                    # Each choice draws its own tokens: seeds one apart, so a seeded request repeats whole.
+                    sampling=dataclasses.replace(sampling, seed=(seed + index) % (1 << 63)),
+                    stop_ids=self.tokenizer.stop_ids,
+                    on_freed=functools.partial(self.admission.release, lane),
+                    constraint=constraint,
+                )
+                runs.append(_Run(generation=generation, prompt_tokens=len(prompt), stops=request.stop_strings()))
         except BaseException:
-            self.admission.release(lane)
+            for run in runs:  # submitted: the driver frees their lanes once their slots are reset
+                self.pipeline.cancel(run.generation)
+            for lane in lanes[len(runs) :]:
+                self.admission.release(lane)
             raise
         self.metrics.prompt_tokens.inc(len(prompt))
-        return _Run(generation=generation, prompt_tokens=len(prompt), stops=request.stop_strings())
+        return runs
+
+    async def _collect(self, runs: list[_Run]) -> list[tuple[str, list[Token], str]]:
+        """(text, tokens, finish reason) of each run, run side by side; a failure in one cancels the others."""
+
+        async def one(run: _Run) -> tuple[str, list[Token], str]:
+            text, tokens, reason = [], [], "stop"
+            async for piece in self._pieces(run):
+                text.append(piece.text)
+                tokens.extend(piece.tokens)
+                reason = piece.finish_reason or reason
+            return "".join(text), tokens, reason
+
+        if len(runs) == 1:
+            return [await one(runs[0])]
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(one(run)) for run in runs]
+        except BaseExceptionGroup as failed:  # the first GatewayError is what the client hears
+            raise failed.exceptions[0] from None
+        return [task.result() for task in tasks]
 
     async def _pieces(self, run: _Run) -> AsyncIterator[_Piece]:
         """Text as it settles; the last piece carries the finish reason. Cancels the generation if left early."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 
 from strata.gguf.values import Value
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -175,9 +175,37 @@ class GGUFTokenizer:
         text: str = self._tokenizer.decode(list(ids), skip_special_tokens=skip_special)
         return text
 
+    @cached_property
+    def vocabulary_bytes(self) -> tuple[bytes, ...]:
+        """The exact bytes each token adds to the text, whole or part of a UTF-8 character (what a grammar matcher
+        walks); a control token stands for no text and gets b""."""
+        return _vocabulary_bytes(self.spec)
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (OpenAI's logprobs report them beside the text)."""
         return self.decode([token_id], skip_special=False).encode("utf-8", errors="replace")
+
+
+def _vocabulary_bytes(spec: TokenizerSpec) -> tuple[bytes, ...]:
+    if spec.model == "gpt2":
+        unspell = {c: b for b, c in byte_alphabet().items()}
+
+        def raw(token: str) -> bytes:
+            return bytes(unspell[c] for c in token) if set(token) <= unspell.keys() else token.encode()
+    else:
+
+        def raw(token: str) -> bytes:
+            return token.replace("▁", " ").encode()
+
+    result = []
+    for token, kind in zip(spec.tokens, spec.token_types, strict=False):
+        if kind == CONTROL:
+            result.append(b"")
+        elif kind == BYTE and spec.model == "llama" and len(token) == 6 and token.startswith("<0x"):
+            result.append(bytes([int(token[3:5], 16)]))
+        else:
+            result.append(raw(token))
+    return tuple(result)
 
 
 def _byte_level(spec: TokenizerSpec) -> Tokenizer:

@@ -116,6 +116,18 @@ class Engine:
                 raise InvalidRequestError(f"the chunk for slot {chunk.slot} has no positions")
             self.pool.check(slot=chunk.slot, start_position=chunk.start_position, length=chunk.length)
             total += chunk.length
+            vocab = self.model.config.vocab_size
+            outside = [t for t, _ in chunk.sampling.logit_bias if not 0 <= t < vocab]
+            if outside:
+                raise InvalidRequestError(
+                    f"slot {chunk.slot}: logit bias for tokens {outside[:5]} outside the vocabulary"
+                )
+            mask_words = (self.model.config.vocab_size + 31) // 32
+            if len(chunk.sampling.allowed) > 4 * mask_words:
+                raise InvalidRequestError(
+                    f"slot {chunk.slot}: an allowed-token mask over {self.model.config.vocab_size} tokens is at most "
+                    f"{4 * mask_words} bytes, got {len(chunk.sampling.allowed)}"
+                )
             if self.model.is_first:
                 if len(chunk.token_ids) != chunk.length:
                     raise InvalidRequestError(
@@ -237,7 +249,7 @@ class Engine:
         for i, chunk in enumerate(chunks):
             if not chunk.sample:
                 continue
-            if chunk.sampling.temperature <= 0.0 and chunk.sampling.logprobs == 0:
+            if chunk.sampling.greedy_as_is:
                 sampled[chunk.slot] = Sampled(token_id=int(tokens[i]), logprob=logprobs[i], top_logprobs=())
             else:
                 sampled[chunk.slot] = sample(out.logits[i], params=chunk.sampling, position=chunk.start_position + 1)

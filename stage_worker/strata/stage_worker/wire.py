@@ -49,7 +49,16 @@ def chunk_from_proto(message: stage_pb2.SlotChunk) -> Chunk:
         length=message.length,
         token_ids=tuple(message.token_ids),
         sample=message.sample,
-        sampling=Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, logprobs=s.logprobs),
+        sampling=Sampling(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            seed=s.seed,
+            logprobs=s.logprobs,
+            allowed=message.allowed_tokens,
+            min_p=s.min_p,
+            logit_bias=tuple(sorted(s.logit_bias.items())),
+        ),
         return_logits=message.return_logits,
     )
 

@@ -1,0 +1,100 @@
+"""Sampling inside an allowed-token mask: every pick stays inside it, greedy or drawn, and log-probabilities stay
+the model's own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from strata.stage_worker.sampling import NoTokenAllowedError, Sampling, allowed_tokens, sample
+
+VOCAB = 50
+
+
+def bitmask(allowed: set[int], *, vocab: int = VOCAB) -> bytes:
+    words = [0] * ((vocab + 31) // 32)
+    for token in allowed:
+        words[token // 32] |= 1 << (token % 32)
+    return b"".join(w.to_bytes(4, "little") for w in words)
+
+
+@pytest.mark.parametrize(
+    "allowed",
+    [
+        pytest.param({7}, id="a single token"),
+        pytest.param({0, 31, 32, 49}, id="tokens on both sides of a word boundary"),
+        pytest.param(set(range(0, VOCAB, 3)), id="every third token"),
+    ],
+)
+def test_the_mask_unpacks_to_exactly_the_allowed_tokens(allowed: set[int]) -> None:
+    mask = allowed_tokens(bitmask(allowed), vocab=VOCAB, device=torch.device("cpu"))
+    assert set(torch.nonzero(mask).flatten().tolist()) == allowed
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        pytest.param(Sampling(temperature=0.0), id="greedy"),
+        pytest.param(Sampling(temperature=1.0), id="temperature 1"),
+        pytest.param(Sampling(temperature=1.5, top_p=0.5), id="top-p"),
+        pytest.param(Sampling(temperature=0.8, top_k=3), id="top-k smaller than the allowed set"),
+    ],
+)
+def test_every_pick_is_allowed_even_where_the_model_prefers_others(params: Sampling) -> None:
+    allowed = {3, 17, 40}
+    logits = torch.zeros(VOCAB)
+    logits[[0, 1, 2]] = 20.0  # the model's favourites, all disallowed
+    logits[17] = 1.0
+    picks = set()
+    for seed in range(40):
+        masked = Sampling(**{**params.__dict__, "seed": seed, "allowed": bitmask(allowed)})
+        picks.add(sample(logits, params=masked, position=5).token_id)
+    assert picks <= allowed
+    if params.temperature == 0.0:
+        assert picks == {17}
+
+
+def test_log_probabilities_are_the_models_not_the_masks() -> None:
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(0))
+    picked = sample(logits, params=Sampling(logprobs=2, allowed=bitmask({9})), position=0)
+    assert picked.token_id == 9
+    assert picked.logprob == pytest.approx(float(torch.log_softmax(logits, -1)[9]))
+    assert [t for t, _ in picked.top_logprobs] == torch.topk(logits, 2).indices.tolist()
+
+
+@pytest.mark.parametrize(
+    ("mask", "vocab"),
+    [
+        pytest.param(bitmask(set()), VOCAB, id="no bit set"),
+        pytest.param(bitmask({60}, vocab=64), VOCAB, id="only tokens past the vocabulary"),
+    ],
+)
+def test_a_mask_that_allows_nothing_is_refused(mask: bytes, vocab: int) -> None:
+    with pytest.raises(NoTokenAllowedError):
+        sample(torch.zeros(vocab), params=Sampling(allowed=mask), position=0)
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        pytest.param(Sampling(logit_bias=((4, 100.0),)), 4, id="a large bias makes a token the greedy pick"),
+        pytest.param(Sampling(logit_bias=((0, -100.0),)), 1, id="a large negative bias removes the favourite"),
+        pytest.param(Sampling(logit_bias=((1, 0.5), (2, 2.5))), 2, id="biases add to the logits"),
+    ],
+)
+def test_a_logit_bias_moves_the_greedy_pick(params: Sampling, expected: int) -> None:
+    logits = torch.zeros(VOCAB)
+    logits[0], logits[1], logits[2] = 3.0, 2.0, 1.0
+    assert sample(logits, params=params, position=0).token_id == expected
+
+
+def test_min_p_keeps_only_tokens_near_the_likeliest() -> None:
+    logits = torch.full((VOCAB,), -10.0)
+    logits[[5, 6]] = 5.0
+    logits[7] = 4.0  # e^-1 of the likeliest: kept at min_p 0.3, dropped at 0.5
+    picks = {
+        min_p: {sample(logits, params=Sampling(temperature=1.0, min_p=min_p, seed=s), position=0).token_id
+                for s in range(200)}
+        for min_p in (0.3, 0.5)
+    }  # fmt: skip
+    assert picks[0.3] == {5, 6, 7}
+    assert picks[0.5] == {5, 6}

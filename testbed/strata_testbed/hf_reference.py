@@ -107,3 +107,13 @@ def hf_from_stage(stage: StageModel) -> PreTrainedModel:
     )  # built on meta above; rebuilt real
     model.eval()  # type: ignore[no-untyped-call]
     return model
+
+
+def greedy(model: PreTrainedModel, prompt: list[int] | tuple[int, ...], new_tokens: int) -> list[int]:
+    """The model's greedy continuation of `prompt`, `new_tokens` long, recomputed from scratch each step (no cache:
+    the plainest reading of the model)."""
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(new_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]

@@ -17,7 +17,7 @@ import torch
 from strata.gguf.testmodels import SMALL_SHAPES, write_test_model
 from strata.rpc.v1 import stage_pb2
 from strata.stage_worker.client import Pipeline, Request
-from strata_testbed.hf_reference import hf_reference
+from strata_testbed.hf_reference import greedy, hf_reference
 from strata_testbed.pipelines import local_pipeline
 
 PROMPTS = (
@@ -65,10 +65,10 @@ def expected(gemma_models: dict[str, Path]) -> dict[tuple[str, int], tuple[torch
         model = hf_reference(path)
         with torch.inference_mode():
             for index, prompt in enumerate(PROMPTS):
-                ids = list(prompt)
-                for _ in range(NEW_TOKENS):
-                    ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-                table[architecture, index] = (model(torch.tensor([prompt])).logits[0], ids[len(prompt) :])
+                table[architecture, index] = (
+                    model(torch.tensor([prompt])).logits[0],
+                    greedy(model, prompt, NEW_TOKENS),
+                )
     return table
 
 
@@ -89,6 +89,6 @@ def test_logits_and_greedy_continuations_match_hf(
         requests = [Request(prompt=p, max_tokens=NEW_TOKENS, prompt_logits=True) for p in PROMPTS]
         completions = pipeline.generate(requests, slots=2, prefill_chunk=8)
     for index, completion in enumerate(completions):
-        logits, greedy = expected[case.architecture, index]
+        logits, continuation = expected[case.architecture, index]
         assert relative_error(torch.cat(completion.prompt_logits), logits) <= 1e-4
-        assert completion.tokens == greedy
+        assert completion.tokens == continuation

@@ -14,7 +14,7 @@ import torch
 from strata.gguf.model import CacheType
 from strata.rpc.v1 import stage_pb2
 from strata.stage_worker.client import Pipeline, Request
-from strata_testbed.hf_reference import hf_reference
+from strata_testbed.hf_reference import greedy, hf_reference
 from strata_testbed.pipelines import local_pipeline
 
 PROMPTS = (
@@ -45,12 +45,10 @@ def expected(tiny_models: dict[str, Path]) -> dict[tuple[str, int], Expected]:
         model = hf_reference(path)
         with torch.inference_mode():
             for index, prompt in enumerate(PROMPTS):
-                ids = list(prompt)
-                for _ in range(NEW_TOKENS):
-                    ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-                logits = model(torch.tensor([ids])).logits[0]
+                continuation = greedy(model, prompt, NEW_TOKENS)
+                logits = model(torch.tensor([[*prompt, *continuation]])).logits[0]
                 table[architecture, index] = Expected(
-                    prompt_logits=logits[: len(prompt)], greedy=ids[len(prompt) :], greedy_logits=logits
+                    prompt_logits=logits[: len(prompt)], greedy=continuation, greedy_logits=logits
                 )
     return table
 

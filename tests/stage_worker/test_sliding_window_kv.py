@@ -25,7 +25,7 @@ from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.loader import LoadProgress, load_stage
 from strata.stage_worker.prefix_cache import PrefixCache
 from strata_testbed.cluster_objects import gpu_node
-from strata_testbed.hf_reference import hf_reference
+from strata_testbed.hf_reference import greedy, hf_reference
 from strata_testbed.model_shapes import dense_model, gemma3_like
 
 CPU = torch.device("cpu")
@@ -52,10 +52,7 @@ def expected(gemma3: Path) -> list[tuple[torch.Tensor, list[int]]]:
     table = []
     with torch.inference_mode():
         for prompt in PROMPTS:
-            ids = list(prompt)
-            for _ in range(NEW_TOKENS):
-                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-            table.append((model(torch.tensor([prompt])).logits[0], ids[len(prompt) :]))
+            table.append((model(torch.tensor([prompt])).logits[0], greedy(model, prompt, NEW_TOKENS)))
     return table
 
 
@@ -154,10 +151,10 @@ def test_a_window_space_smaller_than_the_context_computes_what_hf_computes(
         )
         for slot, token in picked.items():
             tokens[slot].append(token)
-    for slot, (logits, greedy) in enumerate(expected):
+    for slot, (logits, continuation) in enumerate(expected):
         ours = torch.cat([first[slot], rest[slot]])
         assert float(((ours - logits).norm(dim=-1) / logits.norm(dim=-1)).max()) <= 1e-4
-        assert tokens[slot] == greedy
+        assert tokens[slot] == continuation
 
 
 def small_pool(*, parallel: int = 2, context: int = 32, window: int = 4, slack: int = 2) -> KVPool:

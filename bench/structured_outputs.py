@@ -1,6 +1,6 @@
 """What a JSON-schema constraint costs: tokens/s with and without one, and the grammar's compile and mask times.
 
-    .venv/bin/python bench/structured_outputs.py [--tokens 128] [--rounds 2] [--stages 1]
+    .venv/bin/python bench/structured_outputs.py [--tokens 128] [--rounds 2] [--stages 1] [--device cpu|cuda]
 
 1. Against a real `strata serve` on a generated model (4 layers, 16 lanes): chat completions of `--tokens` tokens at
    1 and 16 concurrent streams, each once free and once under a JSON schema whose string field cannot close within
@@ -46,6 +46,14 @@ def machine() -> str:
     return f"{platform.node()} ({cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, {platform.system()})"
 
 
+def gpu(device: str) -> str:
+    if not device.startswith("cuda"):
+        return ""
+    import torch  # only where the stages run on a GPU: the gateway's machine needs none
+
+    return f"; stages on {torch.cuda.get_device_name(torch.device(device))}"
+
+
 async def throughput(served: Served, *, streams: int, tokens: int, constrained: bool) -> tuple[float, int]:
     """(aggregate tokens/s, completion tokens) of `streams` concurrent chat completions."""
     body: dict[str, Any] = {
@@ -60,7 +68,9 @@ async def throughput(served: Served, *, streams: int, tokens: int, constrained: 
 
         async def one(seed: int) -> int:
             response = await client.post(f"{served.base_url}/chat/completions", json=body | {"seed": seed})
-            response.raise_for_status()
+            if response.is_error:  # the gateway's words and its log, not only a status
+                tail = "\n".join(served.output.text().splitlines()[-40:])
+                raise RuntimeError(f"{response.status_code}: {response.text}\nstrata serve printed:\n{tail}")
             return int(response.json()["usage"]["completion_tokens"])
 
         start = time.perf_counter()
@@ -104,11 +114,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2, help="runs of each case; the best is kept")
     parser.add_argument("--stages", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="`strata serve --device`: where the stages run")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         model = write_test_model(Path(folder) / "qwen2.gguf", architecture="qwen2", block_count=4).path
         rows: list[tuple[str, str]] = []
-        flags = ("--stages", str(args.stages), "--parallel", "16", "--context", "4096")
+        flags = ("--stages", str(args.stages), "--parallel", "16", "--context", "4096", "--device", args.device)
         with strata_serve(str(model), *flags) as served:
             for streams in (1, 16):
                 free = max(
@@ -124,7 +135,7 @@ def main() -> None:
                 rows.append((f"constrained / free, {streams} stream(s)", f"{held[0] / free[0]:.2f}"))
         for name, cost in grammar_costs(model, tokens=args.tokens).items():
             rows.append((name, f"{cost:.2f}"))
-    print(f"machine: {machine()}; {args.stages} stage(s), {args.tokens} tokens per stream")
+    print(f"machine: {machine()}{gpu(args.device)}; {args.stages} stage(s), {args.tokens} tokens per stream")
     print("| figure | value |\n| --- | ---: |")
     for name, value in rows:
         print(f"| {name} | {value} |")

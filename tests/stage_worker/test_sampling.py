@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from strata.stage_worker.errors import NonFiniteLogitsError
 from strata.stage_worker.sampling import NoTokenAllowedError, Sampling, allowed_tokens, sample
 
 VOCAB = 50
@@ -98,3 +99,24 @@ def test_min_p_keeps_only_tokens_near_the_likeliest() -> None:
     }  # fmt: skip
     assert picks[0.3] == {5, 6, 7}
     assert picks[0.5] == {5, 6}
+
+
+@pytest.mark.parametrize(
+    ("bad", "params", "says"),
+    [
+        pytest.param(float("nan"), Sampling(temperature=1.0), "1 NaN and 0 infinite", id="NaN, sampled"),
+        pytest.param(float("inf"), Sampling(), "0 NaN and 1 infinite", id="inf, greedy"),
+        pytest.param(float("inf"), Sampling(temperature=0.7, top_p=0.9), "0 NaN and 1 infinite", id="inf, top-p"),
+    ],
+)
+def test_non_finite_logits_are_named_not_sampled(bad: float, params: Sampling, says: str) -> None:
+    logits = torch.zeros(50)
+    logits[7] = bad
+    with pytest.raises(NonFiniteLogitsError, match=f"position 12 hold {says} values of 50"):
+        sample(logits, params=params, position=12)
+
+
+def test_minus_infinity_only_rules_a_token_out() -> None:
+    logits = torch.zeros(50)
+    logits[:49] = float("-inf")
+    assert sample(logits, params=Sampling(temperature=1.0), position=3).token_id == 49

@@ -41,3 +41,7 @@ class NextStageUnavailableError(StageError):
 
 class ModelFileError(StageError):
     """The GGUF file lacks a tensor or key the stage needs, or holds an unsupported architecture."""
+
+
+class NonFiniteLogitsError(StageError):
+    """The stage's layers computed NaN or infinite logits: a numerical fault here, not the caller's (INTERNAL)."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from strata.stage_worker.errors import InvalidRequestError
+from strata.stage_worker.errors import InvalidRequestError, NonFiniteLogitsError
 from torch import Tensor
 
 SEED_STRIDE = 1_000_003
@@ -52,6 +52,12 @@ class Sampled:
 def sample(logits: Tensor, *, params: Sampling, position: int) -> Sampled:
     # logits: [vocab]
     logits = logits.float()
+    nan, infinite = torch.isnan(logits), logits == float("inf")  # -inf only rules a token out
+    if bool((nan | infinite).any()):  # a clear error here rather than torch.multinomial's, or a NaN greedy pick
+        raise NonFiniteLogitsError(
+            f"the logits for position {position} hold {int(nan.sum())} NaN and {int(infinite.sum())} infinite "
+            f"values of {logits.shape[0]}: this stage's layers computed them"
+        )
     logprobs = torch.log_softmax(logits, dim=-1)  # [vocab]; reported from the model's own distribution
     if params.logit_bias:
         ids = torch.tensor([i for i, _ in params.logit_bias], dtype=torch.long, device=logits.device)

@@ -2,7 +2,9 @@
 Triton's interpreter) and for the GPU fidelity check of bench/attention.py (the compiled kernel).
 
 Each case fills a KV pool of one layer with random K/V (shuffled cells, so a slot's positions are scattered over the
-pool as they are after resets), writes query rows, and compares `kernel` with `reference` per row and head.
+pool as they are after resets), writes query rows, and compares `kernel` with `reference` per row and head. The
+cells no sequence holds are filled with NaN (values, and q8_0's scales), as stale memory may be: a kernel that reads
+one of them, even to multiply it by zero, fails the case.
 """
 
 from __future__ import annotations
@@ -109,6 +111,11 @@ def run_case(case: AttentionCase, *, device: torch.device, dtype: torch.dtype, s
         k = torch.randn(length, width, generator=g) * magnitude
         v = torch.randn(length, width, generator=g) * magnitude
         pool.layers[0].write(slot_cells.to(device), k.to(device), v.to(device))
+    spare = order[taken:].to(device)  # cells in no table
+    for store in (pool.layers[0].keys, pool.layers[0].values):
+        store.values[spare] = 0 if store.scales is not None else float("nan")
+        if store.scales is not None:
+            store.scales[spare] = float("nan")
     rows = case.rows
     q = torch.randn(sum(rows), case.n_head, case.head_dim, generator=g) / max(case.scale, 1.0)
     q = q.to(device=device, dtype=dtype)

@@ -29,12 +29,14 @@ NO_WINDOW = 1 << 30  # the window of layers without one: longer than any sequenc
 
 
 @triton.jit
-def _dequantise(values, scales_ptr, cell, stride_sc, first_column, pos_ok, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCKED: tl.constexpr):  # fmt: skip
+def _dequantise(values, scales_ptr, cell, stride_sc, first_column, pos_ok, d_ok, BLOCK_N: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCKED: tl.constexpr):  # fmt: skip
     """q8_0 int8 values [N, D] of one KV head times their f16 scales (one per 32 values of a cell's row), in f32.
 
     When the head starts on a block boundary (BLOCKED), each row's D / 32 scales are loaded once and broadcast over
-    their blocks; otherwise every value loads its own scale (the same bytes, many more load instructions)."""
+    their blocks; otherwise every value loads its own scale (the same bytes, many more load instructions), and only
+    for the head's columns: a padded column past the last head would read past the row, and 0 times a stray inf or
+    NaN there is NaN in every score."""
     if BLOCKED:
         offs_b = tl.arange(0, BLOCK_D // 32)
         scale = tl.load(scales_ptr + cell[:, None] * stride_sc + first_column // 32 + offs_b[None, :],
@@ -43,7 +45,7 @@ def _dequantise(values, scales_ptr, cell, stride_sc, first_column, pos_ok, BLOCK
         return tl.reshape(blocks * scale.to(tl.float32)[:, :, None], (BLOCK_N, BLOCK_D))
     offs_d = tl.arange(0, BLOCK_D)
     scale = tl.load(scales_ptr + cell[:, None] * stride_sc + (first_column + offs_d[None, :]) // 32,
-                    mask=pos_ok[:, None], other=0.0)  # fmt: skip
+                    mask=pos_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
     return values.to(tl.float32) * scale.to(tl.float32)
 
 
@@ -111,7 +113,8 @@ def _attend_split(
 
         k = tl.load(k_ptr + cell[:, None] * stride_kc + column[None, :], mask=kv_mask, other=0)
         if K_Q8:
-            k = _dequantise(k, ks_ptr, cell, stride_ksc, group * head_dim, pos_ok, BLOCK_N, BLOCK_D, BLOCKED_SCALES)
+            k = _dequantise(k, ks_ptr, cell, stride_ksc, group * head_dim, pos_ok, d_ok,
+                            BLOCK_N, BLOCK_D, BLOCKED_SCALES)  # fmt: skip
         k = k.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") if F32_DOT else tl.dot(q, tl.trans(k))
         if SOFTCAP:  # softcap * tanh(scores / softcap), with tanh(x) = 2 sigmoid(2x) - 1
@@ -127,7 +130,8 @@ def _attend_split(
 
         v = tl.load(v_ptr + cell[:, None] * stride_vc + column[None, :], mask=kv_mask, other=0)
         if V_Q8:
-            v = _dequantise(v, vs_ptr, cell, stride_vsc, group * head_dim, pos_ok, BLOCK_N, BLOCK_D, BLOCKED_SCALES)
+            v = _dequantise(v, vs_ptr, cell, stride_vsc, group * head_dim, pos_ok, d_ok,
+                            BLOCK_N, BLOCK_D, BLOCKED_SCALES)  # fmt: skip
         v = v.to(q.dtype)
         if F32_DOT:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")

@@ -10,7 +10,11 @@ import importlib
 
 import pytest
 import torch
-from strata_testbed.attention_cases import CASES, AttentionCase, run_case, tolerance
+from strata.gguf.model import CacheType
+from strata.stage_worker.kernels.paged_attention import AttentionRule, kernel, reference
+from strata.stage_worker.kv_pool import KVPool
+from strata.stage_worker.model import ChunkView, step_layout
+from strata_testbed.attention_cases import CASES, AttentionCase, relative_error, run_case, tolerance
 
 TRITON_MODULE = "strata.stage_worker.kernels.paged_attention_triton"
 
@@ -36,3 +40,63 @@ def test_a_wrong_kernel_fails_the_check(device: torch.device, monkeypatch: pytes
     monkeypatch.setattr(module, "paged_attention", short)
     case = AttentionCase("short by one", kv_lens=(5, 40))
     assert run_case(case, device=device, dtype=torch.float32) > 1e-2
+
+
+# (slot, start position, length) of each chunk of one step, in row order: decode rows and a prefill from position 0
+# between them, as continuous batching mixes them.
+MIXED_STEP = ((0, 20, 1), (1, 0, 5), (2, 9, 3), (3, 30, 1), (4, 20, 1))
+
+
+def test_a_mixed_step_reads_its_sequences_as_the_reference_does(device: torch.device) -> None:
+    """The sequences a step's layout builds (several chunks that continue a slot, one prefill among them) give the
+    kernel what they give the reference: every continuing row matches, not only the first sequence's."""
+    width, n_head, n_head_kv, head_dim = 64, 4, 2, 32
+    pool = KVPool(
+        n_layers=1, context=128, parallel=len(MIXED_STEP), key_width=width, value_width=width,
+        type_k=CacheType.Q8_0, type_v=CacheType.Q8_0, dtype=torch.float32, device=device,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(7)
+    views, writes, row = [], [], 0
+    for slot, start, length in MIXED_STEP:
+        if start:  # the slot's earlier positions, as a previous step left them
+            pool.extend(slot=slot, start_position=0, length=start)
+        extension = pool.extend(slot=slot, start_position=start, length=length)
+        views.append(
+            ChunkView(rows=slice(row, row + length), slot=slot, start_position=start, cells=extension.full.cells)
+        )
+        writes.append(extension.full.new)
+        row += length
+    held = torch.cat([view.cells for view in views])
+    pool.layers[0].write(held, torch.randn(held.shape[0], width, generator=g).to(device),
+                         torch.randn(held.shape[0], width, generator=g).to(device))  # fmt: skip
+    layout = step_layout(
+        positions=torch.zeros(row, dtype=torch.long), write_cells=torch.cat(writes), chunks=tuple(views),
+        table=pool.table,
+    )  # fmt: skip
+    assert layout.continued is not None
+    q = torch.randn(row, n_head, head_dim, generator=g).to(device)
+    args = {"table": pool.table, "sequences": layout.continued, "n_head_kv": n_head_kv}
+    rule = AttentionRule(scale=head_dim**-0.5)
+    ours = kernel(q, pool.layers[0], rule=rule, **args)  # type: ignore[arg-type]
+    expected = reference(q, pool.layers[0], rule=rule, **args)  # type: ignore[arg-type]
+    continuing = [r for view in views if view.start_position for r in range(view.rows.start, view.rows.stop)]
+    error = relative_error(ours[continuing], expected[continuing])
+    assert error <= tolerance(torch.float32), f"continuing rows: relative error {error:.2e}"
+
+
+def test_strided_sequences_are_refused(device: torch.device) -> None:
+    """A transposed view as a sequence field is refused by name, never read as if it were dense."""
+    columns = torch.tensor([(0, 0, 1, 3), (1, 1, 1, 3)], dtype=torch.long, device=device).T  # [4, S] strided rows
+    slots, q_starts, q_lens, kv_lens = columns
+    module = importlib.import_module(TRITON_MODULE)
+    pool = KVPool(
+        n_layers=1, context=8, parallel=2, key_width=64, value_width=64, type_k=CacheType.F32, type_v=CacheType.F32,
+        dtype=torch.float32, device=device,
+    )  # fmt: skip
+    cache = pool.layers[0]
+    with pytest.raises(ValueError, match="slots must be one contiguous tensor"):
+        module.paged_attention(
+            torch.zeros(2, 4, 32, device=device), keys=cache.keys.values, key_scales=None, values=cache.values.values,
+            value_scales=None, table=pool.table, slots=slots, q_starts=q_starts, q_lens=q_lens, kv_lens=kv_lens,
+            max_q_len=1, n_head_kv=2, scale=1.0,
+        )  # fmt: skip

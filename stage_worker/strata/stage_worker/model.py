@@ -163,7 +163,9 @@ def step_layout(
             )
             for chunk in continued
         ]
-        slots, q_starts, q_lens, kv_lens = torch.tensor(columns, dtype=torch.long).T.to(device)
+        # One dense row per field: the kernel reads each as a plain array (a transposed view would hand it every
+        # fourth value).
+        slots, q_starts, q_lens, kv_lens = torch.tensor(list(zip(*columns, strict=True)), dtype=torch.long).to(device)
         sequences = Sequences(
             slots=slots, q_starts=q_starts, q_lens=q_lens, kv_lens=kv_lens, max_q_len=int(max(c[2] for c in columns))
         )

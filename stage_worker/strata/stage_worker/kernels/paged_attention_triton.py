@@ -233,6 +233,9 @@ def paged_attention(
     q8_0); table: [slots, pages]; per sequence (device tensors): its table row, first row in q, query rows and
     visible positions; scores scaled by `scale`, over the last `window` positions (0: all), soft-capped at `softcap`
     (0: not). Returns [N, H, hd] in q's dtype."""
+    for name, column in (("slots", slots), ("q_starts", q_starts), ("q_lens", q_lens), ("kv_lens", kv_lens)):
+        if not column.is_contiguous():  # the kernel indexes them as dense arrays: a strided view reads other values
+            raise ValueError(f"the sequences' {name} must be one contiguous tensor, not strided {column.stride()}")
     n, n_head, head_dim = q.shape
     n_rep = n_head // n_head_kv
     rep = triton.next_power_of_2(n_rep)

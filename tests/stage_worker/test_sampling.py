@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from strata.stage_worker.errors import NonFiniteLogitsError
-from strata.stage_worker.sampling import NoTokenAllowedError, Sampling, allowed_tokens, sample
+from strata.stage_worker.sampling import NoTokenAllowedError, Sampling, allowed_tokens, sample, sample_rows
 
 VOCAB = 50
 
@@ -120,3 +120,55 @@ def test_minus_infinity_only_rules_a_token_out() -> None:
     logits = torch.zeros(50)
     logits[:49] = float("-inf")
     assert sample(logits, params=Sampling(temperature=1.0), position=3).token_id == 49
+
+
+# Rows that differ in everything a row may ask, for one batch: each must come out as it would alone.
+MIXED_ROWS = (
+    Sampling(),
+    Sampling(temperature=1.0, seed=3),
+    Sampling(temperature=0.7, top_k=4, seed=5, logprobs=3),
+    Sampling(temperature=1.3, top_p=0.6, seed=8),
+    Sampling(temperature=1.0, min_p=0.2, seed=1, logit_bias=((11, 4.0),)),
+    Sampling(allowed=bitmask({2, 30, 41}), logprobs=1),
+    Sampling(temperature=2.0, top_k=2, top_p=0.9, allowed=bitmask(set(range(10, 40))), seed=9),
+)
+
+
+def test_a_batch_of_rows_picks_what_each_row_picks_alone() -> None:
+    logits = torch.randn(len(MIXED_ROWS), VOCAB, generator=torch.Generator().manual_seed(4)) * 3
+    positions = list(range(20, 20 + len(MIXED_ROWS)))
+    together = sample_rows(logits, params=MIXED_ROWS, positions=positions)
+    alone = [sample(logits[i], params=p, position=positions[i]) for i, p in enumerate(MIXED_ROWS)]
+    assert [s.token_id for s in together] == [s.token_id for s in alone]
+    assert [s.top_logprobs for s in together] == [s.top_logprobs for s in alone]
+    assert [len(s.top_logprobs) for s in together] == [p.logprobs for p in MIXED_ROWS]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        pytest.param(Sampling(temperature=1.0), id="temperature 1"),
+        pytest.param(Sampling(temperature=0.5), id="temperature 0.5"),
+        pytest.param(Sampling(temperature=1.0, top_p=0.8), id="top-p 0.8"),
+        pytest.param(Sampling(temperature=1.0, top_k=3), id="top-k 3"),
+    ],
+)
+def test_draws_follow_the_distribution_they_are_asked_for(params: Sampling) -> None:
+    """4,000 draws (one per position) against the target: softmax of logits / T, cut to the top-k tokens or the
+    smallest set holding top_p of the mass, renormalised; every count within 5 standard deviations."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -1.0, float("-inf"), -3.0])
+    target = torch.softmax(logits / params.temperature, -1)
+    if params.top_k:
+        target[torch.argsort(target, descending=True)[params.top_k :]] = 0
+    if params.top_p < 1.0:
+        order = torch.argsort(target, descending=True)
+        before = target[order].cumsum(-1) - target[order]
+        target[order[before >= params.top_p]] = 0
+    target = target / target.sum()
+    draws = 4000
+    rows = logits.expand(draws, -1)
+    picks = sample_rows(rows, params=[params] * draws, positions=list(range(draws)))
+    counts = torch.bincount(torch.tensor([s.token_id for s in picks]), minlength=logits.shape[0]).double()
+    expected = target.double() * draws
+    spread = (expected * (1 - target.double())).sqrt()
+    assert torch.all((counts - expected).abs() <= 5 * spread + 1e-9), (counts.tolist(), expected.tolist())

@@ -18,7 +18,7 @@ from strata.stage_worker.decode import Decoder
 from strata.stage_worker.errors import InvalidRequestError, PoolExhaustedError
 from strata.stage_worker.kv_pool import KVPool, Placement
 from strata.stage_worker.model import ChunkView, Rope, StageModel, StepLayout, step_layout
-from strata.stage_worker.sampling import Sampled, Sampling, sample
+from strata.stage_worker.sampling import Sampled, Sampling, sample_rows
 from torch import Tensor
 
 
@@ -162,19 +162,25 @@ class Engine:
         x = self._forward_in_parts([(c.slot, c.start_position, c.length) for c in chunks], x)  # [N, D]
         if not self.model.is_last:
             return StepResult(hidden=x, tokens={}, logits={})
-        sampled: dict[int, Sampled] = {}
         logits: dict[int, Tensor] = {}
-        row = 0
+        ends, row = [], 0
         for chunk in chunks:
-            rows = slice(row, row + chunk.length)
             row += chunk.length
+            ends.append(row)
             if chunk.return_logits:
-                logits[chunk.slot] = self.model.head(x[rows]).float()  # [length, vocab]
-            if chunk.sample:
-                last = logits[chunk.slot][-1] if chunk.return_logits else self.model.head(x[rows][-1:])[0]
-                end = chunk.start_position + chunk.length
-                sampled[chunk.slot] = sample(last, params=chunk.sampling, position=end)
-        return StepResult(hidden=None, tokens=sampled, logits=logits)
+                logits[chunk.slot] = self.model.head(x[row - chunk.length : row]).float()  # [length, vocab]
+        picking = [i for i, chunk in enumerate(chunks) if chunk.sample]
+        if not picking:
+            return StepResult(hidden=None, tokens={}, logits=logits)
+        last = self.model.head(x[[ends[i] - 1 for i in picking]])  # [B, vocab]: each sampled chunk's last row
+        picks = sample_rows(
+            last,
+            params=[chunks[i].sampling for i in picking],
+            positions=[chunks[i].start_position + chunks[i].length for i in picking],
+        )
+        return StepResult(
+            hidden=None, tokens={chunks[i].slot: s for i, s in zip(picking, picks, strict=True)}, logits=logits
+        )
 
     def _forward_in_parts(self, pieces: list[Piece], x: Tensor) -> Tensor:
         """The step's rows through the layers, in as many parts as the sliding-window cells need: each part takes
@@ -245,12 +251,17 @@ class Engine:
         if out.logits is None or out.greedy is None:
             raise RuntimeError("the last stage's decode body returned no logits")
         tokens, logprobs = out.greedy.cpu().tolist()
-        sampled: dict[int, Sampled] = {}
-        for i, chunk in enumerate(chunks):
-            if not chunk.sample:
-                continue
-            if chunk.sampling.greedy_as_is:
-                sampled[chunk.slot] = Sampled(token_id=int(tokens[i]), logprob=logprobs[i], top_logprobs=())
-            else:
-                sampled[chunk.slot] = sample(out.logits[i], params=chunk.sampling, position=chunk.start_position + 1)
+        sampled = {
+            chunk.slot: Sampled(token_id=int(tokens[i]), logprob=logprobs[i], top_logprobs=())
+            for i, chunk in enumerate(chunks)
+            if chunk.sample and chunk.sampling.greedy_as_is
+        }
+        drawn = [i for i, chunk in enumerate(chunks) if chunk.sample and not chunk.sampling.greedy_as_is]
+        if drawn:  # the slots that sample, bias, mask or ask for log-probabilities: together, in one pass
+            picks = sample_rows(
+                out.logits[drawn],
+                params=[chunks[i].sampling for i in drawn],
+                positions=[chunks[i].start_position + 1 for i in drawn],
+            )
+            sampled |= {chunks[i].slot: pick for i, pick in zip(drawn, picks, strict=True)}
         return StepResult(hidden=None, tokens=sampled, logits={})

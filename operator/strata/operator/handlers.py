@@ -58,7 +58,19 @@ def login(**_: Any) -> kopf.ConnectionInfo:
     )
 
 
-def _publish(outcome: Outcome, *, body: Any, patch: kopf.Patch) -> None:
+def _changed_since(body: kopf.Body) -> bool:
+    """The object moved on after the timer's copy of it was taken (a spec change handled meanwhile): a status
+    computed from that copy would overwrite the newer one with stale conditions, so a timer skips this round."""
+    meta = body["metadata"]
+    current = _reconciler().cluster.resource_version(
+        api_version=body["apiVersion"], kind=body["kind"], namespace=meta["namespace"], name=meta["name"]
+    )
+    return bool(current != meta.get("resourceVersion"))
+
+
+def _publish(outcome: Outcome, *, body: Any, patch: kopf.Patch, from_timer: bool = False) -> None:
+    if from_timer and _changed_since(body):
+        return
     for event in outcome.events:
         logging.getLogger("strata.operator").info("%s %s: %s", event.type, event.reason, event.message)
         _events["recorder"].record(body, type=event.type, reason=str(event.reason), message=event.message)
@@ -66,9 +78,11 @@ def _publish(outcome: Outcome, *, body: Any, patch: kopf.Patch) -> None:
     patch.status.update(outcome.status.model_dump(by_alias=True, mode="json", exclude_none=False))
 
 
-def _reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger | logging.LoggerAdapter[Any]) -> None:
+def _reconcile(
+    body: kopf.Body, patch: kopf.Patch, logger: logging.Logger | logging.LoggerAdapter[Any], *, from_timer: bool = False
+) -> None:
     outcome = _reconciler().reconcile(dict(body))
-    _publish(outcome, body=body, patch=patch)
+    _publish(outcome, body=body, patch=patch, from_timer=from_timer)
     logger.info("reconciled: phase %s (%s)", outcome.status.phase, outcome.status.reason)
 
 
@@ -88,7 +102,7 @@ def retry_deployment(
     """Read a model again once its back-off delay has passed: a server back up or a Secret created fixes a
     deployment without a spec change."""
     if _reconciler().backoff.due(body["metadata"]["uid"]):
-        _reconcile(body, patch, logger)
+        _reconcile(body, patch, logger, from_timer=True)
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=MONITOR_INTERVAL_SECONDS, initial_delay=MONITOR_INTERVAL_SECONDS)
@@ -109,7 +123,7 @@ def monitor_deployment(
     if problem is not None:
         if status.plan is not None:
             kopf.warn(body, reason=EventReason.STAGE_LOST.value, message=problem)
-        _reconcile(body, patch, logger)
+        _reconcile(body, patch, logger, from_timer=True)
         return
     meta = body["metadata"]
     outcome = reconciler.advance(dict(body))
@@ -117,4 +131,4 @@ def monitor_deployment(
         namespace=meta["namespace"], name=meta["name"], outcome=outcome, generation=int(meta.get("generation", 1))
     )
     reconciler.observe_coordinator(namespace=meta["namespace"], name=meta["name"], outcome=outcome)
-    _publish(outcome, body=body, patch=patch)
+    _publish(outcome, body=body, patch=patch, from_timer=True)

@@ -20,6 +20,7 @@ GATED_PATH = "/org/gated/resolve/main/model.gguf"  # what hf://org/gated/model.g
 REFUSALS: Mapping[str, tuple[int, Mapping[str, str]]] = {
     "/missing.gguf": (404, {}),
     "/private.gguf": (401, {}),
+    "/org/private/resolve/main/model.gguf": (401, {}),  # hf://org/private/model.gguf: no token is the right one
     "/busy.gguf": (503, {}),
     GATED_PATH: (403, {"X-Error-Code": "GatedRepo", "X-Error-Message": "Access to model org/gated is restricted."}),
 }

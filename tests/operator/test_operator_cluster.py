@@ -7,10 +7,6 @@ with real large shapes; kwok runs the stage pods, so scheduling and GPU accounti
 from __future__ import annotations
 
 import dataclasses
-import os
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -29,6 +25,7 @@ from strata.operator.spec import GROUP, PLURAL, VERSION
 from strata_testbed.broken_models import cut_tensor_data
 from strata_testbed.controlplane import ControlPlane
 from strata_testbed.demo import gateway_url
+from strata_testbed.operator_process import OperatorProcess
 from strata_testbed.pod_runner import PodRunner
 from strata_testbed.waiting import establish_crd, eventually
 
@@ -45,43 +42,6 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "70b": write_header_only_model(folder / "llama3-70b.gguf", shape="llama3-70b").path,
         "too-big": write_header_only_model(folder / "too-big.gguf", shape=big).path,
     }
-
-
-class OperatorProcess:
-    def __init__(self, kubeconfig: Path, namespace: str, log: Path) -> None:
-        self._argv = [
-            sys.executable,
-            "-m",
-            "strata.cli",
-            "operator",
-            "--kubeconfig",
-            str(kubeconfig),
-            "--namespace",
-            namespace,
-            "--lease-namespace",
-            namespace,
-            "--image",
-            "strata:test",
-        ]
-        self._log = log
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        handle = self._log.open("ab")
-        self.proc = subprocess.Popen(self._argv, stdout=handle, stderr=subprocess.STDOUT, env=os.environ.copy())
-
-    def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 @pytest.fixture(scope="module")

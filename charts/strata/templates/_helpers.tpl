@@ -96,7 +96,8 @@ would reach every namespace, so none is granted. Extend this list together with 
   verbs: ["get", "patch"]
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create", "patch"]
+  # get: an Event written before a restart is found again and its count continues (strata.operator.events).
+  verbs: ["get", "create", "patch"]
 - apiGroups: [""]
   resources: ["configmaps", "services"]
   verbs: ["create", "patch"]

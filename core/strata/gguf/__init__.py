@@ -1,7 +1,18 @@
 """Reading GGUF model files: the header, the typed model description, and test-model generation."""
 
 from strata.gguf.describe import describe
-from strata.gguf.errors import GGUFError, GGUFFormatError, MetadataError, RangeNotSupportedError, SourceError
+from strata.gguf.errors import (
+    AccessDeniedError,
+    GatedModelError,
+    GGUFError,
+    GGUFFormatError,
+    MetadataError,
+    ModelNotFoundError,
+    RangeNotSupportedError,
+    SourceError,
+    TLSError,
+    UnreachableError,
+)
 from strata.gguf.executable import EXECUTABLE_ARCHITECTURES, NotExecutableError, check_executable, not_executable_reason
 from strata.gguf.header import GGUFHeader, TensorInfo, read_header
 from strata.gguf.limits import Limits
@@ -10,19 +21,24 @@ from strata.gguf.reader import inspect_model, read_model_header
 
 __all__ = [
     "EXECUTABLE_ARCHITECTURES",
+    "AccessDeniedError",
     "CacheType",
     "GGUFError",
     "GGUFFormatError",
     "GGUFHeader",
+    "GatedModelError",
     "Limits",
     "MetadataError",
     "ModelInfo",
+    "ModelNotFoundError",
     "NotExecutableError",
     "RangeNotSupportedError",
     "RopeSettings",
     "SlidingWindow",
     "SourceError",
+    "TLSError",
     "TensorInfo",
+    "UnreachableError",
     "check_executable",
     "describe",
     "inspect_model",

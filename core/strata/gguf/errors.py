@@ -72,3 +72,23 @@ class SourceError(GGUFError):
 
 class RangeNotSupportedError(SourceError):
     """The HTTP server ignored the Range header; Strata refuses to download a whole model to read its header."""
+
+
+class ModelNotFoundError(SourceError):
+    """No file at that path or URL (HTTP 404 or 410, or a missing local file)."""
+
+
+class AccessDeniedError(SourceError):
+    """The server refused the credentials sent, or their absence (HTTP 401 or 403, an unreadable local file)."""
+
+
+class GatedModelError(AccessDeniedError):
+    """A gated Hugging Face repository whose terms the token's account has not accepted."""
+
+
+class UnreachableError(SourceError):
+    """The server could not be reached: a host that does not resolve, a refused connection, a timeout."""
+
+
+class TLSError(SourceError):
+    """The TLS handshake failed: an untrusted certificate, or a server that does not speak TLS on that port."""

@@ -3,19 +3,33 @@
 The header reader only ever asks for a byte range, so each source answers `read(offset, length)`. Over HTTP each
 read is one Range request; a server that answers 200 (ignoring the Range) is refused before its body is read, so
 inspecting a 40 GB model never downloads it. The Hugging Face token goes into a header only, never into a message.
+
+A failed fetch becomes one typed error per cause (not found, access denied or gated, unreachable, TLS, Range ignored),
+so the operator can name the cause in a condition; messages are written here, short, without the HTTP library's text
+("For more information check: ...") or a traceback's worth of nested exceptions.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import socket
+import ssl
 from pathlib import Path
 from typing import BinaryIO, Self
 from urllib.parse import quote, urlsplit
 from urllib.request import url2pathname
 
 import httpx
-from strata.gguf.errors import RangeNotSupportedError, SourceError
+from strata.gguf.errors import (
+    AccessDeniedError,
+    GatedModelError,
+    ModelNotFoundError,
+    RangeNotSupportedError,
+    SourceError,
+    TLSError,
+    UnreachableError,
+)
 
 DEFAULT_HF_ENDPOINT = "https://huggingface.co"
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
@@ -28,8 +42,12 @@ class FileSource:
         self.name = str(path)
         try:
             self._file: BinaryIO = path.open("rb")
+        except FileNotFoundError:
+            raise ModelNotFoundError(f"{path}: no such file") from None
+        except PermissionError:
+            raise AccessDeniedError(f"{path}: permission denied") from None
         except OSError as error:
-            raise SourceError(f"cannot open {path}: {error.strerror}") from None
+            raise SourceError(f"cannot open {path}: {error.strerror or error}") from None
         self.size: int | None = os.fstat(self._file.fileno()).st_size
 
     def read(self, offset: int, length: int) -> bytes:
@@ -56,6 +74,7 @@ class HttpSource:
             headers["Authorization"] = f"Bearer {token}"
         # httpx drops Authorization when a redirect leaves the origin (Hugging Face redirects to its CDN).
         self._client = httpx.Client(headers=headers, follow_redirects=True, timeout=timeout)
+        self._authorized = bool(token)
         self.size: int | None = None
 
     def read(self, offset: int, length: int) -> bytes:
@@ -66,7 +85,7 @@ class HttpSource:
             with self._client.stream("GET", self.name, headers={"Range": request_range}) as response:
                 return self._body(response, offset=offset, length=length)
         except httpx.HTTPError as error:
-            raise SourceError(f"fetching {self.name}: {type(error).__name__}: {error}") from None
+            raise transport_error(self.name, error) from None
 
     def _body(self, response: httpx.Response, *, offset: int, length: int) -> bytes:
         if response.status_code == httpx.codes.REQUESTED_RANGE_NOT_SATISFIABLE:
@@ -76,7 +95,7 @@ class HttpSource:
                 f"{self.name}: the server ignored the Range request (HTTP 200); refusing to download the whole file"
             )
         if response.status_code != httpx.codes.PARTIAL_CONTENT:
-            raise SourceError(f"{self.name}: HTTP {response.status_code} {response.reason_phrase}")
+            raise status_error(self.name, response, authorized=self._authorized)
         match = _CONTENT_RANGE.fullmatch(response.headers.get("content-range", ""))
         if match is None or int(match[1]) != offset:
             raise SourceError(f"{self.name}: unexpected Content-Range {response.headers.get('content-range')!r}")
@@ -97,6 +116,49 @@ class HttpSource:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def status_error(url: str, response: httpx.Response, *, authorized: bool) -> SourceError:
+    """The typed error for an HTTP answer that is not the file's bytes; `authorized`: a token was sent."""
+    code = response.status_code
+    status = f"HTTP {code} {response.reason_phrase}".rstrip()
+    if code in (httpx.codes.NOT_FOUND, httpx.codes.GONE):
+        return ModelNotFoundError(f"{url}: no such file ({status})")
+    if code in (httpx.codes.UNAUTHORIZED, httpx.codes.FORBIDDEN):
+        # Hugging Face marks a gated repository's refusal with this header, whatever the status code.
+        if response.headers.get("x-error-code") == "GatedRepo":
+            return GatedModelError(
+                f"{url}: the repository is gated: the token's account must accept its terms on Hugging Face ({status})"
+            )
+        if authorized:
+            return AccessDeniedError(f"{url}: the server refused the token ({status})")
+        return AccessDeniedError(f"{url}: the server wants a token ({status}); set model.tokenSecretRef")
+    if code in (httpx.codes.BAD_GATEWAY, httpx.codes.SERVICE_UNAVAILABLE, httpx.codes.GATEWAY_TIMEOUT):
+        return UnreachableError(f"{url}: the server is unavailable ({status})")
+    return SourceError(f"{url}: unexpected answer {status}")
+
+
+def transport_error(url: str, error: httpx.HTTPError) -> SourceError:
+    """The typed error for a request that got no HTTP answer, named by its root cause in the exception chain."""
+    parts = urlsplit(url)
+    host = parts.hostname or url
+    where = f"{host}:{parts.port}" if parts.port else host
+    if isinstance(error, httpx.TimeoutException):
+        return UnreachableError(f"{url}: {where} did not answer in time ({type(error).__name__})")
+    cause: BaseException | None = error
+    while cause is not None:
+        if isinstance(cause, ssl.SSLCertVerificationError):
+            return TLSError(f"{url}: the certificate of {where} is not trusted ({cause.verify_message})")
+        if isinstance(cause, ssl.SSLError):
+            return TLSError(f"{url}: the TLS handshake with {where} failed ({cause.reason or cause.strerror})")
+        if isinstance(cause, socket.gaierror):
+            return UnreachableError(f"{url}: the host name {host} does not resolve")
+        if isinstance(cause, ConnectionRefusedError):
+            return UnreachableError(f"{url}: {where} refused the connection")
+        if isinstance(cause, OSError) and cause.strerror:
+            return UnreachableError(f"{url}: cannot connect to {where} ({cause.strerror})")
+        cause = cause.__cause__ or cause.__context__
+    return SourceError(f"{url}: {type(error).__name__}: {error}")
 
 
 def resolve_hf(source: str, *, endpoint: str | None = None) -> str:

@@ -69,6 +69,7 @@ def render_crd() -> dict[str, Any]:
         ("Context", "integer", ".status.contextLength"),
         ("Ready", "string", ".status.ready"),
         ("Phase", "string", ".status.phase"),
+        ("Reason", "string", ".status.reason"),
         ("Age", "date", ".metadata.creationTimestamp"),
     ]
     return {

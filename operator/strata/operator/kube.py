@@ -44,6 +44,16 @@ class Cluster:
         ]
         return nodes, pods
 
+    def resource_version(self, *, api_version: str, kind: str, namespace: str, name: str) -> str | None:
+        """The object's current resourceVersion, None once it is gone."""
+        resource = self._dynamic.resources.get(api_version=api_version, kind=kind)
+        try:
+            return str(resource.get(name=name, namespace=namespace).metadata.resourceVersion)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
     def read_secret_value(self, *, namespace: str, name: str, key: str) -> str:
         import base64
 

@@ -7,26 +7,27 @@ serve now in place and says why nothing new fits.
 
 from __future__ import annotations
 
-import datetime as dt
 from dataclasses import dataclass, field
 from typing import Any
 
+from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
+from strata.operator.backoff import Backoff
 from strata.operator.children import Owner, gateway_deployment, render_children
+from strata.operator.conditions import refuse, set_condition
 from strata.operator.kube import Cluster
 from strata.operator.models import ModelCache, ModelUnreadable
 from strata.operator.names import Names
 from strata.operator.planning import PlanRefused, foreign_pods, plan_deployment
 from strata.operator.progress import load_failure, load_progress
+from strata.operator.reasons import Reason
 from strata.operator.spec import ModelDeploymentSpec
 from strata.operator.status import (
-    Condition,
     ConditionType,
     Coordinator,
     EventReason,
     Excluded,
     ModelDeploymentStatus,
-    Phase,
     PlanSummary,
     StageSummary,
 )
@@ -42,7 +43,7 @@ class InvalidSpec(Exception):
 @dataclass(frozen=True)
 class Event:
     type: str  # Normal or Warning
-    reason: EventReason
+    reason: str  # an EventReason, or the Planned condition's Reason when the spec cannot be applied
     message: str
 
 
@@ -50,44 +51,13 @@ class Event:
 class Outcome:
     status: ModelDeploymentStatus
     events: list[Event] = field(default_factory=list)
+    retry_in: float | None = None  # seconds until the model is read again, while it cannot be read
 
 
-def _now() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def set_condition(
-    status: ModelDeploymentStatus, kind: ConditionType, *, ok: bool, reason: str, message: str, generation: int
-) -> None:
-    """Upsert a condition; lastTransitionTime moves only when the status flips."""
-    value = "True" if ok else "False"
-    for i, existing in enumerate(status.conditions):
-        if existing.type == kind:
-            moved = existing.last_transition_time if existing.status == value else _now()
-            status.conditions[i] = Condition(
-                type=kind,
-                status=value,
-                reason=reason,
-                message=message,
-                observedGeneration=generation,
-                lastTransitionTime=moved,
-            )
-            return
-    status.conditions.append(
-        Condition(
-            type=kind,
-            status=value,
-            reason=reason,
-            message=message,
-            observedGeneration=generation,
-            lastTransitionTime=_now(),
-        )
-    )
-
-
-def summarize(plan: Plan, *, generation: int) -> PlanSummary:
+def summarize(plan: Plan, *, generation: int, spec_generation: int | None = None) -> PlanSummary:
     return PlanSummary(
         generation=generation,
+        specGeneration=spec_generation,
         stages=[
             StageSummary(
                 index=s.index,
@@ -109,7 +79,8 @@ def summarize(plan: Plan, *, generation: int) -> PlanSummary:
 def same_placement(current: PlanSummary | None, new: PlanSummary) -> bool:
     if current is None:
         return False
-    return current.model_dump(exclude={"generation"}) == new.model_dump(exclude={"generation"})
+    same = {"generation", "spec_generation"}
+    return current.model_dump(exclude=same) == new.model_dump(exclude=same)
 
 
 def model_name(spec: ModelDeploymentSpec) -> str:
@@ -119,37 +90,48 @@ def model_name(spec: ModelDeploymentSpec) -> str:
 
 
 class Reconciler:
-    def __init__(self, *, cluster: Cluster, models: ModelCache, image: str, operator_namespace: str) -> None:
+    def __init__(
+        self,
+        *,
+        cluster: Cluster,
+        models: ModelCache,
+        image: str,
+        operator_namespace: str,
+        backoff: Backoff | None = None,
+    ) -> None:
         self.cluster = cluster
         self.models = models
+        self.backoff = backoff or Backoff()
         self.image = image
         self.operator_namespace = operator_namespace  # where the operator's pods run; stage policies admit them
 
     def reconcile(self, body: Manifest) -> Outcome:
+        """Plan and apply the spec, or say in the Planned condition why it cannot be (never an exception for a
+        spec or a model that is wrong: every failure a person can fix is a condition)."""
         meta = body["metadata"]
         name, namespace, generation = meta["name"], meta["namespace"], int(meta.get("generation", 1))
         status = ModelDeploymentStatus.model_validate(body.get("status") or {})
         status.observed_generation = generation
+        outcome = Outcome(status=status)
         try:
             spec = ModelDeploymentSpec.from_manifest(body["spec"])
         except ValidationError as e:
-            raise InvalidSpec(str(e)) from e
+            return self._refused(outcome, reason=Reason.INVALID_SPEC, message=_validation_message(e), meta=meta)
         status.model_name = model_name(spec)
-        token = self._token(spec, namespace)
-        model = self.models.inspect(spec.model.url, token=token)
+        try:
+            model = self.models.inspect(spec.model.url, token=self._token(spec, namespace))
+        except ModelUnreadable as e:
+            outcome.retry_in = self.backoff.failed(meta["uid"], generation=generation)
+            status.shortfall = None  # it described an older reading; kept, it would make the monitor re-plan
+            return self._refused(outcome, reason=e.reason, message=str(e), meta=meta)
+        self.backoff.succeeded(meta["uid"])
 
         nodes, pods = self.cluster.pool()
         others = foreign_pods(pods, name=name, namespace=namespace)
-        outcome = Outcome(status=status)
         try:
             plan = plan_deployment(model=model, nodes=nodes, pods=others, spec=spec)
         except PlanRefused as e:
-            set_condition(
-                status, ConditionType.PLANNED, ok=False, reason=e.reason, message=str(e), generation=generation
-            )
-            status.phase = Phase.FAILED
-            outcome.events.append(Event("Warning", e.event, str(e)))
-            return outcome
+            return self._refused(outcome, reason=e.reason, message=str(e), meta=meta, event=e.event)
 
         status.excluded = [Excluded(node=x.node, reason=x.reason) for x in plan.excluded]
         if plan.shortfall is not None:
@@ -160,15 +142,11 @@ class Reconciler:
                 status,
                 ConditionType.CAPACITY_AVAILABLE,
                 ok=False,
-                reason="Shortfall",
+                reason=Reason.SHORTFALL,
                 message=message,
                 generation=generation,
             )
-            if status.plan is None:
-                status.phase = Phase.SHORTFALL
-                set_condition(
-                    status, ConditionType.PLANNED, ok=False, reason="NoPlanFits", message=message, generation=generation
-                )
+            refuse(status, reason=Reason.NO_PLAN_FITS, message=message, generation=generation)
             if not repeated:
                 outcome.events.append(Event("Warning", EventReason.CAPACITY_SHORTFALL, message))
             return outcome
@@ -176,10 +154,10 @@ class Reconciler:
         status.shortfall = None
         previous = status.plan
         plan_generation = previous.generation if previous else 0
-        summary = summarize(plan, generation=plan_generation or 1)
+        summary = summarize(plan, generation=plan_generation or 1, spec_generation=generation)
         if not same_placement(previous, summary):
             plan_generation += 1
-            summary = summarize(plan, generation=plan_generation)
+            summary = summarize(plan, generation=plan_generation, spec_generation=generation)
             if previous is None:
                 outcome.events.append(Event("Normal", EventReason.PLANNED, _describe(summary)))
             else:
@@ -207,13 +185,18 @@ class Reconciler:
         status.stage_count = len(summary.stages)
         status.context_length = summary.context_length
         set_condition(
-            status, ConditionType.PLANNED, ok=True, reason="Planned", message=_describe(summary), generation=generation
+            status,
+            ConditionType.PLANNED,
+            ok=True,
+            reason=Reason.PLANNED,
+            message=_describe(summary),
+            generation=generation,
         )
         set_condition(
             status,
             ConditionType.CAPACITY_AVAILABLE,
             ok=True,
-            reason="Fits",
+            reason=Reason.FITS,
             message=f"{len(summary.stages)} stage(s) placed",
             generation=generation,
         )
@@ -286,7 +269,7 @@ class Reconciler:
             status,
             ConditionType.STAGES_READY,
             ok=stages_ok and failed is None,
-            reason=EventReason.LOAD_FAILED.value if failed else "Ready" if stages_ok else "Loading",
+            reason=Reason.LOAD_FAILED if failed else Reason.READY if stages_ok else Reason.LOADING,
             message=failed or f"{ready} of {total} stages ready",
             generation=generation,
         )
@@ -295,7 +278,7 @@ class Reconciler:
             status,
             ConditionType.GATEWAY_READY,
             ok=gateway_ok,
-            reason="Available" if gateway_ok else "Unavailable",
+            reason=Reason.AVAILABLE if gateway_ok else Reason.UNAVAILABLE,
             message="gateway has an available replica" if gateway_ok else "no gateway replica available",
             generation=generation,
         )
@@ -316,11 +299,10 @@ class Reconciler:
             status,
             ConditionType.READY,
             ok=all_ok,
-            reason="Ready" if all_ok else "NotReady",
+            reason=Reason.READY if all_ok else Reason.NOT_READY,
             message=note if gateway_ok else f"{note}; no gateway replica available",
             generation=generation,
         )
-        status.phase = Phase.READY if all_ok else Phase.FAILED if failed else Phase.LOADING
 
     def observe_coordinator(self, *, namespace: str, name: str, outcome: Outcome) -> None:
         """The gateway replica holding the coordinator Lease into status; an Event when the holder or term moves."""
@@ -340,14 +322,41 @@ class Reconciler:
             )
         )
 
+    def _refused(
+        self,
+        outcome: Outcome,
+        *,
+        reason: str,
+        message: str,
+        meta: Manifest,
+        event: EventReason | str | None = None,
+    ) -> Outcome:
+        """The spec cannot be applied: Planned=False with `reason`, and a Warning Event (the Event's message leaves
+        out the retry delay, so that each retry of one cause counts on one Event)."""
+        generation = int(meta.get("generation", 1))
+        said = refuse(outcome.status, reason=reason, message=message, generation=generation, retry_in=outcome.retry_in)
+        outcome.events.append(Event("Warning", event or reason, said))
+        if outcome.retry_in is None:
+            self.backoff.succeeded(meta["uid"])
+        return outcome
+
     def _token(self, spec: ModelDeploymentSpec, namespace: str) -> str | None:
         ref = spec.model.token_secret_ref
         if ref is None:
             return None
         try:
             return self.cluster.read_secret_value(namespace=namespace, name=ref.name, key=ref.key)
-        except Exception as e:
-            raise ModelUnreadable(f"cannot read token Secret {ref.name}/{ref.key}: {e}") from e
+        except ApiException as e:
+            problem = "does not exist" if e.status == 404 else f"cannot be read (HTTP {e.status} {e.reason})"
+            message = f"the token Secret {namespace}/{ref.name} {problem}"
+        except KeyError:
+            message = f"the token Secret {namespace}/{ref.name} has no key {ref.key!r}"
+        raise ModelUnreadable(message, reason=Reason.TOKEN_SECRET_UNREADABLE)
+
+
+def _validation_message(error: ValidationError) -> str:
+    """Each field and what is wrong with it, without pydantic's links to its documentation."""
+    return "; ".join(f"spec.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
 
 
 def _describe(summary: PlanSummary) -> str:

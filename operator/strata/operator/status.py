@@ -42,6 +42,7 @@ class Phase(StrEnum):
     READY = "Ready"
     SHORTFALL = "Shortfall"
     FAILED = "Failed"
+    CHANGE_REFUSED = "ChangeRefused"  # the newest spec cannot be planned or loaded; an older generation serves
 
 
 class _Status(BaseModel):
@@ -68,6 +69,9 @@ class StageSummary(_Status):
 
 class PlanSummary(_Status):
     generation: int = Field(ge=1, description="Grows by one with every new plan.")
+    spec_generation: int | None = Field(
+        default=None, alias="specGeneration", ge=1, description="The ModelDeployment's generation it was planned from."
+    )
     stages: list[StageSummary]
     context_length: int = Field(alias="contextLength", ge=0)
     parallel: int = Field(ge=1)
@@ -96,6 +100,7 @@ class Coordinator(_Status):
 class ModelDeploymentStatus(_Status):
     observed_generation: int = Field(default=0, alias="observedGeneration", ge=0)
     phase: Phase = Phase.PENDING
+    reason: str = Field(default="", description="Why the phase is what it is: a reason of the conditions.")
     conditions: list[Condition] = Field(default_factory=list)
     model_name: str | None = Field(default=None, alias="modelName")
     plan: PlanSummary | None = Field(default=None, description="The newest plan; its stages may still be loading.")

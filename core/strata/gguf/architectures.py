@@ -75,6 +75,8 @@ class Architecture:
     post_norms: bool = False  # POST_NORMS after attention and feed-forward (Gemma 2/3)
     sliding: SlidingPattern | None = None  # with {arch}.attention.sliding_window from the file
     sliding_rope_base: float | None = None  # RoPE base of sliding layers, fixed by the architecture (Gemma 3)
+    sliding_rope_scaled: bool = True  # the file's RoPE scaling applies to sliding layers too (not Gemma 3's)
+    rope_freqs: bool = False  # reads llama.cpp's rope_freqs.weight, one divisor per frequency (Llama 3.1's scaling)
     # (attention, final logits) soft-cap defaults when the file states none: x -> cap * tanh(x / cap) (Gemma 2)
     softcaps: tuple[float, float] | None = None
     block_tensors: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: LLAMA_BLOCK)
@@ -93,6 +95,8 @@ class Architecture:
         if self.sliding is not None:
             notes.append(f"sliding window on {self.sliding.sliding} of every {self.sliding.period} layers")
         notes += [f"sliding layers' RoPE base {self.sliding_rope_base:g}"] if self.sliding_rope_base else []
+        notes += ["RoPE scaling on global layers only"] if self.sliding and not self.sliding_rope_scaled else []
+        notes += ["Llama 3.1 RoPE factors (rope_freqs)"] if self.rope_freqs else []
         notes += ["soft-capped attention and logits"] if self.softcaps else []
         return tuple(notes)
 
@@ -101,7 +105,12 @@ ARCHITECTURES: Mapping[str, Architecture] = MappingProxyType(
     {
         a.name: a
         for a in (
-            Architecture(name="llama", family="Llama 2/3, Mistral (as llama.cpp writes it)", rope_style=RopeStyle.NORM),
+            Architecture(
+                name="llama",
+                family="Llama 2/3/3.1, Mistral (as llama.cpp writes it)",
+                rope_style=RopeStyle.NORM,
+                rope_freqs=True,
+            ),
             # llama.cpp's Mistral files say "llama"; a "mistral" file keeps HF's q/k order
             Architecture(name="mistral", family="Mistral", rope_style=RopeStyle.NEOX),
             Architecture(name="qwen2", family="Qwen 2 / 2.5 (q/k/v biases)", rope_style=RopeStyle.NEOX),
@@ -125,6 +134,7 @@ ARCHITECTURES: Mapping[str, Architecture] = MappingProxyType(
                 post_norms=True,
                 sliding=SlidingPattern(period=6, sliding=5),
                 sliding_rope_base=10000.0,
+                sliding_rope_scaled=False,
             ),
         )
     }

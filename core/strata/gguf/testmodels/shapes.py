@@ -40,6 +40,10 @@ class ModelShape:
     post_norms: bool = False  # Gemma 2/3: post_attention_norm and post_ffw_norm in every block
     softcaps: tuple[float, float] | None = None  # Gemma 2: (attention, final logits) soft-caps stated in the file
     quantised: bool = False  # the large shapes: K-quant weights, header only
+    # RoPE scaling as a file states it: keys under `{arch}.rope.` (e.g. "scaling.type") written as given, and the
+    # values of a rope_freqs.weight tensor (strata.gguf.testmodels.rope makes Llama 3.1's)
+    rope_keys: tuple[tuple[str, str | float | int], ...] = ()
+    rope_freqs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,6 +178,8 @@ def tensor_plan(shape: ModelShape, *, vocab_size: int) -> list[PlannedTensor]:
                 (f"{blk}.ffn_down.weight", (n_ff, n_embd), small_or(Q.F16, Q.Q6_K)),
             ]
         plan += [PlannedTensor(name=name, dims=dims, ggml_type=t) for name, dims, t in layer]
+    if shape.rope_freqs:
+        plan.append(PlannedTensor(name="rope_freqs.weight", dims=(len(shape.rope_freqs),), ggml_type=Q.F32))
     plan.append(PlannedTensor(name="output_norm.weight", dims=(n_embd,), ggml_type=Q.F32))
     if not shape.tied_output:
         plan.append(PlannedTensor(name="output.weight", dims=(n_embd, vocab_size), ggml_type=small_or(Q.Q8_0, Q.Q6_K)))

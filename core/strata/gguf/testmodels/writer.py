@@ -91,7 +91,7 @@ def write_test_model(
     for planned in tensor_plan(shape, vocab_size=len(vocab.tokens)):
         if weight_type is not None and planned.ggml_type is not GGMLQuantizationType.F32:
             planned = dataclasses.replace(planned, ggml_type=weight_type)
-        data = _weights(planned, rng=rng)
+        data = _weights(planned, rng=rng) if planned.name != "rope_freqs.weight" else _rope_freqs(shape)
         writer.add_tensor(planned.name, data, raw_dtype=planned.ggml_type)
         written.append(_written(planned, nbytes=data.nbytes))
     writer.write_header_to_file()
@@ -152,6 +152,10 @@ def _weights(planned: PlannedTensor, *, rng: np.random.Generator) -> np.ndarray:
     return result
 
 
+def _rope_freqs(shape: ModelShape) -> np.ndarray:
+    return np.asarray(shape.rope_freqs, dtype=np.float32)
+
+
 def _writer(path: Path, *, shape: ModelShape, vocab: Vocabulary) -> GGUFWriter:
     arch = shape.architecture
     writer = GGUFWriter(path, arch)
@@ -179,6 +183,13 @@ def _writer(path: Path, *, shape: ModelShape, vocab: Vocabulary) -> GGUFWriter:
     if shape.softcaps:
         writer.add_attn_logit_softcapping(shape.softcaps[0])
         writer.add_final_logit_softcapping(shape.softcaps[1])
+    for key, value in shape.rope_keys:
+        if isinstance(value, str):
+            writer.add_string(f"{arch}.rope.{key}", value)
+        elif isinstance(value, float):
+            writer.add_float32(f"{arch}.rope.{key}", value)
+        else:
+            writer.add_uint32(f"{arch}.rope.{key}", value)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(shape.tokenizer_pre)
     writer.add_token_list(list(vocab.tokens))

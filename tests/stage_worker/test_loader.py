@@ -102,11 +102,25 @@ def test_tensors_that_do_not_fit_are_named(case: str, tiny_models: dict[str, Pat
         load(path)
 
 
-def test_a_tensor_outside_the_blocks_that_no_stage_reads_is_named(tiny_models: dict[str, Path], tmp_path: Path) -> None:
-    """Phi-3's LongRoPE factors in a llama file: running without them would compute another model."""
-    path = rewrite(tiny_models["llama"], tmp_path / "edited.gguf", {}, added={"rope_factors_long.weight": np.ones(16)})
-    with pytest.raises(ModelFileError, match=r"does not run: rope_factors_long\.weight"):
-        load(path)
+OUTSIDE_THE_BLOCKS: dict[str, tuple[str, dict[str, np.ndarray], str]] = {
+    "an output bias (Phi-2's) is named": ("llama", {"output.bias": np.zeros(64)}, r"does not run: output\.bias"),
+    "Phi-3's LongRoPE factors are named as LongRoPE": (
+        "phi3",
+        {"rope_factors_long.weight": np.ones(16), "rope_factors_short.weight": np.ones(16)},
+        r"rope_factors_long\.weight and rope_factors_short\.weight: LongRoPE scaling, which the stage worker does not",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", OUTSIDE_THE_BLOCKS)
+def test_a_tensor_outside_the_blocks_that_no_stage_reads_is_named(
+    case: str, tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Running without them would compute another model."""
+    architecture, added, message = OUTSIDE_THE_BLOCKS[case]
+    path = rewrite(tiny_models[architecture], tmp_path / "edited.gguf", {}, added=added)
+    with pytest.raises(ModelFileError, match=message):
+        load_any(path)
 
 
 def load_any(path: Path) -> None:

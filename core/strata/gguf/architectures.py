@@ -45,6 +45,16 @@ LLAMA_BLOCK: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "ffn.w_down.weight": ("ffn_down.weight",),
     }
 )
+# Phi-3: llama.cpp keeps HF's fused matrices, q/k/v in one (attn_qkv) and gate over up in one of 2 x n_ff rows
+# (ffn_up), already in the order the model stacks them.
+FUSED_BLOCK: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        **LLAMA_BLOCK,
+        "attn.wqkv.weight": ("attn_qkv.weight",),
+        "attn.wqkv.bias": ("attn_qkv.bias",),
+        "ffn.w_gate_up.weight": ("ffn_up.weight",),
+    }
+)
 # Gemma 2/3's "sandwich" norms: the attention's and the feed-forward's outputs are normed again before the residual.
 POST_NORMS: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
@@ -90,6 +100,7 @@ class Architecture:
     def features(self) -> tuple[str, ...]:
         """What sets it apart from a llama block, in words, for the README."""
         notes = [f"{self.rope_style} RoPE", "GeGLU" if self.activation is Activation.GELU_TANH else "SwiGLU"]
+        notes += ["fused qkv and gate/up matrices"] if self.block_tensors is FUSED_BLOCK else []
         notes += ["embeddings scaled by sqrt(d)"] if self.embedding_scaled else []
         notes += ["4 norms a block"] if self.post_norms else []
         if self.sliding is not None:
@@ -115,6 +126,8 @@ ARCHITECTURES: Mapping[str, Architecture] = MappingProxyType(
             Architecture(name="mistral", family="Mistral", rope_style=RopeStyle.NEOX),
             Architecture(name="qwen2", family="Qwen 2 / 2.5 (q/k/v biases)", rope_style=RopeStyle.NEOX),
             Architecture(name="qwen3", family="Qwen 3 dense (q/k norms)", rope_style=RopeStyle.NEOX),
+            # Phi-3's 128k models ask for LongRoPE, which strata.gguf.rope_scaling refuses by name.
+            Architecture(name="phi3", family="Phi-3, Phi-4 mini", rope_style=RopeStyle.NEOX, block_tensors=FUSED_BLOCK),
             Architecture(
                 name="gemma2",
                 family="Gemma 2",

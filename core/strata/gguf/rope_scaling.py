@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from strata.gguf.architectures import Architecture
 
 FREQ_FACTORS_TENSOR = "rope_freqs.weight"
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's 128k models
 HONOURED_TYPES = ("none", "linear")
 # Keys that say nothing the honoured types compute differently: the context the model was trained at, and whether it
 # was fine-tuned at the scaled length (llama.cpp reads them for YaRN only).
@@ -44,6 +45,11 @@ def rope_scaling(
 ) -> RopeScaling:
     """The RoPE scaling the file states, as the stages apply it; RopeScalingError for any they do not."""
     arch = architecture.name
+    longrope = [name for name in LONGROPE_TENSORS if name in tensor_names]
+    if longrope:  # llama.cpp's converter states no scaling type for them, only these tensors and an attention factor
+        raise RopeScalingError(
+            f"the file has {' and '.join(longrope)}: LongRoPE scaling, which the stage worker does not apply"
+        )
     type_key, factor_key = f"{arch}.rope.scaling.type", f"{arch}.rope.scaling.factor"
     kind = metadata.get(type_key, "linear")
     if kind not in HONOURED_TYPES:

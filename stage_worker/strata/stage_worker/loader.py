@@ -85,8 +85,8 @@ def config_from_header(header: GGUFHeader) -> ModelConfig:
         rope_theta=float(number("rope.freq_base", 10000.0)),
         rope_dim=int(number("rope.dimension_count", head_dim)),
         rope_style=description.rope_style,
-        attention_bias="blk.0.attn_q.bias" in header.tensor_by_name,
-        qk_norm="blk.0.attn_q_norm.weight" in header.tensor_by_name,
+        attention_bias=_has(header, description, "attn.wqkv.bias"),
+        qk_norm=_has(header, description, "attn.q_norm.weight"),
         tied_output="output.weight" not in header.tensor_by_name,
         activation=description.activation,
         embedding_scale=math.sqrt(dim) if description.embedding_scaled else 1.0,
@@ -100,6 +100,11 @@ def config_from_header(header: GGUFHeader) -> ModelConfig:
         attention_softcap=attention_softcap,
         final_softcap=final_softcap,
     )
+
+
+def _has(header: GGUFHeader, description: Architecture, parameter: str) -> bool:
+    """The file's first block holds the tensors of a block parameter the architecture may have (biases, q/k norms)."""
+    return f"blk.0.{description.tensor_names[parameter][0]}" in header.tensor_by_name
 
 
 def _number(meta: Mapping[str, object], key: str, default: float | None) -> float | None:

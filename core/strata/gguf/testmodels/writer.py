@@ -167,7 +167,7 @@ def _writer(path: Path, *, shape: ModelShape, vocab: Vocabulary) -> GGUFWriter:
     writer.add_feed_forward_length(shape.feed_forward_length)
     writer.add_head_count(shape.head_count)
     writer.add_head_count_kv(shape.head_count_kv)
-    writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_rope_dimension_count(shape.rope_dim or shape.head_dim)
     writer.add_rope_freq_base(shape.rope_freq_base)
     writer.add_layer_norm_rms_eps(shape.rms_epsilon)
     writer.add_vocab_size(len(vocab.tokens))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from strata.gguf.architectures import RopeStyle
@@ -12,15 +14,19 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 
-def hf_reference(path: Path) -> PreTrainedModel:
+def hf_reference(path: Path, *, rope_parameters: Mapping[str, Any] | None = None) -> PreTrainedModel:
     """HF transformers' model for a GGUF file, through its own GGUF loader (dequantise, un-permute, rename).
 
     from_pretrained(gguf_file=) does the same steps but insists on `accelerate`, which Strata does not need.
+    `rope_parameters` replace the config's: HF's GGUF loader reads no RoPE scaling from a file (and llama.cpp folds
+    Llama 3.1's into a tensor HF does not read), so a test states the HF parameters its file was written from.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    if rope_parameters is not None:
+        config.rope_parameters = dict(rope_parameters)
     # Eager attention: the plain formula, and the one implementation that applies Gemma 2's soft-capped scores.
     model: PreTrainedModel = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
         config, dtype=torch.float32, attn_implementation="eager"

@@ -152,9 +152,24 @@ def test_a_stage_started_again_that_fails_to_load_stops_serve_with_its_error(qwe
     assert output.text().count("restarting it on port") == 1, "the restart's failed load is not retried"
 
 
-def test_serve_refuses_a_model_its_stages_cannot_run(tmp_path: Path) -> None:
-    shape = dataclasses.replace(LARGE_SHAPES["llama3-8b"], architecture="phi3", block_count=2)
-    model = write_header_only_model(tmp_path / "phi3.gguf", shape=shape).path
+REFUSED_BY_SERVE = {
+    "an architecture the stages do not run": (
+        dataclasses.replace(LARGE_SHAPES["llama3-8b"], architecture="falcon", block_count=2),
+        "strata serve: architecture 'falcon' is not one the stage worker runs "
+        "(gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3)",
+    ),
+    "a RoPE scaling the stages do not apply": (
+        dataclasses.replace(LARGE_SHAPES["llama3-8b"], block_count=2, rope_keys=(("scaling.type", "yarn"),)),
+        "strata serve: llama.rope.scaling.type is 'yarn': the stage worker applies none and linear RoPE scaling "
+        "and llama.cpp's rope_freqs.weight factors only",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED_BY_SERVE)
+def test_serve_refuses_a_model_its_stages_cannot_run(tmp_path: Path, case: str) -> None:
+    shape, message = REFUSED_BY_SERVE[case]
+    model = write_header_only_model(tmp_path / "model.gguf", shape=shape).path
     result = subprocess.run(
         [sys.executable, "-m", "strata.cli", "serve", str(model), "--port", "0"],
         capture_output=True,
@@ -163,8 +178,5 @@ def test_serve_refuses_a_model_its_stages_cannot_run(tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 1
-    assert result.stderr.strip() == (
-        "strata serve: architecture 'phi3' is not one the stage worker runs "
-        "(gemma2, gemma3, llama, mistral, qwen2, qwen3)"
-    )
+    assert result.stderr.strip() == message
     assert "stage 0" not in result.stdout, "no stage may start"

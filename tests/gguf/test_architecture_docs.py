@@ -16,10 +16,12 @@ def test_the_readmes_supported_architectures_are_what_the_table_generates() -> N
 @pytest.mark.parametrize(
     ("name", "shown"),
     [
-        pytest.param("llama", "| `llama` | Llama 2/3, Mistral (as llama.cpp writes it) | norm RoPE; SwiGLU |",
-                     id="a llama row names its RoPE and activation"),
+        pytest.param("llama", "| `llama` | Llama 2/3/3.1, Mistral (as llama.cpp writes it) | norm RoPE; SwiGLU; "
+                     "Llama 3.1 RoPE factors (rope_freqs) |", id="a llama row names its RoPE, activation and factors"),
         pytest.param("gemma3", "sliding window on 5 of every 6 layers; sliding layers' RoPE base 10000",
                      id="a gemma3 row names its window pattern and local RoPE base"),
+        pytest.param("gemma3", "RoPE scaling on global layers only",
+                     id="a gemma3 row says its sliding layers are unscaled"),
         pytest.param("gemma2", "soft-capped attention and logits", id="a gemma2 row names its soft-caps"),
     ],
 )  # fmt: skip

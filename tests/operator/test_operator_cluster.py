@@ -189,10 +189,10 @@ def cut_tiny(folder: Path) -> Path:
     return cut_tensor_data(write_test_model(folder / "tiny.gguf", architecture="llama").path, folder / "cut.gguf")
 
 
-def phi3(folder: Path) -> Path:
+def falcon(folder: Path) -> Path:
     """A header of an architecture the stages do not run."""
-    shape = dataclasses.replace(LARGE_SHAPES["llama3-8b"], architecture="phi3", block_count=4)
-    return write_header_only_model(folder / "phi3.gguf", shape=shape).path
+    shape = dataclasses.replace(LARGE_SHAPES["llama3-8b"], architecture="falcon", block_count=4)
+    return write_header_only_model(folder / "falcon.gguf", shape=shape).path
 
 
 @pytest.mark.usefixtures("operator")
@@ -208,10 +208,10 @@ def phi3(folder: Path) -> Path:
             id="a stage whose tensor data is cut short reports LoadFailed with its message",
         ),
         pytest.param(
-            phi3,
+            falcon,
             "Planned",
             "ModelNotExecutable",
-            "architecture 'phi3' is not one the stage worker runs",
+            "architecture 'falcon' is not one the stage worker runs",
             "Failed",
             id="a model the stages cannot run is refused before any stage starts",
         ),

@@ -19,8 +19,9 @@ from strata.stage_worker.loader import LoadProgress, load_stage
 Edits = dict[str, Callable[[tuple[int, ...]], np.ndarray | None]]  # tensor -> its replacement, or None: left out
 
 
-def rewrite(source: Path, target: Path, edits: Edits) -> Path:
-    """`source` with the same metadata and tensors, except those in `edits` (written as f32, or left out)."""
+def rewrite(source: Path, target: Path, edits: Edits, *, added: dict[str, np.ndarray] | None = None) -> Path:
+    """`source` with the same metadata and tensors, except those in `edits` (written as f32, or left out), and the
+    `added` tensors after them."""
     reader = GGUFReader(source)
     arch = str(reader.fields["general.architecture"].contents())
     writer = GGUFWriter(target, arch)
@@ -37,6 +38,8 @@ def rewrite(source: Path, target: Path, edits: Edits) -> Path:
                 writer.add_tensor(tensor.name, replacement.astype(np.float32))
             continue
         writer.add_tensor(tensor.name, tensor.data, raw_shape=tensor.data.shape, raw_dtype=tensor.tensor_type)
+    for name, values in (added or {}).items():
+        writer.add_tensor(name, values.astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -97,6 +100,27 @@ def test_tensors_that_do_not_fit_are_named(case: str, tiny_models: dict[str, Pat
     path = rewrite(tiny_models["llama"], tmp_path / "edited.gguf", edits)
     with pytest.raises(ModelFileError, match=message):
         load(path)
+
+
+OUTSIDE_THE_BLOCKS: dict[str, tuple[str, dict[str, np.ndarray], str]] = {
+    "an output bias (Phi-2's) is named": ("llama", {"output.bias": np.zeros(64)}, r"does not run: output\.bias"),
+    "Phi-3's LongRoPE factors are named as LongRoPE": (
+        "phi3",
+        {"rope_factors_long.weight": np.ones(16), "rope_factors_short.weight": np.ones(16)},
+        r"rope_factors_long\.weight and rope_factors_short\.weight: LongRoPE scaling, which the stage worker does not",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", OUTSIDE_THE_BLOCKS)
+def test_a_tensor_outside_the_blocks_that_no_stage_reads_is_named(
+    case: str, tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Running without them would compute another model."""
+    architecture, added, message = OUTSIDE_THE_BLOCKS[case]
+    path = rewrite(tiny_models[architecture], tmp_path / "edited.gguf", {}, added=added)
+    with pytest.raises(ModelFileError, match=message):
+        load_any(path)
 
 
 def load_any(path: Path) -> None:

@@ -45,6 +45,16 @@ LLAMA_BLOCK: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "ffn.w_down.weight": ("ffn_down.weight",),
     }
 )
+# Phi-3: llama.cpp keeps HF's fused matrices, q/k/v in one (attn_qkv) and gate over up in one of 2 x n_ff rows
+# (ffn_up), already in the order the model stacks them.
+FUSED_BLOCK: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        **LLAMA_BLOCK,
+        "attn.wqkv.weight": ("attn_qkv.weight",),
+        "attn.wqkv.bias": ("attn_qkv.bias",),
+        "ffn.w_gate_up.weight": ("ffn_up.weight",),
+    }
+)
 # Gemma 2/3's "sandwich" norms: the attention's and the feed-forward's outputs are normed again before the residual.
 POST_NORMS: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
@@ -75,6 +85,8 @@ class Architecture:
     post_norms: bool = False  # POST_NORMS after attention and feed-forward (Gemma 2/3)
     sliding: SlidingPattern | None = None  # with {arch}.attention.sliding_window from the file
     sliding_rope_base: float | None = None  # RoPE base of sliding layers, fixed by the architecture (Gemma 3)
+    sliding_rope_scaled: bool = True  # the file's RoPE scaling applies to sliding layers too (not Gemma 3's)
+    rope_freqs: bool = False  # reads llama.cpp's rope_freqs.weight, one divisor per frequency (Llama 3.1's scaling)
     # (attention, final logits) soft-cap defaults when the file states none: x -> cap * tanh(x / cap) (Gemma 2)
     softcaps: tuple[float, float] | None = None
     block_tensors: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: LLAMA_BLOCK)
@@ -88,11 +100,14 @@ class Architecture:
     def features(self) -> tuple[str, ...]:
         """What sets it apart from a llama block, in words, for the README."""
         notes = [f"{self.rope_style} RoPE", "GeGLU" if self.activation is Activation.GELU_TANH else "SwiGLU"]
+        notes += ["fused qkv and gate/up matrices"] if self.block_tensors is FUSED_BLOCK else []
         notes += ["embeddings scaled by sqrt(d)"] if self.embedding_scaled else []
         notes += ["4 norms a block"] if self.post_norms else []
         if self.sliding is not None:
             notes.append(f"sliding window on {self.sliding.sliding} of every {self.sliding.period} layers")
         notes += [f"sliding layers' RoPE base {self.sliding_rope_base:g}"] if self.sliding_rope_base else []
+        notes += ["RoPE scaling on global layers only"] if self.sliding and not self.sliding_rope_scaled else []
+        notes += ["Llama 3.1 RoPE factors (rope_freqs)"] if self.rope_freqs else []
         notes += ["soft-capped attention and logits"] if self.softcaps else []
         return tuple(notes)
 
@@ -101,11 +116,18 @@ ARCHITECTURES: Mapping[str, Architecture] = MappingProxyType(
     {
         a.name: a
         for a in (
-            Architecture(name="llama", family="Llama 2/3, Mistral (as llama.cpp writes it)", rope_style=RopeStyle.NORM),
+            Architecture(
+                name="llama",
+                family="Llama 2/3/3.1, Mistral (as llama.cpp writes it)",
+                rope_style=RopeStyle.NORM,
+                rope_freqs=True,
+            ),
             # llama.cpp's Mistral files say "llama"; a "mistral" file keeps HF's q/k order
             Architecture(name="mistral", family="Mistral", rope_style=RopeStyle.NEOX),
             Architecture(name="qwen2", family="Qwen 2 / 2.5 (q/k/v biases)", rope_style=RopeStyle.NEOX),
             Architecture(name="qwen3", family="Qwen 3 dense (q/k norms)", rope_style=RopeStyle.NEOX),
+            # Phi-3's 128k models ask for LongRoPE, which strata.gguf.rope_scaling refuses by name.
+            Architecture(name="phi3", family="Phi-3, Phi-4 mini", rope_style=RopeStyle.NEOX, block_tensors=FUSED_BLOCK),
             Architecture(
                 name="gemma2",
                 family="Gemma 2",
@@ -125,6 +147,7 @@ ARCHITECTURES: Mapping[str, Architecture] = MappingProxyType(
                 post_norms=True,
                 sliding=SlidingPattern(period=6, sliding=5),
                 sliding_rope_base=10000.0,
+                sliding_rope_scaled=False,
             ),
         )
     }

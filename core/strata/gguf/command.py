@@ -15,7 +15,6 @@ from typing import Any
 
 from gguf import GGMLQuantizationType
 from strata.gguf.errors import GGUFError
-from strata.gguf.executable import not_executable_reason
 from strata.gguf.model import CacheType, ModelInfo
 from strata.gguf.reader import inspect_model
 from strata.gguf.resident import kept_quantised
@@ -46,7 +45,7 @@ def to_json(info: ModelInfo) -> dict[str, Any]:
         "name": info.name,
         "architecture": info.architecture,
         "executable": info.executable,
-        "not_executable_reason": not_executable_reason(info.architecture),
+        "not_executable_reason": info.not_executable_reason,
         "block_count": info.block_count,
         "embedding_length": info.embedding_length,
         "head_count": info.head_count,
@@ -104,7 +103,7 @@ def _types(counts: dict[str, int]) -> str:
 
 def _executable(info: ModelInfo) -> str:
     """The same answer `strata serve` and the operator act on (strata.gguf.executable)."""
-    reason = not_executable_reason(info.architecture)
+    reason = info.not_executable_reason
     return "executable" if reason is None else f"not executable by Strata: {reason}"
 
 

@@ -17,6 +17,7 @@ from strata.gguf.errors import MetadataError
 from strata.gguf.header import GGUFHeader
 from strata.gguf.model import ModelInfo, RopeSettings, SlidingWindow
 from strata.gguf.resident import resident_bytes
+from strata.gguf.rope_scaling import rope_scaling_refusal
 from strata.gguf.values import Value
 
 MAX_BLOCK_COUNT = 1 << 16
@@ -110,6 +111,7 @@ def describe(header: GGUFHeader, *, file_bytes: int | None = None) -> ModelInfo:
         output_tied="output.weight" not in header.tensor_by_name,
         tensor_types=dict(Counter(tensor.ggml_type.name for tensor in header.tensors)),
         rope=_rope(keys, arch=arch, key_length=key_length),
+        unsupported=_unsupported(header, arch=arch),
         sliding_window=_sliding_window(keys, arch=arch, layers=n_layer),
         expert_count=keys.integer(f"{arch}.expert_count", default=0),
         expert_used_count=keys.integer(f"{arch}.expert_used_count", default=0),
@@ -162,6 +164,13 @@ def _rope(keys: _Keys, *, arch: str, key_length: int) -> RopeSettings:
         scaling_factor=keys.number(f"{arch}.rope.scaling.factor"),
         original_context_length=None if keys.get(original_key) is None else keys.integer(original_key),
     )
+
+
+def _unsupported(header: GGUFHeader, *, arch: str) -> str | None:
+    """What the file asks of an architecture the stages run that they do not apply (strata.gguf.rope_scaling)."""
+    if arch not in ARCHITECTURES:
+        return None
+    return rope_scaling_refusal(header.metadata, architecture=ARCHITECTURES[arch], tensor_names=header.tensor_by_name)
 
 
 def _sliding_window(keys: _Keys, *, arch: str, layers: int) -> SlidingWindow | None:

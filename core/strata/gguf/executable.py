@@ -5,7 +5,9 @@ would fail to load it. So the places that decide to run a model ask here first a
 of starting stages that load nothing: `strata serve` exits before starting any, the operator sets `Planned=False`,
 and `strata inspect` says so. The stage worker's loader (strata.stage_worker.loader) raises the same reason, and a
 test keeps its table of architectures equal to this set. The set is the architecture table's
-(strata.gguf.architectures): an architecture runs exactly when the table describes it.
+(strata.gguf.architectures): an architecture runs exactly when the table describes it. A file of such an
+architecture may still ask for something the stages do not apply (a RoPE scaling, strata.gguf.rope_scaling): the
+header's description carries that as `unsupported`, and the same checks refuse it.
 """
 
 from __future__ import annotations
@@ -19,16 +21,17 @@ class NotExecutableError(ValueError):
     """The model is of an architecture Strata's stage worker does not run; the message says which ones it runs."""
 
 
-def not_executable_reason(architecture: str) -> str | None:
-    """Why Strata's stages cannot run a model of `architecture`, or None when they can."""
-    if architecture in EXECUTABLE_ARCHITECTURES:
-        return None
-    runs = ", ".join(sorted(EXECUTABLE_ARCHITECTURES))
-    return f"architecture {architecture!r} is not one the stage worker runs ({runs})"
+def not_executable_reason(architecture: str, *, unsupported: str | None = None) -> str | None:
+    """Why Strata's stages cannot run a model of `architecture` whose file asks for `unsupported` (what
+    ModelInfo.unsupported says), or None when they can."""
+    if architecture not in EXECUTABLE_ARCHITECTURES:
+        runs = ", ".join(sorted(EXECUTABLE_ARCHITECTURES))
+        return f"architecture {architecture!r} is not one the stage worker runs ({runs})"
+    return unsupported
 
 
-def check_executable(architecture: str) -> None:
-    """Raise NotExecutableError unless Strata's stages run models of `architecture`."""
-    reason = not_executable_reason(architecture)
+def check_executable(architecture: str, *, unsupported: str | None = None) -> None:
+    """Raise NotExecutableError unless Strata's stages run this model."""
+    reason = not_executable_reason(architecture, unsupported=unsupported)
     if reason is not None:
         raise NotExecutableError(reason)

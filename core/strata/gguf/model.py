@@ -96,6 +96,9 @@ class ModelInfo:
     output_tied: bool  # no `output` tensor: the head reuses token_embd
     tensor_types: dict[str, int] = field(default_factory=dict)  # GGML type name -> how many tensors have it
     rope: RopeSettings | None = None
+    # What the file asks for that the stages do not apply although they run its architecture (a RoPE scaling),
+    # in words naming the key; None when nothing.
+    unsupported: str | None = None
     sliding_window: SlidingWindow | None = None
     expert_count: int = 0
     expert_used_count: int = 0
@@ -121,7 +124,12 @@ class ModelInfo:
     @property
     def executable(self) -> bool:
         """Strata's stages run this model's architecture (strata.gguf.executable says why not otherwise)."""
-        return not_executable_reason(self.architecture) is None
+        return self.not_executable_reason is None
+
+    @property
+    def not_executable_reason(self) -> str | None:
+        """Why Strata's stages cannot run this model, or None (the check `strata serve` and the operator make)."""
+        return not_executable_reason(self.architecture, unsupported=self.unsupported)
 
     @property
     def total_bytes(self) -> int:

@@ -152,7 +152,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         header, size = read_model_header(model)
         info = describe(header, file_bytes=size)
-        check_executable(info.architecture)  # the check `strata inspect` shows and the operator makes
+        check_executable(
+            info.architecture, unsupported=info.unsupported
+        )  # the check `strata inspect` shows and the operator makes
         if args.devices and args.device != "cpu":
             raise ValueError("give --device or --devices, not both")
         stages_on = stage_devices(

@@ -87,7 +87,7 @@ def plan_deployment(
     """A placement for the model, or PlanRefused; a model the stages cannot run is refused before placing it, by
     the check `strata inspect` and `strata serve` make."""
     try:
-        check_executable(model.architecture)
+        check_executable(model.architecture, unsupported=model.unsupported)
         return plan_placement(model=model, nodes=nodes, pods=pods, options=options_for(spec))
     except NotExecutableError as e:
         raise ModelNotExecutable(str(e)) from e

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 from strata.stage_worker.kv_pool import KVPool
-from strata.stage_worker.model import Rope, RunBlock, StageModel, decode_layout, run_block
+from strata.stage_worker.model import RunBlock, StageModel, decode_layout, run_block
+from strata.stage_worker.rope import Rope
 from torch import Tensor
 
 

@@ -17,7 +17,7 @@ import torch
 from strata.stage_worker.decode import Decoder
 from strata.stage_worker.errors import InvalidRequestError, PoolExhaustedError
 from strata.stage_worker.kv_pool import KVPool, Placement
-from strata.stage_worker.model import ChunkView, Rope, StageModel, StepLayout, step_layout
+from strata.stage_worker.model import ChunkView, StageModel, StepLayout, step_layout
 from strata.stage_worker.sampling import Sampled, Sampling, sample_rows
 from torch import Tensor
 
@@ -71,7 +71,7 @@ class Engine:
         self.pool = pool
         self.device = device
         self.dtype = dtype
-        self.rope = Rope(model.config, device=device)
+        self.rope = model.rope(device=device)
         graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.decoder = Decoder(
             model=model,

@@ -25,8 +25,10 @@ from strata.gguf.architectures import ARCHITECTURES, Architecture
 from strata.gguf.cursor import ByteSource
 from strata.gguf.executable import not_executable_reason
 from strata.gguf.resident import kept_quantised
+from strata.gguf.rope_scaling import FREQ_FACTORS_TENSOR, RopeScalingError, rope_scaling
 from strata.stage_worker.errors import ModelFileError
-from strata.stage_worker.model import ModelConfig, StageModel
+from strata.stage_worker.model import StageModel
+from strata.stage_worker.model_config import ModelConfig
 from strata.stage_worker.weights.formats import split_planes
 from strata.stage_worker.weights.linear import DenseRows, PackedEmbedding, PackedLinear, QuantizedRows, Rows
 from torch import nn
@@ -66,6 +68,10 @@ def config_from_header(header: GGUFHeader) -> ModelConfig:
     n_layer = int(number("block_count"))
     window = _sliding_window(meta, description, n_layer=n_layer)
     attention_softcap, final_softcap = _softcaps(meta, description)
+    try:
+        scaling = rope_scaling(meta, architecture=description, tensor_names=header.tensor_by_name)
+    except RopeScalingError as e:
+        raise ModelFileError(str(e)) from e
     return ModelConfig(
         architecture=arch,
         n_layer=n_layer,
@@ -79,8 +85,8 @@ def config_from_header(header: GGUFHeader) -> ModelConfig:
         rope_theta=float(number("rope.freq_base", 10000.0)),
         rope_dim=int(number("rope.dimension_count", head_dim)),
         rope_style=description.rope_style,
-        attention_bias="blk.0.attn_q.bias" in header.tensor_by_name,
-        qk_norm="blk.0.attn_q_norm.weight" in header.tensor_by_name,
+        attention_bias=_has(header, description, "attn.wqkv.bias"),
+        qk_norm=_has(header, description, "attn.q_norm.weight"),
         tied_output="output.weight" not in header.tensor_by_name,
         activation=description.activation,
         embedding_scale=math.sqrt(dim) if description.embedding_scaled else 1.0,
@@ -88,9 +94,17 @@ def config_from_header(header: GGUFHeader) -> ModelConfig:
         sliding_window=window,
         sliding_layers=tuple(description.sliding(il) for il in range(n_layer)) if description.sliding else (),
         sliding_rope_theta=_number(meta, f"{arch}.rope.freq_base_swa", description.sliding_rope_base),
+        rope_scale=scaling.factor,
+        rope_freqs=scaling.freq_factors,
+        sliding_rope_scaled=description.sliding_rope_scaled,
         attention_softcap=attention_softcap,
         final_softcap=final_softcap,
     )
+
+
+def _has(header: GGUFHeader, description: Architecture, parameter: str) -> bool:
+    """The file's first block holds the tensors of a block parameter the architecture may have (biases, q/k norms)."""
+    return f"blk.0.{description.tensor_names[parameter][0]}" in header.tensor_by_name
 
 
 def _number(meta: Mapping[str, object], key: str, default: float | None) -> float | None:
@@ -171,20 +185,24 @@ def needed_tensors(model: StageModel, header: GGUFHeader) -> dict[tuple[str, ...
     return needed
 
 
+# The tensors outside the blocks that some stage reads: the others are features no stage runs.
+MODEL_TENSORS = frozenset({"token_embd.weight", "output_norm.weight", "output.weight", FREQ_FACTORS_TENSOR})
+
+
 def _refuse_unread(model: StageModel, header: GGUFHeader, *, read: set[str]) -> None:
     """A tensor of the span's blocks that no parameter reads is a feature of the file the model would skip (experts,
-    a fused matrix, another norm): refuse the file and name them, rather than compute something else."""
+    a fused matrix, another norm), and so is a tensor outside the blocks that no stage reads (LongRoPE's factors):
+    refuse the file and name them, rather than compute something else."""
     span = range(model.layer_start, model.layer_end)
     unread = sorted(
         name
         for name in header.tensor_by_name
-        if name.startswith("blk.") and int(name.split(".")[1]) in span and name not in read
+        if (name.startswith("blk.") and int(name.split(".")[1]) in span and name not in read)
+        or (not name.startswith("blk.") and name not in MODEL_TENSORS)
     )
     if unread:
         shown = ", ".join(unread[:6]) + (f" and {len(unread) - 6} more" if len(unread) > 6 else "")
-        raise ModelFileError(
-            f"the file's {model.config.architecture} blocks have tensors the stage worker does not run: {shown}"
-        )
+        raise ModelFileError(f"the {model.config.architecture} file has tensors the stage worker does not run: {shown}")
 
 
 def read_raw(source: ByteSource, entry: TensorInfo, *, on_bytes: Callable[[int], None]) -> bytearray:

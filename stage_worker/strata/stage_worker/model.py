@@ -1,9 +1,10 @@
 """The decoder of every architecture in strata.gguf.architectures as one stage runs it: a contiguous slice of layers.
 
-Read top to bottom: the config (architecture differences are fields filled from the architecture table, never
-branches on a model name), RoPE as llama.cpp applies it, attention with a paged KV pool (optionally over a sliding
-window, with soft-capped scores), the feed-forward, the block (two norms, or Gemma's four), and the stage module that
-owns the embedding (first stage), its layers, and the final norm and output head (last stage).
+Read top to bottom: the step's layout, attention with a paged KV pool (optionally over a sliding window, with
+soft-capped scores), the feed-forward, the block (two norms, or Gemma's four), and the stage module that owns the
+embedding (first stage), its layers, and the final norm and output head (last stage). The config
+(strata.stage_worker.model_config) holds the architecture's differences as fields filled from the architecture
+table, never branches on a model name; RoPE lives in strata.stage_worker.rope.
 
 Weights keep llama.cpp's layout from the GGUF file. llama.cpp's converter permutes attn_q/attn_k rows of llama
 models so that RoPE rotates adjacent pairs ("normal" RoPE); qwen2/qwen3 keep HF's order and rotate the two halves
@@ -24,9 +25,11 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from strata.gguf.architectures import Activation, RopeStyle
+from strata.gguf.architectures import Activation
 from strata.stage_worker.kernels.paged_attention import AttentionRule, Sequences, attend_dense, attend_pool
 from strata.stage_worker.kv_pool import LayerCache
+from strata.stage_worker.model_config import ModelConfig
+from strata.stage_worker.rope import Rope
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -38,58 +41,6 @@ ACTIVATIONS: dict[Activation, Callable[[Tensor], Tensor]] = {
     Activation.SILU: F.silu,
     Activation.GELU_TANH: partial(F.gelu, approximate="tanh"),
 }
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    architecture: str
-    n_layer: int
-    dim: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    ffn_dim: int
-    vocab_size: int
-    norm_eps: float
-    rope_theta: float
-    rope_dim: int
-    rope_style: RopeStyle
-    attention_bias: bool  # qwen2: q/k/v projections carry a bias
-    qk_norm: bool  # qwen3: RMSNorm over each head of q and k before RoPE
-    tied_output: bool  # no output.weight: the head reuses token_embd
-    activation: Activation = Activation.SILU
-    embedding_scale: float = 1.0  # Gemma: sqrt(dim)
-    post_norms: bool = False  # Gemma: the attention's and feed-forward's outputs are normed before the residual
-    sliding_window: int = 0  # tokens a sliding layer sees, itself included; 0: no sliding layers
-    sliding_layers: tuple[bool, ...] = ()  # per layer of the whole model: attends over the window only
-    sliding_rope_theta: float | None = None  # RoPE base of sliding layers; None: rope_theta
-    attention_softcap: float = 0.0  # Gemma 2: scores -> cap * tanh(scores / cap); 0: none
-    final_softcap: float = 0.0  # Gemma 2: the same on the output logits
-
-    @property
-    def attention_scale(self) -> float:
-        """Scores are q.k times this. llama.cpp's rule for every architecture here (Gemma's 27B models, which scale
-        by n_embd / n_head instead, would need a table field)."""
-        return float(self.head_dim**-0.5)
-
-    def is_sliding(self, layer: int) -> bool:
-        return bool(self.sliding_layers) and self.sliding_layers[layer]
-
-    def attention_rule(self, layer: int) -> AttentionRule:
-        window = self.sliding_window if self.is_sliding(layer) else 0
-        return AttentionRule(scale=self.attention_scale, window=window, softcap=self.attention_softcap)
-
-    @property
-    def q_dim(self) -> int:
-        return self.n_head * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.n_head_kv * self.head_dim
-
-    @property
-    def n_rep(self) -> int:
-        return self.n_head // self.n_head_kv
 
 
 @dataclass(frozen=True)
@@ -216,39 +167,6 @@ def decode_layout(
 Layout = StepLayout | DecodeLayout
 
 
-class Rope:
-    """Rotary position embedding over the first `rope_dim` features of each head, computed in f32; sliding layers
-    may rotate with a base of their own (Gemma 3)."""
-
-    def __init__(self, config: ModelConfig, *, device: torch.device) -> None:
-        exponents = torch.arange(0, config.rope_dim, 2, dtype=torch.float32, device=device) / config.rope_dim
-        self.inv_freq = 1.0 / (config.rope_theta**exponents)  # [rope_dim / 2]
-        sliding_theta = config.sliding_rope_theta or config.rope_theta
-        self.sliding_inv_freq = 1.0 / (sliding_theta**exponents)  # [rope_dim / 2]
-        self.style = config.rope_style
-        self.rope_dim = config.rope_dim
-
-    def angles(self, positions: Tensor, *, sliding: bool = False) -> tuple[Tensor, Tensor]:
-        inv_freq = self.sliding_inv_freq if sliding else self.inv_freq
-        freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [N, rope_dim / 2]
-        return freqs.cos()[:, None, :], freqs.sin()[:, None, :]  # [N, 1, rope_dim / 2]
-
-    def apply(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        # x: [N, H, head_dim]
-        # Real arithmetic only: torch.compile cannot fuse complex numbers, and breaks the compiled block around them.
-        rot, rest = x[..., : self.rope_dim].float(), x[..., self.rope_dim :]
-        if self.style is RopeStyle.NORM:
-            pairs = rot.reshape(*rot.shape[:-1], -1, 2)  # [N, H, rope_dim / 2, 2]: adjacent pairs (a, b)
-            a, b = pairs[..., 0], pairs[..., 1]
-            rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
-        else:
-            a, b = rot.chunk(2, dim=-1)
-            rotated = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
-        if rest.shape[-1] == 0:
-            return rotated.to(x.dtype)
-        return torch.cat((rotated.to(x.dtype), rest), dim=-1)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -326,6 +244,14 @@ class Block(nn.Module):
         return out
 
 
+class RopeFactors(nn.Module):
+    """llama.cpp's rope_freqs.weight: one divisor per rotated pair's frequency (Llama 3.1's RoPE scaling)."""
+
+    def __init__(self, pairs: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(pairs))
+
+
 class RunBlock(Protocol):
     def __call__(
         self, block: nn.Module, x: Tensor, *, rope: Rope, cos: Tensor, sin: Tensor, cache: LayerCache, layout: Layout
@@ -355,6 +281,14 @@ class StageModel(nn.Module):
         self.layers = nn.ModuleList(Block(config, layer=il) for il in range(layer_start, layer_end))
         self.output_norm = RMSNorm(config.dim, config.norm_eps) if self.is_last else None
         self.output: nn.Module | None = nn.Linear(config.dim, config.vocab_size, bias=False) if self.is_last else None
+        # Every stage rotates, so every stage holds the file's RoPE factors (loaded as rope_freqs.weight).
+        self.rope_freqs = RopeFactors(config.rope_dim // 2) if config.rope_freqs else None
+
+    def rope(self, *, device: torch.device) -> Rope:
+        """The rotation this stage's layers apply, with the file's factors when it has them."""
+        return Rope(
+            self.config, device=device, freq_factors=None if self.rope_freqs is None else self.rope_freqs.weight
+        )
 
     def embed(self, tokens: Tensor) -> Tensor:
         # tokens: [N] -> [N, D]

@@ -40,6 +40,12 @@ class ModelShape:
     post_norms: bool = False  # Gemma 2/3: post_attention_norm and post_ffw_norm in every block
     softcaps: tuple[float, float] | None = None  # Gemma 2: (attention, final logits) soft-caps stated in the file
     quantised: bool = False  # the large shapes: K-quant weights, header only
+    # RoPE scaling as a file states it: keys under `{arch}.rope.` (e.g. "scaling.type") written as given, and the
+    # values of a rope_freqs.weight tensor (strata.gguf.testmodels.rope makes Llama 3.1's)
+    fused: bool = False  # Phi-3: attn_qkv for q/k/v, ffn_up for gate over up (2 x feed_forward_length rows)
+    rope_dim: int | None = None  # rope.dimension_count; None: head_dim (a smaller one rotates part of each head)
+    rope_keys: tuple[tuple[str, str | float | int], ...] = ()
+    rope_freqs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +93,12 @@ SMALL_SHAPES: dict[str, ModelShape] = {
         feed_forward_length=256, head_count=2, head_count_kv=1, head_dim=256, context_length=32768,
         rope_freq_base=1000000.0, tokenizer_pre="llama-bpe", qk_norm=True, tied_output=True, write_key_length=True,
         rms_epsilon=1e-6, sliding_window=8, post_norms=True,
+    ),
+    # Phi-3 as llama.cpp writes it: fused matrices, no biases; Phi-4 mini's partial rotation is a test case's.
+    "phi3": ModelShape(
+        architecture="phi3", name="strata-test-phi3", block_count=2, embedding_length=128, feed_forward_length=192,
+        head_count=4, head_count_kv=2, head_dim=32, context_length=4096, rope_freq_base=10000.0,
+        tokenizer_pre="llama-bpe", fused=True,
     ),
 }  # fmt: skip
 
@@ -144,11 +156,16 @@ def tensor_plan(shape: ModelShape, *, vocab_size: int) -> list[PlannedTensor]:
     plan = [PlannedTensor(name="token_embd.weight", dims=(n_embd, vocab_size), ggml_type=small_or(Q.F16, Q.Q4_K))]
     for il in range(shape.block_count):
         blk = f"blk.{il}"
-        layer = [
-            (f"{blk}.attn_norm.weight", (n_embd,), Q.F32),
-            (f"{blk}.attn_q.weight", (n_embd, n_q), small_or(Q.Q8_0, Q.Q4_K)),
-            (f"{blk}.attn_k.weight", (n_embd, n_kv), small_or(Q.Q8_0, Q.Q4_K)),
-            (f"{blk}.attn_v.weight", (n_embd, n_kv), small_or(Q.Q4_0, Q.Q6_K)),
+        layer: list[tuple[str, tuple[int, ...], Q]] = [(f"{blk}.attn_norm.weight", (n_embd,), Q.F32)]
+        if shape.fused:
+            layer += [(f"{blk}.attn_qkv.weight", (n_embd, n_q + 2 * n_kv), small_or(Q.Q8_0, Q.Q4_K))]
+        else:
+            layer += [
+                (f"{blk}.attn_q.weight", (n_embd, n_q), small_or(Q.Q8_0, Q.Q4_K)),
+                (f"{blk}.attn_k.weight", (n_embd, n_kv), small_or(Q.Q8_0, Q.Q4_K)),
+                (f"{blk}.attn_v.weight", (n_embd, n_kv), small_or(Q.Q4_0, Q.Q6_K)),
+            ]
+        layer += [
             (f"{blk}.attn_output.weight", (n_q, n_embd), small_or(Q.Q4_0, Q.Q4_K)),
             (f"{blk}.ffn_norm.weight", (n_embd,), Q.F32),
         ]
@@ -166,6 +183,12 @@ def tensor_plan(shape: ModelShape, *, vocab_size: int) -> list[PlannedTensor]:
                 (f"{blk}.ffn_up_exps.weight", (n_embd, n_ff, n_exp), Q.Q4_K),
                 (f"{blk}.ffn_down_exps.weight", (n_ff, n_embd, n_exp), Q.Q6_K),
             ]
+        elif shape.fused:
+            n_ff = shape.feed_forward_length
+            layer += [
+                (f"{blk}.ffn_up.weight", (n_embd, 2 * n_ff), small_or(Q.Q4_0, Q.Q4_K)),
+                (f"{blk}.ffn_down.weight", (n_ff, n_embd), small_or(Q.F16, Q.Q6_K)),
+            ]
         else:
             n_ff = shape.feed_forward_length
             layer += [
@@ -174,6 +197,8 @@ def tensor_plan(shape: ModelShape, *, vocab_size: int) -> list[PlannedTensor]:
                 (f"{blk}.ffn_down.weight", (n_ff, n_embd), small_or(Q.F16, Q.Q6_K)),
             ]
         plan += [PlannedTensor(name=name, dims=dims, ggml_type=t) for name, dims, t in layer]
+    if shape.rope_freqs:
+        plan.append(PlannedTensor(name="rope_freqs.weight", dims=(len(shape.rope_freqs),), ggml_type=Q.F32))
     plan.append(PlannedTensor(name="output_norm.weight", dims=(n_embd,), ggml_type=Q.F32))
     if not shape.tied_output:
         plan.append(PlannedTensor(name="output.weight", dims=(n_embd, vocab_size), ggml_type=small_or(Q.Q8_0, Q.Q6_K)))

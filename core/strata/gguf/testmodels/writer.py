@@ -91,7 +91,7 @@ def write_test_model(
     for planned in tensor_plan(shape, vocab_size=len(vocab.tokens)):
         if weight_type is not None and planned.ggml_type is not GGMLQuantizationType.F32:
             planned = dataclasses.replace(planned, ggml_type=weight_type)
-        data = _weights(planned, rng=rng)
+        data = _weights(planned, rng=rng) if planned.name != "rope_freqs.weight" else _rope_freqs(shape)
         writer.add_tensor(planned.name, data, raw_dtype=planned.ggml_type)
         written.append(_written(planned, nbytes=data.nbytes))
     writer.write_header_to_file()
@@ -152,6 +152,10 @@ def _weights(planned: PlannedTensor, *, rng: np.random.Generator) -> np.ndarray:
     return result
 
 
+def _rope_freqs(shape: ModelShape) -> np.ndarray:
+    return np.asarray(shape.rope_freqs, dtype=np.float32)
+
+
 def _writer(path: Path, *, shape: ModelShape, vocab: Vocabulary) -> GGUFWriter:
     arch = shape.architecture
     writer = GGUFWriter(path, arch)
@@ -163,7 +167,7 @@ def _writer(path: Path, *, shape: ModelShape, vocab: Vocabulary) -> GGUFWriter:
     writer.add_feed_forward_length(shape.feed_forward_length)
     writer.add_head_count(shape.head_count)
     writer.add_head_count_kv(shape.head_count_kv)
-    writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_rope_dimension_count(shape.rope_dim or shape.head_dim)
     writer.add_rope_freq_base(shape.rope_freq_base)
     writer.add_layer_norm_rms_eps(shape.rms_epsilon)
     writer.add_vocab_size(len(vocab.tokens))
@@ -179,6 +183,13 @@ def _writer(path: Path, *, shape: ModelShape, vocab: Vocabulary) -> GGUFWriter:
     if shape.softcaps:
         writer.add_attn_logit_softcapping(shape.softcaps[0])
         writer.add_final_logit_softcapping(shape.softcaps[1])
+    for key, value in shape.rope_keys:
+        if isinstance(value, str):
+            writer.add_string(f"{arch}.rope.{key}", value)
+        elif isinstance(value, float):
+            writer.add_float32(f"{arch}.rope.{key}", value)
+        else:
+            writer.add_uint32(f"{arch}.rope.{key}", value)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(shape.tokenizer_pre)
     writer.add_token_list(list(vocab.tokens))

@@ -55,7 +55,7 @@ from grpc import aio
 from strata.gateway.errors import GatewayError, NotReadyError, PipelineError
 from strata.gateway.grammar import Constraint, ConstraintViolationError
 from strata.gateway.metrics import GatewayMetrics
-from strata.gateway.prefix_index import PrefixIndex
+from strata.gateway.prefix_index import PrefixIndex, boundary_hashes
 from strata.lease import FencingToken
 from strata.rpc.v1 import stage_pb2, stage_pb2_grpc
 from strata.settings import GRPC_OPTIONS
@@ -144,6 +144,7 @@ class Generation:
     fed: int = 0
     cached: int = 0  # prompt tokens restored from a prefix snapshot instead of prefilled
     looked_up: bool = False  # the prefix cache was asked for this prompt
+    held: bool = False  # waiting for another generation's prefill of the same prefix, to restore it from the cache
     produced: int = 0
     last_token: int = -1
     cancelled: bool = False
@@ -356,7 +357,7 @@ class Pipeline:
         the longest waiting first, no more than an even share of the stepping slots (so uneven groups even out
         as they land) and no more than leaves a slot for each step still to write (so G groups fill up)."""
         used = sum(g.fed + g.in_flight for g in self._active.values())
-        waiting = [g for g in self._active.values() if not g.cancelled and not g.in_flight]
+        waiting = [g for g in self._active.values() if not g.cancelled and not g.in_flight and not g.held]
         stepping = len(waiting) + sum(1 for g in self._active.values() if g.in_flight)
         even = math.ceil(stepping / self._groups)
         share = min(even, math.ceil(len(waiting) / (self._groups - len(self._in_flight))))
@@ -455,10 +456,14 @@ class Pipeline:
         for slot, g in sorted(self._active.items()):
             if g.looked_up or g.cancelled:
                 continue
-            g.looked_up = True
             if len(g.prompt) <= self.prefixes.chunk:
+                g.looked_up = True
                 continue  # too short to share a whole chunk: never a hit, so not a miss either
             match = self.prefixes.longest(g.prompt)
+            g.held = match is None and self._prefilled_beside(g)
+            if g.held:
+                continue
+            g.looked_up = True
             if match is None:
                 self.metrics.prefix_cache_misses.inc()
                 continue
@@ -481,6 +486,21 @@ class Pipeline:
             self.metrics.prefix_cache_misses.inc()
             self.prefixes.forget(match.key)
             await self._unary("ResetSlot", stage_pb2.ResetSlotRequest(fence=self._proto_fence(), slot=slot))
+
+    def _prefilled_beside(self, g: Generation) -> bool:
+        """Whether another generation is prefilling a prompt whose whole chunk-aligned part begins g's prompt (the
+        choices of `n > 1`, the same prompt sent twice at once). g then waits for that prefix's snapshot instead of
+        computing the same positions beside it, and restores it as soon as the other's prefill lands: it never waits
+        longer than its own prefill would have taken."""
+        assert self.prefixes is not None
+        mine = {d for _, d in boundary_hashes(g.prompt, chunk=self.prefixes.chunk, limit=len(g.prompt))}
+        for other in self._active.values():
+            if other is g or other.held or not other.looked_up or other.cancelled or other.fed >= len(other.prompt):
+                continue
+            wanted = self.prefixes.to_save(other.prompt)
+            if wanted is not None and wanted[0] in mine:
+                return True
+        return False
 
     async def _save_prefixes(self, chunks: list[stage_pb2.SlotChunk]) -> None:
         """Ask every stage to keep the longest chunk-aligned prefix of each prompt whose prefill just completed."""

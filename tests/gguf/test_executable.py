@@ -7,14 +7,22 @@ import dataclasses
 import json
 import re
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
 from strata.cli import main
-from strata.gguf import NotExecutableError, check_executable, not_executable_reason
+from strata.gguf import NotExecutableError, check_executable, describe, not_executable_reason
 from strata.gguf.architectures import ARCHITECTURES
-from strata.gguf.executable import EXECUTABLE_ARCHITECTURES
+from strata.gguf.executable import EXECUTABLE_ARCHITECTURES, LOADABLE_TYPES
+from strata.gguf.header import read_header
+from strata.gguf.sources import FileSource
 from strata.gguf.testmodels import LARGE_SHAPES, write_header_only_model
 
+# Plain integer tensors: gguf-py passes them through, but they hold no weights a stage reads.
+_INTEGER_TYPES = {GGMLQuantizationType.I8, GGMLQuantizationType.I16, GGMLQuantizationType.I32, GGMLQuantizationType.I64}
 FALCON = "architecture 'falcon' is not one the stage worker runs (gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3)"
 
 
@@ -64,3 +72,55 @@ def test_inspect_says_why_a_model_is_not_executable(
         assert (report["executable"], report["not_executable_reason"]) == (False, shown)
     else:
         assert any(line.split(None, 1)[1:] == [shown] for line in out.splitlines()), out
+
+
+def _file_with(tmp_path: Path, *, tokenizer: str | None = None, tensor_type: GGMLQuantizationType | None = None) -> str:
+    """A generated llama header with its tokenizer model or its first block's q tensor type changed."""
+    path = write_header_only_model(tmp_path / "llama.gguf", shape=LARGE_SHAPES["llama3-8b"]).path
+    header = read_header(FileSource(path))
+    metadata = dict(header.metadata)
+    if tokenizer is not None:
+        metadata["tokenizer.ggml.model"] = tokenizer
+    tensors = tuple(
+        dataclasses.replace(t, ggml_type=tensor_type) if tensor_type and t.name == "blk.0.attn_q.weight" else t
+        for t in header.tensors
+    )
+    reason = describe(dataclasses.replace(header, metadata=metadata, tensors=tensors)).not_executable_reason
+    return reason or ""
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        pytest.param({}, "", id="the generated llama runs"),
+        pytest.param(
+            {"tokenizer": "bert"},
+            "tokenizer.ggml.model 'bert' is not a tokenizer the gateway builds (gpt2, llama)",
+            id="a tokenizer the gateway does not build",
+        ),
+        pytest.param(
+            {"tensor_type": GGMLQuantizationType.Q8_K},
+            "tensor blk.0.attn_q.weight is of type Q8_K, which no stage loads",
+            id="a tensor type no stage loads",
+        ),
+        pytest.param({"tensor_type": GGMLQuantizationType.IQ4_XS}, "", id="a type the stages dequantise at load"),
+    ],
+)
+def test_the_shared_check_reads_the_tokenizer_and_tensor_types(
+    tmp_path: Path, change: dict[str, Any], reason: str
+) -> None:
+    assert _file_with(tmp_path, **change) == reason
+
+
+def test_the_loadable_types_are_those_a_stage_reads_as_stored_or_gguf_py_dequantises() -> None:
+    """Each type gguf-py dequantises is in the set, and each one it cannot is not (one block of zero bytes)."""
+    as_stored = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+    dequantised = set()
+    for ggml_type in GGMLQuantizationType:
+        _, block_bytes = GGML_QUANT_SIZES[ggml_type]
+        try:
+            dequantize(np.zeros((1, block_bytes), dtype=np.uint8), ggml_type)
+        except NotImplementedError:
+            continue
+        dequantised.add(ggml_type)
+    assert (dequantised | as_stored) - {GGMLQuantizationType.F64} - _INTEGER_TYPES == LOADABLE_TYPES

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from strata.gguf.architectures import ARCHITECTURES
 from strata.gguf.errors import MetadataError
+from strata.gguf.executable import header_refusal
 from strata.gguf.header import GGUFHeader
 from strata.gguf.model import ModelInfo, RopeSettings, SlidingWindow
 from strata.gguf.resident import resident_bytes
@@ -167,10 +168,13 @@ def _rope(keys: _Keys, *, arch: str, key_length: int) -> RopeSettings:
 
 
 def _unsupported(header: GGUFHeader, *, arch: str) -> str | None:
-    """What the file asks of an architecture the stages run that they do not apply (strata.gguf.rope_scaling)."""
+    """What the file asks of an architecture the stages run that they do not apply (strata.gguf.rope_scaling), or
+    holds that they or the gateway cannot take (strata.gguf.executable.header_refusal)."""
     if arch not in ARCHITECTURES:
         return None
-    return rope_scaling_refusal(header.metadata, architecture=ARCHITECTURES[arch], tensor_names=header.tensor_by_name)
+    return rope_scaling_refusal(
+        header.metadata, architecture=ARCHITECTURES[arch], tensor_names=header.tensor_by_name
+    ) or header_refusal(header.metadata, ((t.name, t.ggml_type) for t in header.tensors))
 
 
 def _sliding_window(keys: _Keys, *, arch: str, layers: int) -> SlidingWindow | None:

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache, cached_property
 
+from strata.gguf.executable import TOKENIZER_MODELS
 from strata.gguf.values import Value
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
@@ -105,7 +106,7 @@ class TokenizerSpec:
             return value if isinstance(value, bool) else default
 
         model = text("tokenizer.ggml.model")
-        if model not in ("gpt2", "llama"):
+        if model not in TOKENIZER_MODELS:  # the models that strata.gguf's check accepts, so it refuses the others first
             raise TokenizerError(f"tokenizer.ggml.model {model!r} is not supported (gpt2 or llama)")
         tokens = strings("tokenizer.ggml.tokens")
         if not tokens:

@@ -15,6 +15,34 @@ from strata_testbed.serve import Served
 
 
 @pytest.mark.parametrize(
+    ("sampling", "prompt", "generated", "sent"),
+    [
+        pytest.param(Sampling(), frozenset({1, 2}), {7: 1}, (0.0, []), id="no repetition penalty: nothing named"),
+        pytest.param(Sampling(repetition_penalty=1.3), frozenset({2, 1}), {7: 2, 1: 1}, (pytest.approx(1.3), [1, 2, 7]),
+                     id="the prompt's and the generation's distinct tokens, once each"),
+    ],
+)  # fmt: skip
+def test_a_repetition_penalty_names_the_prompt_and_generated_tokens(
+    sampling: Sampling, prompt: frozenset[int], generated: dict[int, int], sent: tuple[float, list[int]]
+) -> None:
+    message = sampling.to_proto(generated, prompt)
+    assert (message.repetition_penalty, list(message.penalized)) == sent
+
+
+def test_a_repetition_penalty_changes_the_greedy_text(two_stages: Served) -> None:
+    client = OpenAI(base_url=two_stages.base_url, api_key="unused", max_retries=0, timeout=60)
+
+    def text(**extra: float) -> str:
+        reply = client.completions.create(
+            model=two_stages.model, prompt="Hello there", max_tokens=12, temperature=0, extra_body=extra
+        )
+        return reply.choices[0].text
+
+    assert text(repetition_penalty=1.0) == text()
+    assert text(repetition_penalty=5.0) != text()
+
+
+@pytest.mark.parametrize(
     ("sampling", "generated", "bias"),
     [
         pytest.param(Sampling(), {7: 3}, {}, id="no penalty: no bias, whatever was generated"),

@@ -80,11 +80,23 @@ def test_a_mask_that_allows_nothing_is_refused(mask: bytes, vocab: int) -> None:
         pytest.param(Sampling(logit_bias=((4, 100.0),)), 4, id="a large bias makes a token the greedy pick"),
         pytest.param(Sampling(logit_bias=((0, -100.0),)), 1, id="a large negative bias removes the favourite"),
         pytest.param(Sampling(logit_bias=((1, 0.5), (2, 2.5))), 2, id="biases add to the logits"),
+        pytest.param(
+            Sampling(repetition_penalty=2.0, penalized=(0,)), 1, id="a repetition penalty halves a seen logit"
+        ),
+        pytest.param(
+            Sampling(repetition_penalty=2.0, penalized=(0, 5)), 1, id="a negative seen logit is multiplied, not divided"
+        ),
+        pytest.param(Sampling(repetition_penalty=0.25, penalized=(2,)), 2, id="a penalty under 1 favours seen tokens"),
+        pytest.param(
+            Sampling(repetition_penalty=2.0, penalized=(0,), logit_bias=((0, 2.0),)),
+            0,
+            id="the bias comes after the penalty",
+        ),
     ],
 )
 def test_a_logit_bias_moves_the_greedy_pick(params: Sampling, expected: int) -> None:
     logits = torch.zeros(VOCAB)
-    logits[0], logits[1], logits[2] = 3.0, 2.0, 1.0
+    logits[0], logits[1], logits[2], logits[5] = 3.0, 2.0, 1.0, -1.0
     assert sample(logits, params=params, position=0).token_id == expected
 
 
@@ -131,6 +143,7 @@ MIXED_ROWS = (
     Sampling(temperature=1.0, min_p=0.2, seed=1, logit_bias=((11, 4.0),)),
     Sampling(allowed=bitmask({2, 30, 41}), logprobs=1),
     Sampling(temperature=2.0, top_k=2, top_p=0.9, allowed=bitmask(set(range(10, 40))), seed=9),
+    Sampling(repetition_penalty=1.8, penalized=(0, 3, 17, 44), logprobs=2),
 )
 
 

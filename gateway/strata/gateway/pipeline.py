@@ -95,13 +95,18 @@ class Sampling:
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     presence_penalty: float = 0.0  # subtracted once from the logit of every token generated so far
     frequency_penalty: float = 0.0  # subtracted for each time a token was generated so far
+    repetition_penalty: float = 1.0  # divides the positive logits of prompt and generated tokens; 1: off
 
-    def to_proto(self, generated: Mapping[int, int] | None = None) -> stage_pb2.SamplingParams:
-        """The step's parameters; the penalties become a bias on the tokens `generated` so far (token -> count),
-        so the stages need no history of their own."""
+    def to_proto(
+        self, generated: Mapping[int, int] | None = None, prompt: frozenset[int] = frozenset()
+    ) -> stage_pb2.SamplingParams:
+        """The step's parameters; the presence and frequency penalties become a bias on the tokens `generated` so
+        far (token -> count), and the repetition penalty names the distinct tokens of the `prompt` and the
+        generation, so the stages need no history of their own."""
         bias = dict(self.logit_bias)
         for token, count in (generated or {}).items():
             bias[token] = bias.get(token, 0.0) - self.presence_penalty - self.frequency_penalty * count
+        repeated = sorted(prompt | set(generated or ())) if self.repetition_penalty != 1.0 else []
         return stage_pb2.SamplingParams(
             temperature=self.temperature,
             top_p=self.top_p,
@@ -110,11 +115,13 @@ class Sampling:
             seed=self.seed,
             logprobs=self.logprobs,
             logit_bias={t: b for t, b in bias.items() if b},
+            repetition_penalty=self.repetition_penalty if repeated else 0.0,
+            penalized=repeated,
         )
 
     @property
     def penalised(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty)
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 @dataclass(frozen=True)
@@ -152,6 +159,12 @@ class Generation:
     in_flight: int = 0  # positions of its chunk in a step not yet answered; 0: its slot is free to step or reset
     landed: int = 0  # the step whose reply last carried it: the longest waiting go first when steps are split
     generated: Counter[int] = field(default_factory=Counter)  # token -> times generated, for the penalties
+    # The prompt's distinct tokens, which a repetition penalty applies to (empty without one).
+    prompt_tokens: frozenset[int] = field(init=False, default=frozenset())
+
+    def __post_init__(self) -> None:
+        if self.sampling.repetition_penalty != 1.0:
+            self.prompt_tokens = frozenset(self.prompt)
 
     async def stream(self) -> AsyncIterator[Token | Finished]:
         """Tokens until a Finished; raises the GatewayError that ended the generation, if one did."""
@@ -376,7 +389,7 @@ class Pipeline:
                     length=len(ids),
                     token_ids=ids,
                     sample=g.fed + len(ids) == len(g.prompt),
-                    sampling=g.sampling.to_proto(g.generated),
+                    sampling=g.sampling.to_proto(g.generated, g.prompt_tokens),
                 )
             else:
                 chunk = stage_pb2.SlotChunk(
@@ -385,7 +398,7 @@ class Pipeline:
                     length=1,
                     token_ids=[g.last_token],
                     sample=True,
-                    sampling=g.sampling.to_proto(g.generated),
+                    sampling=g.sampling.to_proto(g.generated, g.prompt_tokens),
                 )
             if used + chunk.length > self.context or chunk.start_position + chunk.length > self.context:
                 self._finish(g, Finished("length"))

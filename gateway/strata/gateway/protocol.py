@@ -34,6 +34,7 @@ class _Request(BaseModel):
     # llama-server's and vLLM's extensions (strata.gateway.parameters.EXTENSIONS).
     top_k: int = Field(default=0, ge=0)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
 
     @field_validator("logit_bias")
     @classmethod

@@ -357,6 +357,7 @@ class Serving:
             logit_bias=biases,
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty,
         )
         lanes = await self.admission.acquire_lanes(n)
         runs: list[_Run] = []

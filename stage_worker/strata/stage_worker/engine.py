@@ -122,6 +122,12 @@ class Engine:
                 raise InvalidRequestError(
                     f"slot {chunk.slot}: logit bias for tokens {outside[:5]} outside the vocabulary"
                 )
+            strange = [t for t in chunk.sampling.penalized if not 0 <= t < vocab]
+            if strange or chunk.sampling.repetition_penalty <= 0:
+                raise InvalidRequestError(
+                    f"slot {chunk.slot}: a repetition penalty is positive and over tokens of the vocabulary, not "
+                    f"{chunk.sampling.repetition_penalty} over {strange[:5]}"
+                )
             mask_words = (self.model.config.vocab_size + 31) // 32
             if len(chunk.sampling.allowed) > 4 * mask_words:
                 raise InvalidRequestError(

@@ -32,11 +32,19 @@ class Sampling:
     allowed: bytes = b""  # bitmask of the tokens that may be chosen (bit i%8 of byte i/8); empty: any
     min_p: float = 0.0  # 0: off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    repetition_penalty: float = 1.0  # over `penalized`: a positive logit divided by it, a negative one multiplied
+    penalized: tuple[int, ...] = ()  # the distinct tokens of the prompt and the generation so far
 
     @property
     def greedy_as_is(self) -> bool:
         """Greedy on the model's own logits: the batched argmax the decode body already took is the answer."""
-        return self.temperature <= 0.0 and self.logprobs == 0 and not self.allowed and not self.logit_bias
+        return (
+            self.temperature <= 0.0
+            and self.logprobs == 0
+            and not self.allowed
+            and not self.logit_bias
+            and not self.penalized
+        )
 
 
 class NoTokenAllowedError(InvalidRequestError):
@@ -67,7 +75,7 @@ def sample_rows(logits: Tensor, *, params: Sequence[Sampling], positions: Sequen
     raw = logits.float()
     nan, infinite = torch.isnan(raw).sum(-1), (raw == float("inf")).sum(-1)  # [B]; -inf only rules a token out
     logprobs = torch.log_softmax(raw, dim=-1)  # [B, vocab]; reported from the model's own distribution
-    logits = raw.clone()
+    logits = _penalised(raw.clone(), params)
     biases = [(row, token, bias) for row, p in enumerate(params) for token, bias in p.logit_bias]
     if biases:
         rows, tokens, values = zip(*biases, strict=True)
@@ -97,6 +105,21 @@ def sample_rows(logits: Tensor, *, params: Sequence[Sampling], positions: Sequen
         best, ids = top_values.cpu().tolist(), top_ids.cpu().tolist()
         tops = [tuple(zip(ids[r][: p.logprobs], best[r][: p.logprobs], strict=True)) for r, p in enumerate(params)]
     return [Sampled(token_id=int(tokens[row]), logprob=float(chosen[row]), top_logprobs=tops[row]) for row in range(b)]
+
+
+def _penalised(logits: Tensor, params: Sequence[Sampling]) -> Tensor:
+    """The repetition penalty, as HF and vLLM apply it: each row's penalized tokens' logits divided by the penalty
+    where positive and multiplied where negative, before any bias."""
+    entries = [(row, token) for row, p in enumerate(params) if p.repetition_penalty != 1.0 for token in p.penalized]
+    if not entries:
+        return logits
+    at = torch.tensor(entries, dtype=torch.long).T.contiguous().to(logits.device)  # [2, E]
+    penalty = torch.tensor(
+        [p.repetition_penalty for p in params if p.repetition_penalty != 1.0 for _ in p.penalized]
+    ).to(logits.device)
+    picked = logits[at[0], at[1]]
+    logits[at[0], at[1]] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    return logits
 
 
 def _draw(logits: Tensor, params: Sequence[Sampling], positions: Sequence[int]) -> Tensor:

@@ -58,6 +58,8 @@ def chunk_from_proto(message: stage_pb2.SlotChunk) -> Chunk:
             allowed=message.allowed_tokens,
             min_p=s.min_p,
             logit_bias=tuple(sorted(s.logit_bias.items())),
+            repetition_penalty=s.repetition_penalty or 1.0,
+            penalized=tuple(s.penalized),
         ),
         return_logits=message.return_logits,
     )

@@ -15,7 +15,6 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
 from functools import cached_property
 
 from pydantic import BaseModel
@@ -33,49 +32,12 @@ from strata.gateway.grammar import Constraint, Grammars
 from strata.gateway.logprobs import chat_logprobs, completion_logprobs
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.model_ids import canonical_model_id, same_model
-from strata.gateway.pipeline import Finished, Generation, Pipeline, Sampling, Token
+from strata.gateway.pipeline import Finished, Pipeline, Sampling, Token
+from strata.gateway.runs import Piece, Run, usage_of
 from strata.gateway.streams import merged
 from strata.gateway.text import TextAssembler
 from strata.gateway.tokenizer import GGUFTokenizer
 from strata.gateway.tools import ToolFormat
-
-
-@dataclass
-class _Piece:
-    text: str
-    tokens: list[Token] = field(default_factory=list)
-    finish_reason: str | None = None
-
-
-@dataclass
-class _Run:
-    """An admitted request: its generation, and the counts its usage reports."""
-
-    generation: Generation
-    prompt_tokens: int
-    stops: tuple[str, ...]
-    completion_tokens: int = 0
-    text_offset: int = 0  # characters of generated text reported in logprobs so far
-
-    def usage(self) -> p.Usage:
-        return p.Usage(
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
-            total_tokens=self.prompt_tokens + self.completion_tokens,
-            prompt_tokens_details=p.PromptTokensDetails(cached_tokens=self.generation.cached),
-        )
-
-
-def _usage(runs: list[_Run]) -> p.Usage:
-    """The prompt once (the choices share it), the completions of every choice."""
-    completion = sum(run.completion_tokens for run in runs)
-    prompt = runs[0].prompt_tokens
-    return p.Usage(
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        total_tokens=prompt + completion,
-        prompt_tokens_details=p.PromptTokensDetails(cached_tokens=runs[0].generation.cached),
-    )
 
 
 def sse(payload: BaseModel | dict[str, object] | str) -> str:
@@ -162,13 +124,13 @@ class Serving:
             )
             choices.append(choice)
         return p.ChatCompletion(
-            id=completion_id, created=created, model=self.model_name, choices=choices, usage=_usage(runs)
+            id=completion_id, created=created, model=self.model_name, choices=choices, usage=usage_of(runs)
         )
 
     async def _chat_stream(
         self,
         request: p.ChatCompletionRequest,
-        runs: list[_Run],
+        runs: list[Run],
         use: chat_tools.ToolUse | None,
         *,
         completion_id: str,
@@ -183,7 +145,7 @@ class Serving:
                 p.ChatCompletionChunk(id=completion_id, created=created, model=self.model_name, choices=[choice])
             )
 
-        async def choice(index: int, run: _Run) -> AsyncIterator[str]:
+        async def choice(index: int, run: Run) -> AsyncIterator[str]:
             held: list[Token] = []
             held_text: list[str] = []
             async for piece in self._pieces(run):
@@ -220,7 +182,7 @@ class Serving:
             if request.stream_options and request.stream_options.include_usage:
                 yield sse(
                     p.ChatCompletionChunk(
-                        id=completion_id, created=created, model=self.model_name, choices=[], usage=_usage(runs)
+                        id=completion_id, created=created, model=self.model_name, choices=[], usage=usage_of(runs)
                     )
                 )
         except GatewayError as error:
@@ -258,17 +220,17 @@ class Serving:
             for index, (run, (text, tokens, reason)) in enumerate(zip(runs, await self._collect(runs), strict=True))
         ]
         return p.Completion(
-            id=completion_id, created=created, model=self.model_name, choices=choices, usage=_usage(runs)
+            id=completion_id, created=created, model=self.model_name, choices=choices, usage=usage_of(runs)
         )
 
     async def _completion_stream(
-        self, request: p.CompletionRequest, runs: list[_Run], *, completion_id: str, created: int
+        self, request: p.CompletionRequest, runs: list[Run], *, completion_id: str, created: int
     ) -> AsyncIterator[str]:
         def chunk(**fields: object) -> str:
             choice = p.CompletionChoice(**fields)  # type: ignore[arg-type]
             return sse(p.Completion(id=completion_id, created=created, model=self.model_name, choices=[choice]))
 
-        async def choice(index: int, run: _Run) -> AsyncIterator[str]:
+        async def choice(index: int, run: Run) -> AsyncIterator[str]:
             async for piece in self._pieces(run):
                 logprobs = (
                     completion_logprobs(self.tokenizer, piece.tokens, run=run) if request.logprobs is not None else None
@@ -284,7 +246,7 @@ class Serving:
             if request.stream_options and request.stream_options.include_usage:
                 yield sse(
                     p.Completion(
-                        id=completion_id, created=created, model=self.model_name, choices=[], usage=_usage(runs)
+                        id=completion_id, created=created, model=self.model_name, choices=[], usage=usage_of(runs)
                     )
                 )
         except GatewayError as error:
@@ -321,7 +283,7 @@ class Serving:
         param: str,
         logprobs: int,
         constraints: Sequence[Constraint | None],
-    ) -> list[_Run]:
+    ) -> list[Run]:
         """One run per choice (n of them, `constraints` holds each one's grammar), on lanes taken all at once."""
         n = len(constraints)
         if n > self.admission.policy.lanes:
@@ -360,7 +322,7 @@ class Serving:
             repetition_penalty=request.repetition_penalty,
         )
         lanes = await self.admission.acquire_lanes(n)
-        runs: list[_Run] = []
+        runs: list[Run] = []
         try:
             for index, (lane, constraint) in enumerate(zip(lanes, constraints, strict=True)):
                 generation = self.pipeline.submit(
@@ -373,7 +335,7 @@ class Serving:
                     on_freed=functools.partial(self.admission.release, lane),
                     constraint=constraint,
                 )
-                runs.append(_Run(generation=generation, prompt_tokens=len(prompt), stops=request.stop_strings()))
+                runs.append(Run(generation=generation, prompt_tokens=len(prompt), stops=request.stop_strings()))
         except BaseException:
             for run in runs:  # submitted: the driver frees their lanes once their slots are reset
                 self.pipeline.cancel(run.generation)
@@ -383,10 +345,10 @@ class Serving:
         self.metrics.prompt_tokens.inc(len(prompt))
         return runs
 
-    async def _collect(self, runs: list[_Run]) -> list[tuple[str, list[Token], str]]:
+    async def _collect(self, runs: list[Run]) -> list[tuple[str, list[Token], str]]:
         """(text, tokens, finish reason) of each run, run side by side; a failure in one cancels the others."""
 
-        async def one(run: _Run) -> tuple[str, list[Token], str]:
+        async def one(run: Run) -> tuple[str, list[Token], str]:
             text, tokens, reason = [], [], "stop"
             async for piece in self._pieces(run):
                 text.append(piece.text)
@@ -403,7 +365,7 @@ class Serving:
             raise failed.exceptions[0] from None
         return [task.result() for task in tasks]
 
-    async def _pieces(self, run: _Run) -> AsyncIterator[_Piece]:
+    async def _pieces(self, run: Run) -> AsyncIterator[Piece]:
         """Text as it settles; the last piece carries the finish reason. Cancels the generation if left early."""
         generation = run.generation
         assembler = TextAssembler(self.tokenizer, stops=run.stops)
@@ -411,7 +373,7 @@ class Serving:
         try:
             async for event in generation.stream():
                 if isinstance(event, Finished):
-                    yield _Piece(text=assembler.flush(), finish_reason=event.reason)
+                    yield Piece(text=assembler.flush(), finish_reason=event.reason)
                     return
                 now = self._clock()
                 histogram = (
@@ -423,9 +385,9 @@ class Serving:
                 self.metrics.tokens_generated.inc()
                 text = assembler.add(event.token_id) if event.token_id not in self.tokenizer.stop_ids else ""
                 if assembler.stopped:
-                    yield _Piece(text=text, tokens=[event], finish_reason="stop")
+                    yield Piece(text=text, tokens=[event], finish_reason="stop")
                     return
-                yield _Piece(text=text, tokens=[event])
+                yield Piece(text=text, tokens=[event])
         finally:
             if not generation.finished:
                 self.pipeline.cancel(generation)

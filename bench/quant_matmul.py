@@ -4,8 +4,9 @@ reference. One run, one table.
     python bench/quant_matmul.py [--types Q8_0,Q4_K,Q6_K] [--sweep] [--out FILE.json]
 
 For each fused type, Llama-3-8B's matrices (N x K: 6144 x 4096 qkv, 4096 x 4096 o, 28672 x 4096 gate_up,
-4096 x 14336 down) and M = 1, 4, 16 rows of bf16 x: `quant_linear` (the custom op the model calls: the fused kernel up
-to FUSED_MAX_ROWS rows, dequantise-then-cuBLAS beyond) against `x @ w.T` with w the same values already in bf16.
+4096 x 14336 down) and M = 1, 4, 16, 32 rows of bf16 x: `quant_linear` (the custom op the model calls: the fused
+kernel up to FUSED_MAX_ROWS rows, the tensor-core kernel up to GEMM_MAX_ROWS, dequantise-then-cuBLAS beyond) against
+`x @ w.T` with w the same values already in bf16.
 Weights are random blocks with finite f16 scales.
 
 Timing: CUDA graphs of many calls (what decode replays), each call on another copy of the weight so that the copies
@@ -13,9 +14,10 @@ together overflow L2 and every call reads its bytes from HBM; the median of the 
 quantised bytes the kernel must read (its planes), and the table gives them as a share of a measured read (a sum).
 
 Fidelity: the worst error of any output, bf16 against the f32 reference, as a share of sum |w x| over that output
-(the bound an accumulation error scales with), at M = 1, 4, 16, 17.
+(the bound an accumulation error scales with), at M = 1, 4, 16, 32, 65.
 
---sweep times the launch shapes of quant_matmul_triton.Config for the three types of Q8_0 and Q4_K_M files.
+--sweep times the launch shapes of quant_matmul_triton.Config for the three types of Q8_0 and Q4_K_M files, and
+for a batch of streams the tensor-core kernel's tiles against dequantise-then-cuBLAS.
 """
 
 from __future__ import annotations
@@ -32,13 +34,13 @@ from functools import partial
 import torch
 import triton
 from gguf import GGMLQuantizationType
-from strata.stage_worker.kernels import quant_matmul_triton
-from strata.stage_worker.kernels.quant_matmul import FUSED_MAX_ROWS, FUSED_TYPES, quant_linear
+from strata.stage_worker.kernels import quant_gemm_triton, quant_matmul_triton
+from strata.stage_worker.kernels.quant_matmul import FUSED_MAX_ROWS, FUSED_TYPES, GEMM_MAX_ROWS, quant_linear
 from strata.stage_worker.weights.formats import FORMATS, dequantize, plane_names, planes_bytes, split_planes
 
 Q = GGMLQuantizationType
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-ROWS = (1, 4, 16)
+ROWS = (1, 4, 16, 32)
 MAIN_TYPES = (Q.Q8_0, Q.Q4_K, Q.Q6_K)
 SWEEP_ROWS = {"qkv": (1,), "o": (1, 4), "gate_up": (1, 4), "down": (1,)}  # every matrix at M = 1
 L2_OVERFLOW = 256 << 20  # bytes of weight copies per graph: several times any current L2
@@ -113,7 +115,7 @@ def fidelity(ggml_type: GGMLQuantizationType, device: torch.device) -> dict[str,
     for n, k in SHAPES.values():
         planes = random_planes(ggml_type, n, k, device=device)
         w = dequantize(dict(zip(plane_names(ggml_type), planes, strict=True)), ggml_type)
-        for m in (*ROWS, 17):
+        for m in (*ROWS, 65):
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             error = worst_error(quant_linear(x, planes, ggml_type, columns=k), x, w)
             worst[f"M={m}"] = max(worst.get(f"M={m}", 0.0), error)
@@ -126,9 +128,10 @@ def timings(
     k: int,
     m: int,
     device: torch.device,
-    configs: list[quant_matmul_triton.Config | None],
+    configs: Sequence[quant_matmul_triton.Config | Callable[..., torch.Tensor] | None],
 ) -> tuple[float, list[float], int]:
-    """(cuBLAS bf16 seconds, seconds per config (None: the public op), quantised bytes)."""
+    """(cuBLAS bf16 seconds, seconds per config (None: the public op; a function: called as f(x, planes)),
+    quantised bytes)."""
     planes = random_planes(ggml_type, n, k, device=device)
     size = planes_bytes(dict(zip(plane_names(ggml_type), planes, strict=True)))
     copies = [planes] + [[p.clone() for p in planes] for _ in range(max(1, math.ceil(L2_OVERFLOW / size)) - 1)]
@@ -137,6 +140,8 @@ def timings(
     for config in configs:
         if config is None:
             calls = [partial(quant_linear, x, p, ggml_type, columns=k) for p in copies]
+        elif callable(config):
+            calls = [partial(config, x, p) for p in copies]
         else:
             calls = [
                 partial(quant_matmul_triton.quant_matmul, x, p, ggml_type, columns=k, config=config) for p in copies
@@ -193,7 +198,7 @@ def main() -> None:
                 row = {"type": ggml_type.name, "matrix": shape, "n": n, "k": k, "m": m, "us": ours * 1e6,
                        "gbps": gbps, "cublas_us": cublas * 1e6, "speedup": cublas / ours}  # fmt: skip
                 table.append(row)
-                path = "fused" if m <= FUSED_MAX_ROWS else "deq"
+                path = "fused" if m <= FUSED_MAX_ROWS else "gemm" if m <= GEMM_MAX_ROWS else "deq"
                 log(f"{ggml_type.name:6s} {shape:8s} {f'{n}x{k}':>12s} {m:3d} {path:>6s} {ours * 1e6:8.1f} {gbps:6.0f} "
                     f"{100 * gbps * 1e9 / bandwidth:5.0f}% {cublas * 1e6:9.1f} {cublas / ours:6.2f}x")  # fmt: skip
     results["table"] = table
@@ -217,6 +222,45 @@ def main() -> None:
         results["sweep"] = sweep
         log(f"[{time.perf_counter() - started:.0f} s]")
         _save(args.out, results)
+
+        log("\n## A batch of streams: tensor-core tiles (block_n/chunks/warps) against dequantise-then-cuBLAS, us")
+        batch = []
+        for ggml_type in [t for t in MAIN_TYPES if t.name in worst]:
+            for shape, (n, k) in SHAPES.items():
+                for m in (16, 32, 64):
+                    calls = [_dequantised(ggml_type, k), *(_gemm(ggml_type, k, tile) for tile in GEMM_TILES)]
+                    cublas, times, _ = timings(ggml_type, n, k, m, device, calls)
+                    cells = " ".join(
+                        f"{'/'.join(map(str, c))}={t * 1e6:.1f}" for c, t in zip(GEMM_TILES, times[1:], strict=True)
+                    )
+                    log(f"{ggml_type.name:5s} {shape:8s} M={m:2d}: deq={times[0] * 1e6:.1f} {cells} "
+                        f"cuBLAS={cublas * 1e6:.1f}")  # fmt: skip
+                    batch.append({"type": ggml_type.name, "matrix": shape, "m": m, "deq_us": times[0] * 1e6,
+                                  "gemm_us": [t * 1e6 for t in times[1:]], "cublas_us": cublas * 1e6})  # fmt: skip
+        results["batch"] = batch
+        log(f"[{time.perf_counter() - started:.0f} s]")
+        _save(args.out, results)
+
+
+GEMM_TILES = ((32, 8, 4), (64, 8, 4), (64, 4, 4), (128, 4, 8), (64, 8, 8))  # block_n, chunks, num_warps
+Matmul = Callable[[torch.Tensor, list[torch.Tensor]], torch.Tensor]
+
+
+def _dequantised(ggml_type: GGMLQuantizationType, k: int) -> Matmul:
+    def call(x: torch.Tensor, planes: list[torch.Tensor]) -> torch.Tensor:
+        return x @ quant_matmul_triton.dequantize(planes, ggml_type, columns=k, dtype=x.dtype).T
+
+    return call
+
+
+def _gemm(ggml_type: GGMLQuantizationType, k: int, tile: tuple[int, int, int]) -> Matmul:
+    block_n, chunks, warps = tile
+
+    def call(x: torch.Tensor, planes: list[torch.Tensor]) -> torch.Tensor:
+        return quant_gemm_triton.quant_gemm(x, planes, ggml_type, columns=k, block_n=block_n, chunks=chunks,
+                                            num_warps=warps)  # fmt: skip
+
+    return call
 
 
 def _save(path: str | None, results: dict[str, object]) -> None:

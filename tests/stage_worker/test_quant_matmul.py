@@ -3,8 +3,8 @@
 Without a GPU the Triton kernels run under Triton's interpreter (tests/conftest.py), in f32 and f16 (the interpreter
 has no bfloat16); on a GPU, compiled, in bf16 too. Each case builds random GGUF bytes of one type (every bit of
 every quantised field random; the f16 fields set per case, finite: the planes test covers NaN and inf) and splits
-them into planes as the loader does. Up to 16 rows of x the cases run the fused kernel; 17 rows run `kernel`, the
-Triton path the model takes on a GPU, which dequantises the weight beyond FUSED_MAX_ROWS.
+them into planes as the loader does. Up to 16 rows of x the cases run the fused kernel; more rows run `kernel`, the
+Triton path the model takes on a GPU: the tensor-core kernel up to GEMM_MAX_ROWS, the dequantised weight beyond.
 
 The check: every output within `tolerance(dtype)` of `x.float() @ dequantize(planes).T`, as a share of
 sum |x| |w| over that output (what an accumulation error scales with), so a wrong value anywhere in a row shows.
@@ -37,7 +37,7 @@ K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 class Case:
     name: str
     ggml_type: GGMLQuantizationType
-    m: int  # rows of x: up to 16 the fused kernel, 17 the dequantise path
+    m: int  # rows of x: up to 16 the fused kernel, then `kernel`'s paths (17, 40: tensor cores; 65: dequantise)
     n: int  # weight rows, not a multiple of any BLOCK_N
     k: int
     blocks: str  # the f16 fields: "normal", "extreme" (+-65504 beside tiny), "zero" (a third of blocks all zero
@@ -55,11 +55,11 @@ def _cases() -> list[Case]:
     cases = []
     for t in sorted(FUSED_TYPES):
         short, long = _k(t, long=False), _k(t, long=True)
-        cases += [Case(f"{t.name} M={m}", t, m, 37 if m < 16 else 19, short, "normal") for m in (1, 3, 16, 17)]
-        cases += [Case(f"{t.name} M={m}, K={long}", t, m, 21, long, "normal") for m in (1, 3)]
-        cases += [Case(f"{t.name} M={m}, extreme scales", t, m, 19, short, "extreme") for m in (1, 16)]
+        cases += [Case(f"{t.name} M={m}", t, m, 37 if m < 16 else 19, short, "normal") for m in (1, 3, 16, 17, 40, 65)]
+        cases += [Case(f"{t.name} M={m}, K={long}", t, m, 21, long, "normal") for m in (1, 3, 33)]
+        cases += [Case(f"{t.name} M={m}, extreme scales", t, m, 19, short, "extreme") for m in (1, 16, 24)]
         cases += [Case(f"{t.name} M=3, zero blocks", t, 3, 19, short, "zero")]
-        cases += [Case(f"{t.name} M={m}, negative scales", t, m, 19, short, "negative") for m in (1, 17)]
+        cases += [Case(f"{t.name} M={m}, negative scales", t, m, 19, short, "negative") for m in (1, 17, 65)]
     return cases
 
 
@@ -121,8 +121,8 @@ def run_case(case: Case, *, device: torch.device, dtype: torch.dtype, seed: int 
 
 
 def _applies(case: Case, dtype: torch.dtype) -> bool:
-    # Beyond 16 rows the weights are dequantised into x's dtype for cuBLAS: extreme f16 scales make values past f16's
-    # largest, as any f16 matmul of them would.
+    # Beyond the fused kernel the weights are rounded to x's dtype (in tiles, or whole for cuBLAS): extreme f16 scales
+    # make values past f16's largest, as any f16 matmul of them would.
     return not (case.blocks == "extreme" and dtype == torch.float16 and case.m > FUSED_MAX_ROWS)
 
 

@@ -2,10 +2,11 @@
 
 `quant_linear` is what the model calls. On a CUDA device it runs Triton (strata.stage_worker.kernels.
 quant_matmul_triton): for up to FUSED_MAX_ROWS rows of x (decode) a fused kernel reads the planes once and never
-writes the weight out; for more rows the weight is dequantised into x's dtype and cuBLAS multiplies (the fused
-kernel's products run on CUDA cores, one FMA a value and row: past a few rows the tensor cores win despite the
-weight's extra bytes). Anywhere else, and as the kernels' test oracle, it runs `reference`: the f32 values of
-strata.stage_worker.weights.formats, rounded to x's dtype, then `x @ w.T`.
+writes the weight out, its products on the CUDA cores; up to GEMM_MAX_ROWS (a batch of decode streams) a kernel that
+dequantises tiles in registers and multiplies them on the tensor cores (quant_gemm_triton); for more rows (prefill)
+the weight is dequantised into x's dtype once and cuBLAS multiplies, its cost spread over many rows. Anywhere else,
+and as the kernels' test oracle, it runs `reference`: the f32 values of strata.stage_worker.weights.formats, rounded
+to x's dtype, then `x @ w.T`.
 
 Both are registered as torch custom ops so that torch.compile keeps them whole inside a compiled block (and a CUDA
 graph replays them).
@@ -37,6 +38,10 @@ FUSED_TYPES: frozenset[GGMLQuantizationType] = frozenset(
 # Q8_0: at 8 rows 1.4-2.1x faster, e.g. Q4_K gate_up 115 against 194 us; at 16 rows its registers spill and it is
 # several times slower).
 FUSED_MAX_ROWS = 8
+# Rows up to which the tensor-core kernel beats dequantise-then-cuBLAS (same H100 and matrices): at 16 rows 1.4-2.9x
+# faster (Q8_0 gate_up 76 against 218 us, near cuBLAS on bf16 weights), at 64 still ahead over a layer's four
+# matrices (Q4_K 339 against 367 us), though no longer on the small ones.
+GEMM_MAX_ROWS = 64
 
 
 def _as_list(planes: Mapping[str, Tensor] | Sequence[Tensor], ggml_type: GGMLQuantizationType) -> list[Tensor]:
@@ -82,6 +87,10 @@ def _quant_linear_op(x: Tensor, planes: list[Tensor], ggml_type: int, columns: i
     with _device(x):
         if x.shape[0] <= FUSED_MAX_ROWS and t in FUSED_TYPES:
             return quant_matmul_triton.quant_matmul(x, planes, t, columns=columns)
+        if x.shape[0] <= GEMM_MAX_ROWS and t in FUSED_TYPES:
+            from strata.stage_worker.kernels import quant_gemm_triton
+
+            return quant_gemm_triton.quant_gemm(x, planes, t, columns=columns)
         w = quant_matmul_triton.dequantize(planes, t, columns=columns, dtype=x.dtype)
         return x @ w.T
 

@@ -1,0 +1,159 @@
+"""GGUF planes times a batch of activations on the tensor cores: the weight dequantised in registers, tile by tile.
+
+The fused kernel of strata.stage_worker.kernels.quant_matmul_triton forms each weight value once and multiplies it by
+every row of x on the CUDA cores: the right trade for a decode step of a few rows, and past about eight rows its
+registers run out. Beyond that the model used to dequantise the whole matrix into x's dtype and hand it to cuBLAS,
+which writes two bytes a value and reads them back every step: at 16 streams that cost more than the weights' own
+bytes. This kernel reads the planes once, forms a [BLOCK_N, CHUNKS x 16] tile of values in registers with the same
+block reader (`_chunk`, `_pair`: exactly the dequantise kernel's values), rounds it to x's dtype (as the dequantise
+path does), and multiplies it by the matching columns of x with `tl.dot`. A tile's columns are the chunks' own (a
+K-quant's nibbles lie 32 columns apart), so x is gathered at them; x is small and stays in cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+from gguf import GGMLQuantizationType
+from strata.stage_worker.kernels.quant_matmul_triton import (
+    WAVES,
+    _chunk,
+    _chunks,
+    _columns,
+    _constexprs,
+    _join4,
+    _multiprocessors,
+    _pair,
+    _planes,
+    _unit,
+)
+from torch import Tensor
+
+MAX_ROWS = 64  # rows of x one program holds ([BLOCK_N, BLOCK_M] f32 accumulators)
+
+
+def default_tile(ggml_type: GGMLQuantizationType, rows: int) -> tuple[int, int, int]:
+    """(block_n, chunks, num_warps), measured on an H100 over Llama-3-8B's four matrices (bench/quant_matmul.py
+    --sweep): Q8_0 wants wide K steps at 16 rows and wide N tiles at 64, the K-quants narrow K steps up to 32 rows."""
+    q8 = ggml_type == GGMLQuantizationType.Q8_0
+    if rows <= 16:
+        return (64, 8, 4) if q8 else (64, 4, 4)
+    if rows <= 32:
+        return (64, 4, 4)
+    return (128, 4, 8) if q8 else (64, 8, 4)
+
+
+@triton.jit
+def _gemm(
+    x_ptr, out_ptr, q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr,
+    M, N, n_chunks, chunks_per_split,
+    sxm, sos, som, sq, sh, sd, sd2, ssc, smn,
+    FAMILY: tl.constexpr, BITS: tl.constexpr, MINIMUMS: tl.constexpr, HALF_STRIDE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, F32_DOT: tl.constexpr,
+):  # fmt: skip
+    """out[split, m, n] = sum over the split's chunks of x[m] . W[n], a tile's products on the tensor cores."""
+    NIBBLES: tl.constexpr = 1 if HALF_STRIDE == 0 else 2
+    SPLIT_HALVES: tl.constexpr = FAMILY >= 2
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_in = tl.minimum(rows, N - 1)  # rows past N read row N - 1 and are not stored
+    m = tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    offs_c = tl.arange(0, CHUNKS)
+    offs_w = tl.arange(0, 4 * CHUNKS)
+    sixteen = tl.arange(0, 16)[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    first = pid_k * chunks_per_split
+    last = tl.minimum(first + chunks_per_split, n_chunks)
+    for k0 in range(first, last, CHUNKS):
+        kc = k0 + offs_c
+        kmask = kc < last
+        flat = 4 * k0 + offs_w
+        words, high, a_lo, b_lo, a_hi, b_hi, base = _chunk(
+            FAMILY, BITS, MINIMUMS, q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr, sq, sh, sd, sd2, ssc, smn,
+            rows_in, kc, kmask, flat, flat < 4 * last,
+        )  # fmt: skip
+        w0, w1, w2, w3 = _columns(words)
+        h0, h1, h2, h3 = _columns(high)
+        for h in tl.static_range(NIBBLES):
+            if SPLIT_HALVES and h == 1:
+                scale = a_hi[:, :, None]
+                offset = b_hi[:, :, None]
+            else:
+                scale = a_lo[:, :, None]
+                offset = b_lo[:, :, None]
+            # The chunk's 16 values of nibble h, in column order (as the dequantise kernel stores them).
+            v00, v02 = _pair(FAMILY, BITS, w0, h0, 0, h)
+            v01, v03 = _pair(FAMILY, BITS, w0, h0, 1, h)
+            v10, v12 = _pair(FAMILY, BITS, w1, h1, 0, h)
+            v11, v13 = _pair(FAMILY, BITS, w1, h1, 1, h)
+            v20, v22 = _pair(FAMILY, BITS, w2, h2, 0, h)
+            v21, v23 = _pair(FAMILY, BITS, w2, h2, 1, h)
+            v30, v32 = _pair(FAMILY, BITS, w3, h3, 0, h)
+            v31, v33 = _pair(FAMILY, BITS, w3, h3, 1, h)
+            values = _join4(
+                _join4(v00, v10, v20, v30), _join4(v01, v11, v21, v31), _join4(v02, v12, v22, v32),
+                _join4(v03, v13, v23, v33),
+            )  # fmt: skip
+            u = tl.reshape(values, (BLOCK_N, CHUNKS, 16)) * _unit(BITS, h)  # exact
+            w = tl.reshape(tl.fma(scale, u, offset), (BLOCK_N, CHUNKS * 16)).to(x_ptr.dtype.element_ty)
+            column = tl.reshape(base[:, None] + HALF_STRIDE * h + sixteen, (CHUNKS * 16,))  # [C x 16]
+            column_ok = tl.reshape(kmask[:, None] & (sixteen < 16), (CHUNKS * 16,))
+            xt = tl.load(
+                x_ptr + m[None, :] * sxm + column[:, None], mask=column_ok[:, None] & m_ok[None, :], other=0.0
+            )  # [C x 16, BLOCK_M]
+            if F32_DOT:
+                acc += tl.dot(w, xt, input_precision="ieee")
+            else:
+                acc += tl.dot(w, xt)
+    mask = m_ok[None, :] & (rows < N)[:, None]
+    tl.store(out_ptr + pid_k * sos + m[None, :] * som + rows[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def quant_gemm(
+    x: Tensor,
+    planes: Sequence[Tensor],
+    ggml_type: GGMLQuantizationType,
+    *,
+    columns: int,
+    block_n: int | None = None,
+    chunks: int | None = None,
+    num_warps: int | None = None,
+) -> Tensor:
+    """x [M, K] (M <= MAX_ROWS) @ W.T -> [M, N] in x's dtype, W given as its planes (formats.plane_names order);
+    the tile is `default_tile`'s where not given."""
+    m_rows, k = x.shape
+    tile = default_tile(ggml_type, m_rows)
+    block_n, chunks, num_warps = block_n or tile[0], chunks or tile[1], num_warps or tile[2]
+    if k != columns:
+        raise ValueError(f"x has {k} columns, the weight {columns}")
+    if m_rows > MAX_ROWS:
+        raise ValueError(f"the tensor-core kernel takes at most {MAX_ROWS} rows of x, not {m_rows}")
+    n = planes[0].shape[0]
+    if m_rows == 0:
+        return x.new_empty((0, n))
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    n_chunks = _chunks(columns, ggml_type)
+    chunks = min(chunks, triton.next_power_of_2(n_chunks))
+    programs = triton.cdiv(n, block_n)
+    steps = triton.cdiv(n_chunks, chunks)
+    splits = max(1, min(steps, WAVES * _multiprocessors(x.device) // programs))
+    chunks_per_split = triton.cdiv(steps, splits) * chunks
+    splits = triton.cdiv(n_chunks, chunks_per_split)
+    if splits == 1:
+        out = torch.empty((m_rows, n), device=x.device, dtype=x.dtype)
+    else:  # f32 partial sums, added below
+        out = torch.empty((splits, m_rows, n), device=x.device, dtype=torch.float32)
+    slots, strides = _planes(planes, ggml_type)
+    _gemm[(programs, splits)](
+        x, out, *slots, m_rows, n, n_chunks, chunks_per_split,
+        x.stride(0), out.stride(0) if splits > 1 else 0, out.stride(-2), *strides,
+        **_constexprs(ggml_type), BLOCK_M=max(16, triton.next_power_of_2(m_rows)), BLOCK_N=block_n, CHUNKS=chunks,
+        F32_DOT=x.dtype == torch.float32, num_warps=num_warps,
+    )  # fmt: skip
+    return out if splits == 1 else out.sum(dim=0).to(x.dtype)

@@ -69,7 +69,7 @@ class Informer:
         self.lists = 0  # how many LISTs this informer made: one, plus one per expired watch
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name=f"informer-{self.name}", daemon=True)
+        self._thread = threading.Thread(target=self.run, name=f"informer-{self.name}", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -93,7 +93,8 @@ class Informer:
         with self._lock:
             return self._store.get(key)
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """List, then watch, until stopped; start() runs this on a thread of its own."""
         version: str | None = None
         while not self._stopped.is_set():
             try:
@@ -125,7 +126,7 @@ class Informer:
         self.lists += 1
         with self._lock:
             old, self._store = self._store, fresh
-        for key in old.keys() | fresh.keys():
+        for key in sorted(old.keys() | fresh.keys()):
             self._changed(key, old.get(key), fresh.get(key))
         self._synced.set()
         return str(meta["resourceVersion"])

@@ -28,7 +28,7 @@ from strata.operator.crd import render_crd
 from strata.operator.spec import GROUP, PLURAL, VERSION
 from strata_testbed.bad_models import closed_port, serve_refusals, write_bad_headers
 from strata_testbed.controlplane import ControlPlane
-from strata_testbed.operator_process import OperatorProcess
+from strata_testbed.operator_run import OperatorProcess
 from strata_testbed.range_server import serve_directory
 from strata_testbed.waiting import establish_crd, eventually
 

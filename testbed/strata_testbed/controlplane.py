@@ -24,7 +24,7 @@ from types import TracebackType
 
 import yaml
 
-from strata_testbed.pki import CertPair, ClusterPKI, create_pki
+from strata_testbed.pki import OPERATOR_USER, CertPair, ClusterPKI, create_pki
 from strata_testbed.processes import ManagedProcess
 
 TESTBED_DIR = Path(__file__).resolve().parent.parent
@@ -82,6 +82,8 @@ class ControlPlane:
     probe_readiness: bool = False
     bin_dir: Path = field(init=False)
     kubeconfig: Path = field(init=False)
+    operator_kubeconfig: Path = field(init=False)  # the operator's own identity: its requests are audited
+    audit_log: Path = field(init=False)
     server: str = field(init=False)
     pki: ClusterPKI = field(init=False)
     _processes: list[ManagedProcess] = field(default_factory=list, init=False)
@@ -165,6 +167,7 @@ class ControlPlane:
         self._wait(etcd, lambda: _http_ok(f"{etcd_url}/health"))
 
         api_port = free_port()
+        self.audit_log = work / "audit.log"
         self.server = f"https://127.0.0.1:{api_port}"
         apiserver = self._spawn(
             "kube-apiserver",
@@ -185,12 +188,23 @@ class ControlPlane:
                 "--allow-privileged=true",
                 f"--cert-dir={work / 'apiserver-certs'}",
                 "--profiling=false",
+                f"--audit-policy-file={_audit_policy(work)}",
+                f"--audit-log-path={self.audit_log}",
+                "--audit-log-format=json",
+                "--audit-log-mode=blocking",
                 "--v=1",
             ],
             logs,
         )
         self.kubeconfig = write_kubeconfig(
             path=work / "admin.kubeconfig", server=self.server, ca=pki.ca.cert, client=pki.admin, user="admin"
+        )
+        self.operator_kubeconfig = write_kubeconfig(
+            path=work / "operator.kubeconfig",
+            server=self.server,
+            ca=pki.ca.cert,
+            client=pki.operator,
+            user=OPERATOR_USER,
         )
         admin_tls = _client_tls(pki.ca.cert, pki.admin)
         self._wait(apiserver, lambda: _http_ok(f"{self.server}/readyz", tls=admin_tls))
@@ -304,6 +318,20 @@ class ControlPlane:
         raise ControlPlaneError(
             f"{process.name} was not ready within {self.ready_timeout:.0f} s:\n{process.log_tail()}"
         )
+
+
+def _audit_policy(work: Path) -> Path:
+    """Only the operator's requests are logged (their verb, resource and scope), one line each when answered; a
+    watch is logged when its response starts, so one still open is counted too."""
+    policy = {
+        "apiVersion": "audit.k8s.io/v1",
+        "kind": "Policy",
+        "omitStages": ["RequestReceived"],
+        "rules": [{"level": "Metadata", "users": [OPERATOR_USER]}, {"level": "None"}],
+    }
+    path = work / "audit-policy.yaml"
+    path.write_text(yaml.safe_dump(policy))
+    return path
 
 
 def _client_tls(ca: Path, client: CertPair) -> ssl.SSLContext:

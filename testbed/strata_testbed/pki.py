@@ -26,11 +26,15 @@ class CertPair:
     key: Path
 
 
+OPERATOR_USER = "strata-operator"
+
+
 @dataclass(frozen=True)
 class ClusterPKI:
     ca: CertPair
     apiserver: CertPair
     admin: CertPair
+    operator: CertPair  # a superuser like admin, under its own name so the audit log can tell its requests apart
     controller_manager: CertPair
     scheduler: CertPair
     service_account_key: Path
@@ -116,6 +120,7 @@ def create_pki(folder: Path) -> ClusterPKI:
     ca = (ca_cert, ca_key)
     apiserver, _, _ = _issue(folder=folder, stem="apiserver", subject=_name("kube-apiserver"), ca=ca, server=True)
     admin, _, _ = _issue(folder=folder, stem="admin", subject=_name("admin", "system:masters"), ca=ca)
+    operator, _, _ = _issue(folder=folder, stem="operator", subject=_name(OPERATOR_USER, "system:masters"), ca=ca)
     kcm, _, _ = _issue(folder=folder, stem="controller-manager", subject=_name("system:kube-controller-manager"), ca=ca)
     scheduler, _, _ = _issue(folder=folder, stem="scheduler", subject=_name("system:kube-scheduler"), ca=ca)
 
@@ -130,6 +135,7 @@ def create_pki(folder: Path) -> ClusterPKI:
         ca=ca_pair,
         apiserver=apiserver,
         admin=admin,
+        operator=operator,
         controller_manager=kcm,
         scheduler=scheduler,
         service_account_key=sa_key_path,

@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 from kubernetes import client
 from strata.lease import LeaseElector, LeaseTiming
-from strata.operator.children import Owner, gateway_access, gateway_deployment, stage_statefulset
+from strata.operator.children import Owner, coordinator_lease, gateway_access, gateway_deployment, stage_statefulset
+from strata.operator.cluster_cache import ClusterCache
+from strata.operator.doorbells import Doorbells
 from strata.operator.kube import Cluster
 from strata.operator.models import ModelCache
 from strata.operator.names import Names
@@ -23,6 +25,7 @@ from strata.operator.spec import ModelDeploymentSpec
 from strata.operator.status import Coordinator, EventReason, ModelDeploymentStatus, PlanSummary, StageSummary
 from strata.plan import Backend, Plan
 from strata.plan import Stage as StagePlan
+from strata_testbed.waiting import eventually
 
 SPEC = ModelDeploymentSpec.from_manifest(
     {
@@ -107,7 +110,7 @@ def namespace(api_client: client.ApiClient) -> Iterator[str]:
 def granted(api_client: client.ApiClient, namespace: str) -> Owner:
     """The rendered ServiceAccount, Role and RoleBinding, applied to the real API server."""
     owner = Owner(name="tiny", namespace=namespace, uid=str(uuid.uuid4()))
-    cluster = Cluster(api_client)
+    cluster = Cluster(api_client, ClusterCache(api_client, namespaces=[namespace], doorbells=Doorbells()))
     for manifest in gateway_access(owner):
         manifest["metadata"].pop("ownerReferences")  # no ModelDeployment here to own them
         cluster.apply(manifest)
@@ -183,23 +186,45 @@ def test_the_gateway_role_allows_creating_events_and_nothing_more(
 def test_status_follows_the_lease_holder_with_an_event_when_it_changes(
     api_client: client.ApiClient, namespace: str
 ) -> None:
+    cache = ClusterCache(api_client, namespaces=[namespace], doorbells=Doorbells())
+    cache.start(timeout=30)
+    try:
+        _follow_the_holder(api_client, namespace, Cluster(api_client, cache))
+    finally:
+        cache.stop()
+
+
+def _follow_the_holder(api_client: client.ApiClient, namespace: str, cluster: Cluster) -> None:
+    # The operator creates the (labelled) Lease it watches; the gateways only write its spec.
+    created = coordinator_lease(Owner(name="tiny", namespace=namespace, uid=str(uuid.uuid4())))
+    created["metadata"].pop("ownerReferences")  # no ModelDeployment here to own it
+    cluster.apply(created)
     reconciler = Reconciler(
-        cluster=Cluster(api_client), models=ModelCache(), image="strata:dev", operator_namespace="strata-system"
+        cluster=cluster, models=ModelCache(), image="strata:dev", operator_namespace="strata-system"
     )
     lease = Names("tiny", namespace).coordinator_lease
+
+    def watched(holder: tuple[str, int]) -> None:
+        """The operator reads the Lease from its watch: wait until the watch has delivered the change."""
+        eventually(
+            lambda: cluster.lease_holder(namespace=namespace, name=lease) == holder, timeout=30, what=f"{holder}"
+        )
+
     timing = LeaseTiming(duration_seconds=3, renew_deadline_seconds=2.0, retry_period_seconds=0.5)
     api = client.CoordinationV1Api(api_client)
     a, b = (LeaseElector(api=api, namespace=namespace, name=lease, identity=w, timing=timing) for w in ("a", "b"))
     outcome = Outcome(status=ModelDeploymentStatus())
 
     reconciler.observe_coordinator(namespace=namespace, name="tiny", outcome=outcome)
-    assert outcome.status.coordinator is None, "no Lease yet: no coordinator"
+    assert outcome.status.coordinator is None, "nobody holds the Lease yet: no coordinator"
     assert a.try_acquire_or_renew() is not None
+    watched(("a", 1))
     reconciler.observe_coordinator(namespace=namespace, name="tiny", outcome=outcome)
     reconciler.observe_coordinator(namespace=namespace, name="tiny", outcome=outcome)
     assert outcome.status.coordinator == Coordinator(holder="a", term=1)
     a.release()
     assert b.try_acquire_or_renew() is not None
+    watched(("b", 2))
     reconciler.observe_coordinator(namespace=namespace, name="tiny", outcome=outcome)
     assert outcome.status.coordinator == Coordinator(holder="b", term=2)
     assert [(e.reason, e.message) for e in outcome.events] == [

@@ -213,11 +213,16 @@ CLUSTER_WIDE = [
     ("patch", "nodes", None, False),
     ("delete", "modeldeployments.strata.dev", "other", False),
     # It grants each gateway get/update on its coordinator Lease, so it must hold those itself (RBAC escalation
-    # prevention); it never deletes or lists Leases.
+    # prevention); it watches the coordinator Leases (and gateway Deployments) instead of reading them on a timer,
+    # and never deletes a Lease.
     ("update", "leases.coordination.k8s.io/a-gateway-lease", "other", True),
     ("patch", "leases.coordination.k8s.io/a-gateway-lease", "other", True),
     ("delete", "leases.coordination.k8s.io/LEASE", "release", False),
-    ("list", "leases.coordination.k8s.io", "other", False),
+    ("list", "leases.coordination.k8s.io", "other", True),
+    ("watch", "leases.coordination.k8s.io", None, True),
+    ("watch", "deployments.apps", None, True),
+    ("get", "events", "other", True),
+    ("patch", "events", "other", True),
     ("create", "serviceaccounts", "other", True),
     ("create", "roles.rbac.authorization.k8s.io", "other", True),
     ("create", "rolebindings.rbac.authorization.k8s.io", "other", True),

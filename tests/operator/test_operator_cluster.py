@@ -8,57 +8,36 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
 import pytest
-from kubernetes import client, config
+from kubernetes import client
 from strata.gguf import read_model_header
 from strata.gguf.testmodels.shapes import LARGE_SHAPES
 from strata.gguf.testmodels.writer import write_header_only_model, write_test_model
-from strata.operator.crd import render_crd
 from strata.operator.names import LABEL_GENERATION, LABEL_INSTANCE
 from strata.operator.spec import GROUP, PLURAL, VERSION
 from strata_testbed.broken_models import cut_tensor_data
 from strata_testbed.controlplane import ControlPlane
 from strata_testbed.demo import gateway_url
-from strata_testbed.operator_process import OperatorProcess
+from strata_testbed.operator_run import (
+    OperatorProcess,
+    condition,
+    create,
+    deployment,
+    planned_and_running,
+    read,
+    stage_pods,
+)
 from strata_testbed.pod_runner import PodRunner
-from strata_testbed.waiting import establish_crd, eventually
+from strata_testbed.waiting import eventually
 
 pytestmark = pytest.mark.cluster
 
 T = TypeVar("T")
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    folder = tmp_path_factory.mktemp("models")
-    big = dataclasses.replace(LARGE_SHAPES["llama3-70b"], name="Larger-than-the-pool", block_count=8000)
-    return {
-        "70b": write_header_only_model(folder / "llama3-70b.gguf", shape="llama3-70b").path,
-        "too-big": write_header_only_model(folder / "too-big.gguf", shape=big).path,
-    }
-
-
-@pytest.fixture(scope="module")
-def cluster(control_plane: ControlPlane) -> Iterator[client.ApiClient]:
-    api = config.new_client_from_config(config_file=str(control_plane.kubeconfig))
-    establish_crd(api, render_crd())
-    yield api
-    api.close()
-
-
-@pytest.fixture
-def namespace(cluster: client.ApiClient) -> Iterator[str]:
-    core = client.CoreV1Api(cluster)
-    name = f"op-{uuid.uuid4().hex[:6]}"
-    core.create_namespace(body={"metadata": {"name": name}})
-    yield name
-    core.delete_namespace(name=name)
 
 
 @pytest.fixture
@@ -70,47 +49,6 @@ def operator(control_plane: ControlPlane, namespace: str, tmp_path: Path) -> Ite
     print((tmp_path / "operator.log").read_text(errors="replace")[-6000:])  # shown when the test fails
 
 
-def deployment(name: str, model: Path, **spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "ModelDeployment",
-        "metadata": {"name": name},
-        "spec": {"model": {"url": model.as_uri()}, **spec},
-    }
-
-
-def read(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
-    return dict(
-        client.CustomObjectsApi(api).get_namespaced_custom_object(
-            group=GROUP, version=VERSION, namespace=namespace, plural=PLURAL, name=name
-        )
-    )
-
-
-def condition(body: dict[str, Any], kind: str) -> dict[str, Any] | None:
-    for c in (body.get("status") or {}).get("conditions", []):
-        if c["type"] == kind:
-            return dict(c)
-    return None
-
-
-def stage_pods(api: client.ApiClient, namespace: str, name: str) -> list[client.V1Pod]:
-    pods = (
-        client.CoreV1Api(api)
-        .list_namespaced_pod(
-            namespace=namespace, label_selector=f"{LABEL_INSTANCE}={name},app.kubernetes.io/component=stage"
-        )
-        .items
-    )
-    return sorted(pods, key=lambda p: p.metadata.name)
-
-
-def create(api: client.ApiClient, namespace: str, body: dict[str, Any]) -> None:
-    client.CustomObjectsApi(api).create_namespaced_custom_object(
-        group=GROUP, version=VERSION, namespace=namespace, plural=PLURAL, body=body
-    )
-
-
 def pod_runner(control_plane: ControlPlane, *, core: client.CoreV1Api, namespace: str, folder: Path) -> PodRunner:
     """Runs the pods of `namespace` as local processes (the real stage and gateway code), logs under `folder`/pods."""
     return PodRunner(
@@ -120,18 +58,6 @@ def pod_runner(control_plane: ControlPlane, *, core: client.CoreV1Api, namespace
         api_server=control_plane.server,
         ca=control_plane.pki.ca.cert,
     )
-
-
-def planned_and_running(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any] | None:
-    body = read(api, namespace, name)
-    plan = (body.get("status") or {}).get("plan")
-    if not plan:
-        return None
-    pods = stage_pods(api, namespace, name)
-    current = [p for p in pods if p.metadata.labels.get(LABEL_GENERATION) == str(plan["generation"])]
-    if len(current) != len(plan["stages"]) or any(p.status.phase != "Running" for p in current):
-        return None
-    return body
 
 
 @pytest.mark.usefixtures("operator")

@@ -28,7 +28,7 @@ from strata.operator.crd import render_crd
 from strata.operator.spec import GROUP, PLURAL, VERSION
 from strata_testbed.bad_models import closed_port, serve_refusals, write_bad_headers
 from strata_testbed.controlplane import ControlPlane
-from strata_testbed.operator_process import OperatorProcess
+from strata_testbed.operator_run import OperatorProcess
 from strata_testbed.range_server import serve_directory
 from strata_testbed.waiting import establish_crd, eventually
 
@@ -53,8 +53,8 @@ def bed(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -
     folder = tmp_path_factory.mktemp("status-truth")
     model = write_header_only_model(folder / "llama3-70b.gguf", shape="llama3-70b").path
     files = write_bad_headers(folder, whole=model)
-    phi3 = dataclasses.replace(LARGE_SHAPES["llama3-8b"], architecture="phi3", block_count=4)
-    files["phi3"] = write_header_only_model(folder / "phi3.gguf", shape=phi3).path
+    falcon = dataclasses.replace(LARGE_SHAPES["llama3-8b"], architecture="falcon", block_count=4)
+    files["falcon"] = write_header_only_model(folder / "falcon.gguf", shape=falcon).path
     api = config.new_client_from_config(config_file=str(control_plane.kubeconfig))
     establish_crd(api, render_crd())
     core = client.CoreV1Api(api)
@@ -155,7 +155,7 @@ ROWS = {
         model(lambda b: b.files["hostile"].as_uri()), "ModelHeaderInvalid", "tensor_count at byte 8"
     ),
     "an architecture the stages do not run": Row(
-        model(lambda b: b.files["phi3"].as_uri()), "ModelNotExecutable", "'phi3' is not one", retried=False
+        model(lambda b: b.files["falcon"].as_uri()), "ModelNotExecutable", "'falcon' is not one", retried=False
     ),
     "zero usable GPUs": Row(
         lambda b: {"placement": {"nodeSelector": {"strata.dev/no-such-pool": "x"}}},

@@ -82,8 +82,8 @@ app.kubernetes.io/component: operator
 {{/*
 strata.operator.rules: what the operator does inside a watched namespace (or every namespace, in a ClusterRole),
 and no more: children are written with server-side apply, which needs `create` for an object that does not exist
-yet and `patch` otherwise; the only children it reads or deletes are stage StatefulSets (a new plan generation
-replaces the old) and the gateway Deployment (readiness). In cluster-wide mode a read of ConfigMaps or Services
+yet and `patch` otherwise; the children it watches are stage StatefulSets (a new plan generation replaces the old:
+the only kind it deletes), the gateway Deployment and the coordinator Lease (readiness). In cluster-wide mode a read of ConfigMaps or Services
 would reach every namespace, so none is granted. Extend this list together with the reconciler.
 */}}
 {{- define "strata.operator.rules" -}}
@@ -104,9 +104,11 @@ would reach every namespace, so none is granted. Extend this list together with 
 - apiGroups: ["apps"]
   resources: ["statefulsets"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# The operator watches its gateway Deployments and coordinator Leases (labelled app.kubernetes.io/name=strata)
+# instead of reading them on a timer.
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: ["networking.k8s.io"]
   resources: ["ingresses", "networkpolicies"]
   verbs: ["create", "patch"]
@@ -124,7 +126,7 @@ would reach every namespace, so none is granted. Extend this list together with 
   verbs: ["create", "patch"]
 - apiGroups: ["coordination.k8s.io"]
   resources: ["leases"]
-  verbs: ["get", "update", "create", "patch"]
+  verbs: ["get", "list", "watch", "update", "create", "patch"]
 {{- with .Values.operator.secretNames }}
 - apiGroups: [""]
   resources: ["secrets"]

@@ -31,7 +31,7 @@ class _Attempts:
 
 class Backoff:
     """Failed attempts per deployment uid; `due` says when the next one should run. Thread-safe: kopf runs the
-    change handlers and the timers of a deployment in different threads."""
+    change handlers of a deployment in one thread and its monitor's passes in another."""
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -50,6 +50,12 @@ class Backoff:
     def succeeded(self, uid: str) -> None:
         with self._lock:
             self._attempts.pop(uid, None)
+
+    def remaining(self, uid: str) -> float | None:
+        """Seconds until the next attempt is due (0 once it is), None while no failed attempt waits for one."""
+        with self._lock:
+            attempts = self._attempts.get(uid)
+            return None if attempts is None else max(0.0, attempts.due - self._clock())
 
     def due(self, uid: str) -> bool:
         """A failed attempt waits for its retry and the delay has passed."""

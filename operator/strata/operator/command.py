@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from prometheus_client import Gauge
 
 DEFAULT_IMAGE = "strata:0.1.0"
+CACHE_SYNC_SECONDS = 120.0
 
 
 def register(subparsers: Any) -> None:
@@ -83,19 +84,25 @@ def run(args: argparse.Namespace) -> int:
     from kubernetes import client
     from strata.lease import LeaseElector, LeaseTiming
     from strata.operator import handlers
+    from strata.operator.cluster_cache import CacheNotSynced, ClusterCache
+    from strata.operator.doorbells import Doorbells
     from strata.operator.kube import Cluster
     from strata.operator.models import ModelCache
     from strata.operator.reconcile import Reconciler
+    from strata.operator.status_writer import StatusWriter
 
     kopf.configure(log_format=kopf.LogFormat.JSON if args.json_logs else kopf.LogFormat.PLAIN)
     log = logging.getLogger("strata.operator")
     api_client = _api_client(args.kubeconfig)
     # The operator's Lease lives in the operator's own namespace (the chart sets STRATA_OPERATOR_NAMESPACE from the
     # pod), which is also where stage NetworkPolicies must admit it from.
+    doorbells = Doorbells()
+    cache = ClusterCache(api_client, namespaces=args.namespaces, doorbells=doorbells)
+    cluster = Cluster(api_client, cache)
     reconciler = Reconciler(
-        cluster=Cluster(api_client), models=ModelCache(), image=args.image, operator_namespace=args.lease_namespace
+        cluster=cluster, models=ModelCache(), image=args.image, operator_namespace=args.lease_namespace
     )
-    handlers.install(reconciler)
+    handlers.install(reconciler, writer=StatusWriter(cluster), doorbells=doorbells)
 
     timing = LeaseTiming()
     elector = LeaseElector(
@@ -131,6 +138,14 @@ def run(args: argparse.Namespace) -> int:
         if stop.is_set():
             return 1
     try:
+        # Only the leader watches, and it acts only once every watch has listed: a pool half read would look
+        # like nodes lost. A standby that takes over builds the same view from scratch before its first reconcile.
+        try:
+            cache.start(timeout=CACHE_SYNC_SECONDS)
+        except CacheNotSynced as e:
+            log.error("%s", e)
+            return 1
+        log.info("the pool is watched: %d nodes, %d GPU pods", len(cache.nodes.items()), len(cache.pods.items()))
         kopf.run(
             standalone=True,
             clusterwide=not args.namespaces,
@@ -139,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
         )
     finally:
         stop.set()
+        cache.stop()
         if not lost.is_set():
             elector.release()
     return 1 if lost.is_set() else 0

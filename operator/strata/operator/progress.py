@@ -9,7 +9,7 @@ answer within the timeout simply has no entry this time.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,14 +42,14 @@ def stage_progress(address: str, *, stage: int, timeout: float = PROBE_TIMEOUT_S
     return StageLoad(stage=stage, bytes_loaded=status.bytes_loaded, bytes_total=status.bytes_total, error=status.error)
 
 
-def load_progress(pods: Iterable[Any]) -> list[StageLoad]:
-    """One entry per stage pod that has an IP and answers."""
+def load_progress(pods: Iterable[Mapping[str, Any]]) -> list[StageLoad]:
+    """One entry per stage pod (a camelCase dict) that has an IP and answers."""
     found = []
     for pod in pods:
-        ip = pod.status.pod_ip if pod.status else None
+        ip = (pod.get("status") or {}).get("podIP")
         if not ip:
             continue
-        entry = stage_progress(f"{ip}:{STAGE_PORT}", stage=int(pod.metadata.labels[LABEL_STAGE]))
+        entry = stage_progress(f"{ip}:{STAGE_PORT}", stage=int(pod["metadata"]["labels"][LABEL_STAGE]))
         if entry is not None:
             found.append(entry)
     return sorted(found, key=lambda e: e.stage)

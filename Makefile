@@ -19,10 +19,12 @@ $(STAMP): pyproject.toml constraints.txt
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-# The main job: the control plane with the fake GPU pool, the chart, a generated model applied from examples/, every
-# Strata pod run as a local process, until Ctrl-C (DEMO_ARGS=--keep-logs keeps the cluster and pod logs).
+# The main job: the control plane with the fake GPU pool, the chart, a model applied from examples/, every Strata pod
+# run as a local process, until Ctrl-C (DEMO_ARGS=--keep-logs keeps the cluster and pod logs). DEMO_MODEL picks the
+# model: generated (random weights) or gemma3-270m (the real Gemma 3 270M file of the test extra); any other is refused.
+DEMO_MODEL ?= generated
 demo: setup
-	$(BIN)/python -m strata_testbed.demo $(DEMO_ARGS)
+	$(BIN)/python -m strata_testbed.demo "--model=$(DEMO_MODEL)" $(DEMO_ARGS)
 
 # The data plane alone: a generated demo model served on this machine (SERVE_ARGS to change it).
 serve: $(STAMP) $(PROTO_OUT)

@@ -1,10 +1,12 @@
 """`make demo`: the whole product on this machine, from `helm install` to an OpenAI answer through the cluster.
 
-It starts the local control plane with the fake GPU pool, installs the chart, serves a generated demo GGUF over a
-local Range-capable HTTP server, applies `examples/tiny.yaml` (its model URL pointed at that server) with the real
-kubectl, and runs every Strata pod (the chart's operator, the stages, the gateway) through the pod runner until
-Ctrl-C. It prints what a person waits on as it happens, then `kubectl get modeldeployments`, one chat answer, and
-three lines for scripts:
+It starts the local control plane with the fake GPU pool, installs the chart, serves the demo model's GGUF over a
+local Range-capable HTTP server, applies the model's example from `examples/` (its model URL pointed at that server)
+with the real kubectl, and runs every Strata pod (the chart's operator, the stages, the gateway) through the pod
+runner until Ctrl-C. `--model` (DEMO_MODEL in `make demo`) picks the model: `generated` (the default, a small
+generated model with random weights, applied as `examples/tiny.yaml`) or `gemma3-270m` (the real Gemma 3 270M file
+of the pinned test dependency, applied as `examples/gemma3-270m.yaml`). It prints what a person waits on as it
+happens, then `kubectl get modeldeployments`, one answer, and three lines for scripts:
 
     OpenAI endpoint: http://HOST:PORT/v1
     KUBECONFIG=PATH
@@ -32,21 +34,19 @@ import httpx
 import yaml
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
-from strata.gguf.testmodels import write_test_model
 from strata.operator.names import LABEL_COMPONENT, LABEL_INSTANCE
 from strata.operator.spec import GROUP, PLURAL, VERSION
 
-from strata_testbed.controlplane import TESTBED_DIR, ControlPlane
+from strata_testbed.controlplane import ControlPlane
+from strata_testbed.demo_models import DEFAULT_MODEL, DEMO_MODELS, DemoModel, ModelUnavailable, demo_manifest
 from strata_testbed.gpu_pool import create_gpu_pool
 from strata_testbed.helm import Helm
 from strata_testbed.pod_runner import PodRunner
 from strata_testbed.range_server import serve_directory
 
-EXAMPLE = TESTBED_DIR.parent / "examples" / "tiny.yaml"
 RELEASE, OPERATOR_NAMESPACE, NAMESPACE = "strata", "strata-system", "default"
-DEMO_LAYERS = 4
 READY_TIMEOUT_S = 600.0
-QUESTION = "Say hello to Kubernetes."
+ASK_TIMEOUT_S = 120.0
 
 
 class DemoFailed(RuntimeError):
@@ -121,16 +121,14 @@ class Demo:
         Helm.pinned(kubeconfig=self.plane.kubeconfig).install(release=RELEASE, namespace=OPERATOR_NAMESPACE)
         self.say(f"helm install {RELEASE} charts/strata --namespace {OPERATOR_NAMESPACE}")
 
-    def apply_example(self, model_url: str) -> str:
-        """Apply the example with two changes, both said aloud: the model is the local demo file, and the KV cache
-        is f32, so the answer can be checked exactly against HF transformers (on GPUs the q8_0 default stays)."""
-        manifest = yaml.safe_load(EXAMPLE.read_text())
-        manifest["spec"]["model"]["url"] = model_url
-        manifest["spec"] |= {"cacheTypeK": "f32", "cacheTypeV": "f32"}
-        applied = self.work / EXAMPLE.name
+    def apply_example(self, model: DemoModel, model_url: str) -> str:
+        """Apply the model's example with the demo's changes, all said aloud: the model URL is the local server's,
+        and the model's overrides."""
+        manifest = demo_manifest(model, url=model_url)
+        applied = self.work / model.example
         applied.write_text(yaml.safe_dump(manifest, sort_keys=False))
         self.kubectl("apply", "--namespace", NAMESPACE, "-f", str(applied))
-        self.say(f"kubectl apply -f examples/{EXAMPLE.name} (model URL: {model_url}, KV cache f32 for an exact check)")
+        self.say(f"kubectl apply -f examples/{model.example} (model URL: {model_url}, {model.why})")
         return str(manifest["metadata"]["name"])
 
     def deployment(self, name: str) -> dict[str, Any]:
@@ -183,19 +181,15 @@ class Demo:
             time.sleep(0.5)
         raise DemoFailed(f"{name} was not Ready within {READY_TIMEOUT_S:.0f} s; pod runner: {runner.errors[-3:]}")
 
-    def ask(self, base_url: str, model: str) -> str:
+    def ask(self, base_url: str, *, served: str, model: DemoModel) -> str:
+        endpoint = model.endpoint
         reply = httpx.post(
-            f"{base_url}/chat/completions",
-            json={
-                "model": model,
-                "messages": [{"role": "user", "content": QUESTION}],
-                "max_tokens": 16,
-                "temperature": 0,
-            },
-            timeout=120,
+            f"{base_url}/{endpoint.value}",
+            json=endpoint.body(model=served, prompt=model.prompt),
+            timeout=ASK_TIMEOUT_S,
         )
         reply.raise_for_status()
-        return str(reply.json()["choices"][0]["message"]["content"])
+        return endpoint.text(reply.json())
 
 
 @contextlib.contextmanager
@@ -210,22 +204,23 @@ def _work_dir(keep: bool) -> Iterator[Path]:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def run(*, keep_logs: bool) -> int:
+def run(*, model: DemoModel, keep_logs: bool) -> int:
     progress = Progress()
     signal.signal(signal.SIGTERM, _interrupt)
     with _work_dir(keep_logs) as work:
+        # The file first: a model that cannot be had is refused before anything starts.
+        models = work / "models"
+        models.mkdir()
+        path = model.file(models)
         progress.say("control plane: etcd, kube-apiserver, controller manager, scheduler and kwok on loopback")
         with ControlPlane(work_dir=work / "cluster", probe_readiness=True) as plane:
             demo = Demo(plane=plane, work=work, progress=progress)
             nodes = create_gpu_pool(demo.core)
             progress.say(f"GPU pool (kwok): {', '.join(nodes)}")
             demo.install_chart()
-            models = work / "models"
-            models.mkdir()
-            model = write_test_model(models / "strata-demo.gguf", architecture="qwen2", block_count=DEMO_LAYERS).path
-            with serve_directory(models) as server:
-                url = f"{server.url}/{model.name}"
-                progress.say(f"model: {model} ({_megabytes(model.stat().st_size)}) served with Range at {url}")
+            with serve_directory(path.parent) as server:
+                url = f"{server.url}/{path.name}"
+                progress.say(f"model: {path} ({_megabytes(path.stat().st_size)}) served with Range at {url}")
                 with PodRunner(
                     core=demo.core,
                     namespaces=[OPERATOR_NAMESPACE, NAMESPACE],
@@ -234,13 +229,13 @@ def run(*, keep_logs: bool) -> int:
                     ca=plane.pki.ca.cert,
                 ) as runner:
                     demo.wait_operator(runner)
-                    name = demo.apply_example(url)
+                    name = demo.apply_example(model, url)
                     base_url, seconds = demo.wait_ready(name, runner)
                     progress.say(f"{name} is Ready {seconds:.1f} s after kubectl apply")
                     print(demo.kubectl("get", "modeldeployments", "--namespace", NAMESPACE), end="", flush=True)
                     served = demo.deployment(name)["status"]["modelName"]
-                    print(f"> {QUESTION}\n{demo.ask(base_url, served)}", flush=True)
-                    print("(random weights: the words mean nothing; the path they took is the point)", flush=True)
+                    print(f"> {model.prompt}\n{demo.ask(base_url, served=served, model=model)}", flush=True)
+                    print(model.note, flush=True)
                     print(f"OpenAI endpoint: {base_url}", flush=True)
                     print(f"KUBECONFIG={plane.kubeconfig}", flush=True)
                     print(f"KUBECTL={plane.kubectl}", flush=True)
@@ -252,14 +247,20 @@ def run(*, keep_logs: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--model",
+        choices=sorted(DEMO_MODELS),
+        default=DEFAULT_MODEL,
+        help=f"the model to serve (DEMO_MODEL in `make demo`; default {DEFAULT_MODEL})",
+    )
     parser.add_argument("--keep-logs", action="store_true", help="keep the work folder (cluster and pod logs)")
     args = parser.parse_args(argv)
     try:
-        return run(keep_logs=args.keep_logs)
+        return run(model=DEMO_MODELS[args.model], keep_logs=args.keep_logs)
     except KeyboardInterrupt:
         print("stopped: every process of the demo has ended", flush=True)
         return 0
-    except (DemoFailed, ApiException) as e:
+    except (DemoFailed, ModelUnavailable, ApiException) as e:
         print(f"demo failed: {e}", file=sys.stderr, flush=True)
         return 1
 

@@ -117,11 +117,11 @@ def test_the_deployment_is_ready_within_the_bound_and_the_demo_prints_its_answer
     assert re.fullmatch(r"http://127\.[\d.]+:\d+/v1", demo.values["endpoint"])
 
 
-def test_the_printer_columns_show_stages_context_and_ready(demo: RunningDemo) -> None:
+def test_the_printer_columns_show_stages_context_ready_and_why(demo: RunningDemo) -> None:
     header, row = demo.kubectl("get", "modeldeployments", "--namespace", "default").splitlines()[:2]
-    assert header.split() == ["NAME", "MODEL", "STAGES", "CONTEXT", "READY", "PHASE", "AGE"]
-    name, model, stages, context, ready, phase, _ = row.split()
-    assert (name, model, phase) == ("tiny", "tiny", "Ready")
+    assert header.split() == ["NAME", "MODEL", "STAGES", "CONTEXT", "READY", "PHASE", "REASON", "AGE"]
+    name, model, stages, context, ready, phase, reason, _ = row.split()
+    assert (name, model, phase, reason) == ("tiny", "tiny", "Ready", "Ready")
     assert int(stages) >= 1
     assert ready == f"{stages}/{stages}"
     plan_context = demo.kubectl(

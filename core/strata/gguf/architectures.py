@@ -65,14 +65,6 @@ EXPERT_BLOCK: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "ffn.w_down": ("ffn_down_exps.weight",),
     }
 )
-# A shared expert every token goes through beside the routed ones, scaled by sigmoid(ffn_gate_inp_shexp . x).
-SHARED_EXPERT: Mapping[str, tuple[str, ...]] = MappingProxyType(
-    {
-        "ffn.shared.w_gate_up.weight": ("ffn_gate_shexp.weight", "ffn_up_shexp.weight"),
-        "ffn.shared.w_down.weight": ("ffn_down_shexp.weight",),
-        "ffn.shared_gate.weight": ("ffn_gate_inp_shexp.weight",),
-    }
-)
 # The stacked tensors of the routed experts, which a stage holds dequantised (strata.gguf.resident).
 STACKED_EXPERT_TENSORS = frozenset(EXPERT_BLOCK["ffn.w_gate_up"] + EXPERT_BLOCK["ffn.w_down"])
 # Gemma 2/3's "sandwich" norms: the attention's and the feed-forward's outputs are normed again before the residual.
@@ -105,7 +97,6 @@ class Experts:
 
     renormalise: bool
     required: bool  # every file of the architecture has experts; else only files that state {arch}.expert_count
-    shared: bool = False  # an always-on expert beside the routed ones (SHARED_EXPERT), when the file has its tensors
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,7 +119,7 @@ class Architecture:
     @property
     def tensor_names(self) -> Mapping[str, tuple[str, ...]]:
         """Every block parameter the architecture can have -> its GGUF tensors inside blk.N."""
-        experts = {**EXPERT_BLOCK, **(SHARED_EXPERT if self.experts.shared else {})} if self.experts else {}
+        experts = EXPERT_BLOCK if self.experts else {}
         return {**self.block_tensors, **(POST_NORMS if self.post_norms else {}), **experts}
 
     @property
@@ -147,8 +138,7 @@ class Architecture:
         if self.experts is not None:
             routing = "softmax router, top-k" + (" renormalised" if self.experts.renormalise else "")
             kind = "mixture of experts" if self.experts.required else "mixture of experts when the file has experts"
-            shared = ", a gated shared expert" if self.experts.shared else ""
-            notes.append(f"{kind} ({routing}{shared}; experts held dequantised, 2 bytes a weight)")
+            notes.append(f"{kind} ({routing}; experts held dequantised, 2 bytes a weight)")
         return tuple(notes)
 
 

@@ -9,8 +9,8 @@ expert's gate and up projections, and one more its down projection. The outputs,
 back to their rows. Every shape depends on the row count alone, so a decode step stays one CUDA graph.
 
 The experts' matrices are plain values in the compute dtype: the loader dequantises the file's stacked expert
-tensors, and the planner counts them at that size (strata.gguf.resident). A shared expert, where the architecture has
-one, is a dense feed-forward every row goes through, scaled by a sigmoid gate of its own.
+tensors, and the planner counts them at that size (strata.gguf.resident). Shared experts (Qwen 2 MoE's ffn_*_shexp)
+are not run: no architecture in the table has them, and the loader refuses a file that does, naming the tensors.
 """
 
 from __future__ import annotations
@@ -24,9 +24,7 @@ from torch import Tensor, nn
 
 
 class MixtureOfExperts(nn.Module):
-    def __init__(
-        self, config: ModelConfig, *, activation: Callable[[Tensor], Tensor], shared: nn.Module | None
-    ) -> None:
+    def __init__(self, config: ModelConfig, *, activation: Callable[[Tensor], Tensor]) -> None:
         super().__init__()
         self.n_expert = config.n_expert
         self.top_k = config.n_expert_used
@@ -37,8 +35,6 @@ class MixtureOfExperts(nn.Module):
         # Every expert's gate over its up rows, and its down matrix, in nn.Linear's [out, in] layout per expert.
         self.w_gate_up = nn.Parameter(torch.empty(config.n_expert, 2 * config.expert_ffn_dim, config.dim))
         self.w_down = nn.Parameter(torch.empty(config.n_expert, config.dim, config.expert_ffn_dim))
-        self.shared = shared
-        self.shared_gate: nn.Module | None = nn.Linear(config.dim, 1, bias=False) if shared is not None else None
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Each row's experts and their weights: ([N, k] expert ids, [N, k] f32 weights)."""
@@ -63,7 +59,5 @@ class MixtureOfExperts(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)
         down = F.grouped_mm(self.activation(gate) * up, self.w_down.transpose(-2, -1), offs=ends)  # [N k, D]
         scaled = down * weights.flatten()[order, None].to(down.dtype)
-        out = torch.zeros_like(x).index_add_(0, rows, scaled)
-        if self.shared is not None and self.shared_gate is not None:
-            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        out: Tensor = torch.zeros_like(x).index_add_(0, rows, scaled)
         return out

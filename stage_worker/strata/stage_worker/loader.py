@@ -6,8 +6,8 @@ tensor is read by range; a matrix's tensors of the quantised types a stage keeps
 target device (strata.stage_worker.weights), everything else is dequantised (plain types on the device, others with
 gguf-py) and cast to the compute dtype. A mixture's stacked experts ([n_expert, rows, columns]) are dequantised too,
 whatever their type, for the grouped matmul of strata.stage_worker.experts; the planner counts them so
-(strata.gguf.resident). The file's expert keys fill the config, and routing the table does not describe is refused. LoadProgress counts bytes read against bytes needed so the operator can show
-load progress.
+(strata.gguf.resident). The file's expert keys fill the config, and routing the table does not describe is refused.
+LoadProgress counts bytes read against bytes needed so the operator can show load progress.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import math
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TypedDict
 
 import numpy as np
 import torch
@@ -30,6 +29,7 @@ from strata.gguf.executable import not_executable_reason
 from strata.gguf.resident import kept_quantised
 from strata.gguf.rope_scaling import FREQ_FACTORS_TENSOR, RopeScalingError, rope_scaling
 from strata.stage_worker.errors import ModelFileError
+from strata.stage_worker.expert_keys import expert_fields
 from strata.stage_worker.model import StageModel
 from strata.stage_worker.model_config import ModelConfig
 from strata.stage_worker.weights.formats import dequantize, split_planes
@@ -72,7 +72,7 @@ def config_from_header(header: GGUFHeader) -> ModelConfig:
     n_layer = int(number("block_count"))
     window = _sliding_window(meta, description, n_layer=n_layer)
     attention_softcap, final_softcap = _softcaps(meta, description)
-    experts = _experts(header, description, ffn_dim=int(number("feed_forward_length")))
+    experts = expert_fields(header, description, ffn_dim=int(number("feed_forward_length")))
     try:
         scaling = rope_scaling(meta, architecture=description, tensor_names=header.tensor_by_name)
     except RopeScalingError as e:
@@ -156,55 +156,6 @@ def _softcaps(meta: Mapping[str, object], description: Architecture) -> tuple[fl
         _number(meta, key, default) or 0.0 for key, default in zip(keys, description.softcaps, strict=True)
     )
     return float(attention), float(final)
-
-
-# llama.cpp's keys for routing its build_moe_ffn takes from the file for some architectures, and the value that
-# leaves the routing as the architecture table describes it: another value would route in a way no stage runs.
-ROUTING_KEYS = {"expert_weights_scale": (0.0, 1.0), "expert_gating_func": (1,), "expert_group_count": (0, 1)}
-
-
-class _ExpertFields(TypedDict, total=False):
-    n_expert: int
-    n_expert_used: int
-    expert_ffn_dim: int
-    renormalise_experts: bool
-    shared_expert_ffn_dim: int
-
-
-def _experts(header: GGUFHeader, description: Architecture, *, ffn_dim: int) -> _ExpertFields:
-    """The config's expert fields from the file: none for a dense file; a file whose experts the architecture has no
-    place for, or that routes otherwise than the table says, is refused."""
-    meta, arch = header.metadata, description.name
-    count = int(_number(meta, f"{arch}.expert_count", 0) or 0)
-    rule = description.experts
-    if rule is None or not count:
-        if count:
-            raise ModelFileError(f"the file states {arch}.expert_count {count}, but {arch} models have no experts")
-        if rule is not None and rule.required:
-            raise ModelFileError(f"{arch} is a mixture of experts, but the file states no {arch}.expert_count")
-        return _ExpertFields()
-    used = int(_number(meta, f"{arch}.expert_used_count", 0) or 0)
-    if not 0 < used <= count:
-        raise ModelFileError(f"{arch}.expert_used_count is {used}; it must be between 1 and expert_count {count}")
-    for key, neutral in ROUTING_KEYS.items():
-        stated = meta.get(f"{arch}.{key}")
-        if stated is not None and stated not in neutral:
-            raise ModelFileError(f"the file states {arch}.{key} {stated!r}, which the stage worker does not route by")
-    norm = meta.get(f"{arch}.expert_weights_norm")
-    if norm is not None and bool(norm) != rule.renormalise:
-        raise ModelFileError(
-            f"the file states {arch}.expert_weights_norm {norm!r}; {arch}'s experts are "
-            f"{'' if rule.renormalise else 'not '}renormalised (as llama.cpp runs them)"
-        )
-    shared = int(_number(meta, f"{arch}.expert_shared_feed_forward_length", 0) or 0) if rule.shared else 0
-    return _ExpertFields(
-        n_expert=count,
-        n_expert_used=used,
-        # llama.cpp's llama files give experts the feed-forward width; Qwen's state theirs
-        expert_ffn_dim=int(_number(meta, f"{arch}.expert_feed_forward_length", ffn_dim) or 0),
-        renormalise_experts=rule.renormalise,
-        shared_expert_ffn_dim=shared,
-    )
 
 
 def gguf_names(config: ModelConfig, *, layer_start: int, parameter: str) -> tuple[str, ...]:

@@ -209,13 +209,13 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, config: ModelConfig, *, ffn_dim: int) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.ffn_dim = ffn_dim
+        self.ffn_dim = config.ffn_dim
         self.activation = ACTIVATIONS[config.activation]
         # ffn_gate stacked over ffn_up, for the same reason as Attention.wqkv.
-        self.w_gate_up: nn.Module = nn.Linear(config.dim, 2 * ffn_dim, bias=False)
-        self.w_down: nn.Module = nn.Linear(ffn_dim, config.dim, bias=False)
+        self.w_gate_up: nn.Module = nn.Linear(config.dim, 2 * config.ffn_dim, bias=False)
+        self.w_down: nn.Module = nn.Linear(config.ffn_dim, config.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w_gate_up(x).split(self.ffn_dim, dim=-1)
@@ -226,10 +226,8 @@ class FeedForward(nn.Module):
 def feed_forward(config: ModelConfig) -> nn.Module:
     """A dense feed-forward, or a mixture of experts (strata.stage_worker.experts) where the file has experts."""
     if not config.n_expert:
-        return FeedForward(config, ffn_dim=config.ffn_dim)
-    width = config.shared_expert_ffn_dim
-    shared = FeedForward(config, ffn_dim=width) if width else None
-    return MixtureOfExperts(config, activation=ACTIVATIONS[config.activation], shared=shared)
+        return FeedForward(config)
+    return MixtureOfExperts(config, activation=ACTIVATIONS[config.activation])
 
 
 class Block(nn.Module):

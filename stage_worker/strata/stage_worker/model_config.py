@@ -41,7 +41,6 @@ class ModelConfig:
     n_expert_used: int = 0  # experts each row goes through (top-k)
     expert_ffn_dim: int = 0  # each expert's hidden width
     renormalise_experts: bool = False  # the k weights are divided by their sum (llama.cpp's norm_w)
-    shared_expert_ffn_dim: int = 0  # a gated shared expert beside the routed ones, of this width; 0: none
 
     @property
     def attention_scale(self) -> float:

@@ -36,6 +36,7 @@ class ModelShape:
     expert_count: int = 0
     expert_used_count: int = 0
     expert_feed_forward_length: int = 0  # 0: not stated, the experts are feed_forward_length wide (Mixtral's files)
+    shared_expert_feed_forward_length: int = 0  # Qwen 2 MoE's gated shared expert (ffn_*_shexp); 0: none
     sliding_window: int = 0
     post_norms: bool = False  # Gemma 2/3: post_attention_norm and post_ffw_norm in every block
     softcaps: tuple[float, float] | None = None  # Gemma 2: (attention, final logits) soft-caps stated in the file
@@ -197,6 +198,13 @@ def tensor_plan(shape: ModelShape, *, vocab_size: int) -> list[PlannedTensor]:
                 (f"{blk}.ffn_up_exps.weight", (n_embd, n_ff, n_exp), small_or(Q.Q4_0, Q.Q4_K)),
                 (f"{blk}.ffn_down_exps.weight", (n_ff, n_embd, n_exp), small_or(Q.F16, Q.Q6_K)),
             ]
+            if n_sh := shape.shared_expert_feed_forward_length:
+                layer += [
+                    (f"{blk}.ffn_gate_inp_shexp.weight", (n_embd,), Q.F32),
+                    (f"{blk}.ffn_gate_shexp.weight", (n_embd, n_sh), Q.Q8_0),
+                    (f"{blk}.ffn_up_shexp.weight", (n_embd, n_sh), Q.Q8_0),
+                    (f"{blk}.ffn_down_shexp.weight", (n_sh, n_embd), Q.Q8_0),
+                ]
         elif shape.fused:
             n_ff = shape.feed_forward_length
             layer += [

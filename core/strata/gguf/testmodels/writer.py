@@ -182,6 +182,8 @@ def _writer(path: Path, *, shape: ModelShape, vocab: Vocabulary) -> GGUFWriter:
         writer.add_expert_used_count(shape.expert_used_count)
     if shape.expert_feed_forward_length:
         writer.add_expert_feed_forward_length(shape.expert_feed_forward_length)
+    if shape.shared_expert_feed_forward_length:
+        writer.add_expert_shared_feed_forward_length(shape.shared_expert_feed_forward_length)
     if shape.sliding_window:
         writer.add_sliding_window(shape.sliding_window)
     if shape.softcaps:

@@ -26,11 +26,13 @@ class _Bytes:
         self.stored = 0
         self.resident = 0
 
-    def add(self, elements: int, ggml_type: GGMLQuantizationType) -> _Bytes:
+    def add(self, elements: int, ggml_type: GGMLQuantizationType, *, experts: bool = False) -> _Bytes:
+        """`experts`: the group is a mixture's stacked experts, which a stage holds otherwise than other matrices."""
         block_elements, block_bytes = GGML_QUANT_SIZES[ggml_type]
         stored = elements // block_elements * block_bytes
         self.stored += stored
-        self.resident += resident_bytes(ggml_type, elements=elements, stored_bytes=stored)
+        name = "blk.0.ffn_up_exps.weight" if experts else "blk.0.ffn_up.weight"
+        self.resident += resident_bytes(ggml_type, name=name, elements=elements, stored_bytes=stored)
         return self
 
 
@@ -83,10 +85,15 @@ def llama3_8b(*, weight_type: GGMLQuantizationType = Q4_0) -> ModelInfo:
 
 
 def qwen3_30b_a3b(*, weight_type: GGMLQuantizationType = Q4_0) -> ModelInfo:
-    """Qwen3-30B-A3B: 48 layers, 128 experts of width 768 (8 used); experts change weights, not KV."""
+    """Qwen3-30B-A3B: 48 layers, 128 experts of width 768 (8 used); experts change weights, not KV. A stage holds the
+    experts dequantised to 2 bytes per weight (strata.gguf.resident)."""
     layers, embd, experts, expert_ffn = 48, 2048, 128, 768
     attention = embd * 32 * 128 + embd * 4 * 128 * 2 + 32 * 128 * embd
-    layer = _Bytes().add(attention + experts * 3 * embd * expert_ffn + embd * experts, weight_type)
+    layer = (
+        _Bytes()
+        .add(attention + embd * experts, weight_type)
+        .add(experts * 3 * embd * expert_ffn, weight_type, experts=True)
+    )
     model = dense_model(
         layers=layers,
         embd=embd,

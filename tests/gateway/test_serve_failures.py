@@ -156,7 +156,7 @@ REFUSED_BY_SERVE = {
     "an architecture the stages do not run": (
         dataclasses.replace(LARGE_SHAPES["llama3-8b"], architecture="falcon", block_count=2),
         "strata serve: architecture 'falcon' is not one the stage worker runs "
-        "(gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3)",
+        "(gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3, qwen3moe)",
     ),
     "a RoPE scaling the stages do not apply": (
         dataclasses.replace(LARGE_SHAPES["llama3-8b"], block_count=2, rope_keys=(("scaling.type", "yarn"),)),

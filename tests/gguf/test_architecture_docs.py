@@ -16,8 +16,11 @@ def test_the_readmes_supported_architectures_are_what_the_table_generates() -> N
 @pytest.mark.parametrize(
     ("name", "shown"),
     [
-        pytest.param("llama", "| `llama` | Llama 2/3/3.1, Mistral (as llama.cpp writes it) | norm RoPE; SwiGLU; "
-                     "Llama 3.1 RoPE factors (rope_freqs) |", id="a llama row names its RoPE, activation and factors"),
+        pytest.param("llama", "| `llama` | Llama 2/3/3.1, Mistral, Mixtral (as llama.cpp writes them) | norm RoPE; "
+                     "SwiGLU; Llama 3.1 RoPE factors (rope_freqs); mixture of experts when the file has experts",
+                     id="a llama row names its RoPE, activation, factors and optional experts"),
+        pytest.param("qwen3moe", "mixture of experts (softmax router, top-k renormalised; experts held dequantised",
+                     id="a qwen3moe row names its routing and how its experts are held"),
         pytest.param("gemma3", "sliding window on 5 of every 6 layers; sliding layers' RoPE base 10000",
                      id="a gemma3 row names its window pattern and local RoPE base"),
         pytest.param("gemma3", "RoPE scaling on global layers only",

@@ -63,6 +63,8 @@ MODELS = [
     pytest.param("mistral", id="a small mistral model written as llama"),
     pytest.param("qwen2", id="a small qwen2 model with attention biases"),
     pytest.param("qwen3", id="a small qwen3 model whose head width is stated, not derived"),
+    pytest.param("qwen3moe", id="a small qwen3moe mixture of experts"),
+    pytest.param("mixtral", id="a small Mixtral-style mixture written as llama"),
     pytest.param("llama3-70b", id="a header-only Llama-3-70B-like model"),
     pytest.param("qwen3-30b-a3b", id="a header-only Qwen3-30B-A3B-like mixture of experts"),
 ]
@@ -93,7 +95,7 @@ def test_model_info_matches_what_was_written(tmp_path: Path, kind: str) -> None:
     assert info.rope is not None
     assert (info.rope.freq_base, info.rope.dimension_count) == (shape.rope_freq_base, shape.head_dim)
     assert (info.tokenizer_model, info.tokenizer_pre, info.has_chat_template) == ("gpt2", shape.tokenizer_pre, True)
-    assert info.executable == (shape.architecture in {"llama", "qwen2", "qwen3"})
+    assert info.executable == (shape.architecture in {"llama", "qwen2", "qwen3", "qwen3moe"})
     assert info.sliding_window is None
     assert info.file_bytes == written.path.stat().st_size
     assert info.header_bytes_read <= info.file_bytes

@@ -9,6 +9,7 @@ from gguf import GGMLQuantizationType as Q
 from strata.gguf.resident import COMPUTE_BYTES_PER_ELEMENT, COMPUTE_WIDTH_TYPES, KEPT_BLOCK_BYTES, resident_bytes
 
 ELEMENTS = 4096 * 256  # a whole number of blocks for every type, K-quants' 256 included
+MATRIX = "blk.3.ffn_up.weight"  # a dense block's matrix
 
 
 def stored(ggml_type: Q) -> int:
@@ -33,18 +34,32 @@ def stored(ggml_type: Q) -> int:
 )
 def test_a_tensor_takes_what_the_stage_keeps(ggml_type: Q, file_bytes: int, gpu_bytes: int) -> None:
     assert stored(ggml_type) == file_bytes
-    assert resident_bytes(ggml_type, elements=ELEMENTS, stored_bytes=file_bytes) == gpu_bytes
+    assert resident_bytes(ggml_type, name=MATRIX, elements=ELEMENTS, stored_bytes=file_bytes) == gpu_bytes
 
 
 def test_kept_types_stay_within_five_percent_of_the_file() -> None:
     for ggml_type in KEPT_BLOCK_BYTES:
-        assert stored(ggml_type) <= resident_bytes(ggml_type, elements=ELEMENTS, stored_bytes=stored(ggml_type))
-        assert resident_bytes(ggml_type, elements=ELEMENTS, stored_bytes=stored(ggml_type)) <= 1.05 * stored(ggml_type)
+        held = resident_bytes(ggml_type, name=MATRIX, elements=ELEMENTS, stored_bytes=stored(ggml_type))
+        assert stored(ggml_type) <= held <= 1.05 * stored(ggml_type)
+
+
+@pytest.mark.parametrize(
+    ("name", "ggml_type", "gpu_bytes"),
+    [
+        pytest.param("blk.3.ffn_up_exps.weight", Q.Q4_K, 2 * ELEMENTS, id="Q4_K up experts are dequantised"),
+        pytest.param("blk.3.ffn_gate_exps.weight", Q.Q8_0, 2 * ELEMENTS, id="Q8_0 gate experts are dequantised"),
+        pytest.param("blk.3.ffn_down_exps.weight", Q.Q6_K, 2 * ELEMENTS, id="Q6_K down experts are dequantised"),
+        pytest.param("blk.3.ffn_down_exps.weight", Q.BF16, 2 * ELEMENTS, id="BF16 experts are kept as stored"),
+        pytest.param("blk.3.ffn_gate_inp.weight", Q.F32, 2 * ELEMENTS, id="the F32 router is cast"),
+    ],
+)
+def test_a_mixtures_stacked_experts_are_held_dequantised(name: str, ggml_type: Q, gpu_bytes: int) -> None:
+    assert resident_bytes(ggml_type, name=name, elements=ELEMENTS, stored_bytes=stored(ggml_type)) == gpu_bytes
 
 
 def test_every_other_type_is_dequantised_to_the_compute_width() -> None:
     dequantised = set(GGML_QUANT_SIZES) - COMPUTE_WIDTH_TYPES - set(KEPT_BLOCK_BYTES)
     assert {Q.F16, Q.BF16} == COMPUTE_WIDTH_TYPES
-    assert {resident_bytes(t, elements=ELEMENTS, stored_bytes=stored(t)) for t in dequantised} == {
+    assert {resident_bytes(t, name=MATRIX, elements=ELEMENTS, stored_bytes=stored(t)) for t in dequantised} == {
         COMPUTE_BYTES_PER_ELEMENT * ELEMENTS
     }

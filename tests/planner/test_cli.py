@@ -87,7 +87,7 @@ def test_the_table_shows_stages_and_reasons(llama70b: Path, capsys: pytest.Captu
 
 
 def test_overrides_reach_the_plan(qwen_moe: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # Two 48 GB GPUs: the Q4_K/Q6_K file is 19.8 GB and its blocks take 20.1 GB once loaded.
+    # Two 48 GB GPUs: the Q4_K/Q6_K file is 19.8 GB; loaded, it takes 59.0 GB, its experts dequantised.
     nodes = _write(tmp_path, {"apiVersion": "v1", "kind": "NodeList", "items": [gpu_node("l40s", gpus=2, gib=48)]})
     args = ["--context", "8192", "--parallel", "2", "--cache-type-k", "f16", "--cache-type-v", "q4_0", "--json"]
     assert main(["plan", str(qwen_moe), "--nodes", str(nodes), *args]) == 0

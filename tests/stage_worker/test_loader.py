@@ -76,7 +76,8 @@ CASES: dict[str, tuple[Edits, str]] = {
     "a missing value projection": ({"blk.1.attn_v.weight": lambda _shape: None}, r"no tensor 'blk\.1\.attn_v\.weight'"),
     "a key projection of other width than q and v": (
         {"blk.0.attn_k.weight": wider},
-        r"must share their columns: blk\.0\.attn_q\.weight \(\d+, \d+\), blk\.0\.attn_k\.weight \(\d+, \d+\)",
+        r"must share every axis but their rows: "
+        r"blk\.0\.attn_q\.weight \(\d+, \d+\), blk\.0\.attn_k\.weight \(\d+, \d+\)",
     ),
     "an up projection with a row too many": (
         {"blk.2.ffn_up.weight": taller},

@@ -55,6 +55,18 @@ FUSED_BLOCK: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "ffn.w_gate_up.weight": ("ffn_up.weight",),
     }
 )
+# A mixture of experts in place of the feed-forward: the router (one logit per expert), and every expert's gate, up
+# and down matrices stacked along a leading expert axis ([n_expert, rows, columns]); gate and up stack along the rows
+# of each expert, as the dense block's do.
+EXPERT_BLOCK: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "ffn.router.weight": ("ffn_gate_inp.weight",),
+        "ffn.w_gate_up": ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
+        "ffn.w_down": ("ffn_down_exps.weight",),
+    }
+)
+# The stacked tensors of the routed experts, which a stage holds dequantised (strata.gguf.resident).
+STACKED_EXPERT_TENSORS = frozenset(EXPERT_BLOCK["ffn.w_gate_up"] + EXPERT_BLOCK["ffn.w_down"])
 # Gemma 2/3's "sandwich" norms: the attention's and the feed-forward's outputs are normed again before the residual.
 POST_NORMS: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
@@ -76,6 +88,18 @@ class SlidingPattern:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Experts:
+    """How an architecture's mixture-of-experts blocks route, as llama.cpp's build_moe_ffn does it for that
+    architecture: a softmax over the router's logits for every expert, the file's expert_used_count best of them, and
+    their weights divided by their sum when `renormalise` (llama.cpp's norm_w, fixed per architecture; HF's
+    norm_topk_prob). Mixtral's "softmax over the top-k logits" is the renormalised case. The count and widths come
+    from the file ({arch}.expert_count, expert_used_count, expert_feed_forward_length)."""
+
+    renormalise: bool
+    required: bool  # every file of the architecture has experts; else only files that state {arch}.expert_count
+
+
+@dataclass(frozen=True, kw_only=True)
 class Architecture:
     name: str  # general.architecture
     family: str  # what a person knows the models as, for the README
@@ -90,11 +114,13 @@ class Architecture:
     # (attention, final logits) soft-cap defaults when the file states none: x -> cap * tanh(x / cap) (Gemma 2)
     softcaps: tuple[float, float] | None = None
     block_tensors: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: LLAMA_BLOCK)
+    experts: Experts | None = None  # the feed-forward may be (or, when required, is) a mixture of experts
 
     @property
     def tensor_names(self) -> Mapping[str, tuple[str, ...]]:
         """Every block parameter the architecture can have -> its GGUF tensors inside blk.N."""
-        return {**self.block_tensors, **(POST_NORMS if self.post_norms else {})}
+        experts = EXPERT_BLOCK if self.experts else {}
+        return {**self.block_tensors, **(POST_NORMS if self.post_norms else {}), **experts}
 
     @property
     def features(self) -> tuple[str, ...]:
@@ -109,6 +135,10 @@ class Architecture:
         notes += ["RoPE scaling on global layers only"] if self.sliding and not self.sliding_rope_scaled else []
         notes += ["Llama 3.1 RoPE factors (rope_freqs)"] if self.rope_freqs else []
         notes += ["soft-capped attention and logits"] if self.softcaps else []
+        if self.experts is not None:
+            routing = "softmax router, top-k" + (" renormalised" if self.experts.renormalise else "")
+            kind = "mixture of experts" if self.experts.required else "mixture of experts when the file has experts"
+            notes.append(f"{kind} ({routing}; experts held dequantised, 2 bytes a weight)")
         return tuple(notes)
 
 
@@ -118,14 +148,23 @@ ARCHITECTURES: Mapping[str, Architecture] = MappingProxyType(
         for a in (
             Architecture(
                 name="llama",
-                family="Llama 2/3/3.1, Mistral (as llama.cpp writes it)",
+                family="Llama 2/3/3.1, Mistral, Mixtral (as llama.cpp writes them)",
                 rope_style=RopeStyle.NORM,
                 rope_freqs=True,
+                experts=Experts(renormalise=True, required=False),
             ),
             # llama.cpp's Mistral files say "llama"; a "mistral" file keeps HF's q/k order
             Architecture(name="mistral", family="Mistral", rope_style=RopeStyle.NEOX),
             Architecture(name="qwen2", family="Qwen 2 / 2.5 (q/k/v biases)", rope_style=RopeStyle.NEOX),
             Architecture(name="qwen3", family="Qwen 3 dense (q/k norms)", rope_style=RopeStyle.NEOX),
+            # llama.cpp renormalises qwen3moe's top-k weights whatever the file says (HF's GGUF loader sets
+            # norm_topk_prob to match); Qwen 3 MoE has no shared expert.
+            Architecture(
+                name="qwen3moe",
+                family="Qwen 3 MoE (q/k norms, experts)",
+                rope_style=RopeStyle.NEOX,
+                experts=Experts(renormalise=True, required=True),
+            ),
             # Phi-3's 128k models ask for LongRoPE, which strata.gguf.rope_scaling refuses by name.
             Architecture(name="phi3", family="Phi-3, Phi-4 mini", rope_style=RopeStyle.NEOX, block_tensors=FUSED_BLOCK),
             Architecture(

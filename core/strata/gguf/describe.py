@@ -151,7 +151,7 @@ def _weight_bytes(header: GGUFHeader, *, layers: int) -> tuple[_Totals, _Totals]
             raise MetadataError(field=f"tensor {tensor.name!r}", offset=tensor.info_offset, reason=reason)
         role = tensor.name.rsplit(".", 1)[0] if "." in tensor.name else tensor.name
         in_file.add(layer=layer, role=role, count=tensor.nbytes)
-        held = resident_bytes(tensor.ggml_type, elements=tensor.elements, stored_bytes=tensor.nbytes)
+        held = resident_bytes(tensor.ggml_type, name=tensor.name, elements=tensor.elements, stored_bytes=tensor.nbytes)
         resident.add(layer=layer, role=role, count=held)
     return in_file, resident
 

@@ -6,11 +6,17 @@ file; Q4_K and Q5_K unpack their twelve bytes of 6-bit sub-scales into sixteen (
 176), so that a kernel reads a scale with one plain load. F16 and BF16 are kept at their size; F32 (norms, biases)
 is cast to the 2-byte compute dtype. Every other type (the IQ and ternary quants, Q2_K, Q3_K) is dequantised to
 2 bytes per element, and `strata inspect` says so per tensor type.
+
+A mixture of experts' stacked expert tensors (ffn_gate_exps, ffn_up_exps, ffn_down_exps) are the exception: a stage
+dequantises them at load to the 2-byte compute dtype, whatever their type, because its grouped matmul over the
+experts (strata.stage_worker.experts) takes plain values. For a Q4_K expert that is about 3.5 times its size in the
+file, and the planner counts exactly that: every expert, at 2 bytes per element (F16 and BF16 at their size).
 """
 
 from __future__ import annotations
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from strata.gguf.architectures import STACKED_EXPERT_TENSORS
 
 Q = GGMLQuantizationType
 # Tensor types already at the compute width, 2 bytes per element: a stage holds them at their size in the file.
@@ -36,11 +42,17 @@ def kept_quantised(ggml_type: GGMLQuantizationType) -> bool:
     return ggml_type in KEPT_BLOCK_BYTES
 
 
-def resident_bytes(ggml_type: GGMLQuantizationType, *, elements: int, stored_bytes: int) -> int:
-    """Bytes one tensor of `ggml_type` (`elements` values, `stored_bytes` in the file) takes on a stage."""
+def stacked_experts(name: str) -> bool:
+    """Whether the file's tensor `name` (blk.N.ffn_up_exps.weight) holds a mixture's stacked experts."""
+    return name.startswith("blk.") and name.split(".", 2)[-1] in STACKED_EXPERT_TENSORS
+
+
+def resident_bytes(ggml_type: GGMLQuantizationType, *, name: str, elements: int, stored_bytes: int) -> int:
+    """Bytes the file's tensor `name` of `ggml_type` (`elements` values, `stored_bytes` in the file) takes on a
+    stage."""
     if ggml_type in COMPUTE_WIDTH_TYPES:
         return stored_bytes
-    if ggml_type in KEPT_BLOCK_BYTES:
+    if ggml_type in KEPT_BLOCK_BYTES and not stacked_experts(name):
         block_elements: int = GGML_QUANT_SIZES[ggml_type][0]
         return elements // block_elements * KEPT_BLOCK_BYTES[ggml_type]
     return elements * COMPUTE_BYTES_PER_ELEMENT

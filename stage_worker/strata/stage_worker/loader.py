@@ -4,8 +4,10 @@ The model is built on the meta device; its parameter names say which GGUF tensor
 first stage, `blk.N.*` for the span, `output_norm` and `output` — or `token_embd` when tied — for the last). Each
 tensor is read by range; a matrix's tensors of the quantised types a stage keeps become planes of their blocks on the
 target device (strata.stage_worker.weights), everything else is dequantised (plain types on the device, others with
-gguf-py) and cast to the compute dtype. LoadProgress counts bytes read against bytes needed so the operator can show
-load progress.
+gguf-py) and cast to the compute dtype. A mixture's stacked experts ([n_expert, rows, columns]) are dequantised too,
+whatever their type, for the grouped matmul of strata.stage_worker.experts; the planner counts them so
+(strata.gguf.resident). The file's expert keys fill the config, and routing the table does not describe is refused.
+LoadProgress counts bytes read against bytes needed so the operator can show load progress.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import dequantize
+from gguf.quants import dequantize as gguf_dequantize
 from strata.gguf import GGUFHeader, TensorInfo
 from strata.gguf.architectures import ARCHITECTURES, Architecture
 from strata.gguf.cursor import ByteSource
@@ -27,13 +29,15 @@ from strata.gguf.executable import not_executable_reason
 from strata.gguf.resident import kept_quantised
 from strata.gguf.rope_scaling import FREQ_FACTORS_TENSOR, RopeScalingError, rope_scaling
 from strata.stage_worker.errors import ModelFileError
+from strata.stage_worker.expert_keys import expert_fields
 from strata.stage_worker.model import StageModel
 from strata.stage_worker.model_config import ModelConfig
-from strata.stage_worker.weights.formats import split_planes
+from strata.stage_worker.weights.formats import dequantize, split_planes
 from strata.stage_worker.weights.linear import DenseRows, PackedEmbedding, PackedLinear, QuantizedRows, Rows
 from torch import nn
 
 READ_PIECE = 8 << 20
+DEQUANTISE_PIECE = 16 << 20  # bytes of blocks dequantised at a time
 TORCH_TYPES: dict[GGMLQuantizationType, torch.dtype] = {
     GGMLQuantizationType.F32: torch.float32,
     GGMLQuantizationType.F16: torch.float16,
@@ -68,6 +72,7 @@ def config_from_header(header: GGUFHeader) -> ModelConfig:
     n_layer = int(number("block_count"))
     window = _sliding_window(meta, description, n_layer=n_layer)
     attention_softcap, final_softcap = _softcaps(meta, description)
+    experts = expert_fields(header, description, ffn_dim=int(number("feed_forward_length")))
     try:
         scaling = rope_scaling(meta, architecture=description, tensor_names=header.tensor_by_name)
     except RopeScalingError as e:
@@ -99,6 +104,7 @@ def config_from_header(header: GGUFHeader) -> ModelConfig:
         sliding_rope_scaled=description.sliding_rope_scaled,
         attention_softcap=attention_softcap,
         final_softcap=final_softcap,
+        **experts,
     )
 
 
@@ -225,19 +231,28 @@ def read_raw(source: ByteSource, entry: TensorInfo, *, on_bytes: Callable[[int],
 
 def dequantize_on(raw: bytearray, entry: TensorInfo, *, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """One tensor as plain values in torch order and `dtype` on `device`, for the types a stage does not keep
-    quantised (and for norms and biases).
+    quantised, for norms and biases, and for a mixture's stacked experts.
 
-    F16, BF16 and F32 travel to the device as stored; other types go through gguf-py on the CPU.
+    F16, BF16 and F32 travel to the device as stored; the types a stage keeps in blocks are dequantised there by their
+    reference (strata.stage_worker.weights.formats, equal to gguf-py's values), a piece at a time so a layer's
+    experts never need their float32 copy whole; other types go through gguf-py on the CPU.
     """
     data = torch.frombuffer(raw, dtype=torch.uint8)
     if entry.ggml_type in TORCH_TYPES:
-        values = data.to(device).view(TORCH_TYPES[entry.ggml_type])
-    else:
-        block_elements, block_bytes = GGML_QUANT_SIZES[entry.ggml_type]
-        row = entry.shape[-1] // block_elements * block_bytes
-        dequantised = dequantize(np.frombuffer(raw, dtype=np.uint8).reshape(-1, row), entry.ggml_type)
-        values = torch.from_numpy(np.asarray(dequantised, dtype=np.float32)).to(device)
-    return values.to(dtype).reshape(entry.shape)
+        return data.to(device).view(TORCH_TYPES[entry.ggml_type]).to(dtype).reshape(entry.shape)
+    block_elements, block_bytes = GGML_QUANT_SIZES[entry.ggml_type]
+    row = entry.shape[-1] // block_elements * block_bytes
+    if kept_quantised(entry.ggml_type):
+        rows = entry.elements // entry.shape[-1]
+        values = torch.empty(rows, entry.shape[-1], dtype=dtype, device=device)
+        step = max(1, DEQUANTISE_PIECE // row)
+        for start in range(0, rows, step):
+            piece = data[start * row : (start + step) * row].to(device)
+            planes = split_planes(piece, entry.ggml_type, rows=piece.numel() // row)
+            values[start : start + step] = dequantize(planes, entry.ggml_type).to(dtype)
+        return values.reshape(entry.shape)
+    dequantised = gguf_dequantize(np.frombuffer(raw, dtype=np.uint8).reshape(-1, row), entry.ggml_type)
+    return torch.from_numpy(np.asarray(dequantised, dtype=np.float32)).to(device).to(dtype).reshape(entry.shape)
 
 
 def matrix_rows(tensors: list[tuple[TensorInfo, bytearray]], *, device: torch.device, dtype: torch.dtype) -> list[Rows]:
@@ -292,7 +307,10 @@ def load_stage(
         if leaf == "weight" and isinstance(model.get_submodule(owner), nn.Linear | nn.Embedding):
             _assign_matrix(model, parameters, matrix_rows(tensors, device=device, dtype=dtype), dtype=dtype)
             continue
-        values = torch.cat([dequantize_on(raw, entry, device=device, dtype=dtype) for entry, raw in tensors])
+        values = torch.cat(
+            [dequantize_on(raw, entry, device=device, dtype=dtype) for entry, raw in tensors],
+            dim=_rows_axis(tensors[0][0].shape),
+        )
         for parameter in parameters:
             owner, _, leaf = parameter.rpartition(".")
             setattr(model.get_submodule(owner), leaf, nn.Parameter(values, requires_grad=False))
@@ -301,13 +319,25 @@ def load_stage(
     return model.eval()
 
 
+def _rows_axis(shape: tuple[int, ...]) -> int:
+    """The axis tensors stacked into one parameter join along: the rows of a matrix (or the values of a vector), and
+    of each expert in a mixture's [n_expert, rows, columns]."""
+    return max(len(shape) - 2, 0)
+
+
 def _check_shape(tensors: list[tuple[TensorInfo, bytearray]], *, expected: tuple[int, ...]) -> None:
-    """Tensors stacked into one parameter share their columns, and together have the parameter's shape."""
+    """Tensors stacked into one parameter share every axis but their rows, and together have its shape."""
+    first = tensors[0][0].shape
+    axis = _rows_axis(first)
+
+    def across(shape: tuple[int, ...]) -> tuple[int, ...]:
+        return shape[:axis] + shape[axis + 1 :]
+
     names = [entry.name for entry, _ in tensors]
-    if any(entry.shape[1:] != tensors[0][0].shape[1:] for entry, _ in tensors):
+    if any(across(entry.shape) != across(first) or len(entry.shape) != len(first) for entry, _ in tensors):
         shapes = ", ".join(f"{entry.name} {tuple(entry.shape)}" for entry, _ in tensors)
-        raise ModelFileError(f"tensors stacked into one matrix must share their columns: {shapes}")
-    shape = (sum(entry.shape[0] for entry, _ in tensors), *tensors[0][0].shape[1:])
+        raise ModelFileError(f"tensors stacked into one parameter must share every axis but their rows: {shapes}")
+    shape = (*first[:axis], sum(entry.shape[axis] for entry, _ in tensors), *first[axis + 1 :])
     if shape != expected:
         joined = " + ".join(repr(name) for name in names)
         raise ModelFileError(f"tensor {joined} has shape {shape}; expected {expected}")

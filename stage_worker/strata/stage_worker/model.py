@@ -1,7 +1,8 @@
 """The decoder of every architecture in strata.gguf.architectures as one stage runs it: a contiguous slice of layers.
 
 Read top to bottom: the step's layout, attention with a paged KV pool (optionally over a sliding window, with
-soft-capped scores), the feed-forward, the block (two norms, or Gemma's four), and the stage module that owns the
+soft-capped scores), the feed-forward (or a mixture of experts, strata.stage_worker.experts), the block (two norms,
+or Gemma's four), and the stage module that owns the
 embedding (first stage), its layers, and the final norm and output head (last stage). The config
 (strata.stage_worker.model_config) holds the architecture's differences as fields filled from the architecture
 table, never branches on a model name; RoPE lives in strata.stage_worker.rope.
@@ -26,6 +27,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from strata.gguf.architectures import Activation
+from strata.stage_worker.experts import MixtureOfExperts
 from strata.stage_worker.kernels.paged_attention import AttentionRule, Sequences, attend_dense, attend_pool
 from strata.stage_worker.kv_pool import LayerCache
 from strata.stage_worker.model_config import ModelConfig
@@ -221,13 +223,20 @@ class FeedForward(nn.Module):
         return out
 
 
+def feed_forward(config: ModelConfig) -> nn.Module:
+    """A dense feed-forward, or a mixture of experts (strata.stage_worker.experts) where the file has experts."""
+    if not config.n_expert:
+        return FeedForward(config)
+    return MixtureOfExperts(config, activation=ACTIVATIONS[config.activation])
+
+
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, *, layer: int) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.dim, config.norm_eps)
         self.attn = Attention(config, layer=layer)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.ffn = FeedForward(config)
+        self.ffn = feed_forward(config)
         self.attn_post_norm = RMSNorm(config.dim, config.norm_eps) if config.post_norms else None
         self.ffn_post_norm = RMSNorm(config.dim, config.norm_eps) if config.post_norms else None
 

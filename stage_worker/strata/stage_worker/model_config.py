@@ -37,6 +37,10 @@ class ModelConfig:
     sliding_rope_scaled: bool = True  # the two above apply to sliding layers too
     attention_softcap: float = 0.0  # Gemma 2: scores -> cap * tanh(scores / cap); 0: none
     final_softcap: float = 0.0  # Gemma 2: the same on the output logits
+    n_expert: int = 0  # a mixture of this many experts in place of the feed-forward; 0: a dense feed-forward
+    n_expert_used: int = 0  # experts each row goes through (top-k)
+    expert_ffn_dim: int = 0  # each expert's hidden width
+    renormalise_experts: bool = False  # the k weights are divided by their sum (llama.cpp's norm_w)
 
     @property
     def attention_scale(self) -> float:

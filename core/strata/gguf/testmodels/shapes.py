@@ -35,7 +35,8 @@ class ModelShape:
     write_key_length: bool = False  # state attention.key_length/value_length instead of relying on n_embd / n_head
     expert_count: int = 0
     expert_used_count: int = 0
-    expert_feed_forward_length: int = 0
+    expert_feed_forward_length: int = 0  # 0: not stated, the experts are feed_forward_length wide (Mixtral's files)
+    shared_expert_feed_forward_length: int = 0  # Qwen 2 MoE's gated shared expert (ffn_*_shexp); 0: none
     sliding_window: int = 0
     post_norms: bool = False  # Gemma 2/3: post_attention_norm and post_ffw_norm in every block
     softcaps: tuple[float, float] | None = None  # Gemma 2: (attention, final logits) soft-caps stated in the file
@@ -93,6 +94,20 @@ SMALL_SHAPES: dict[str, ModelShape] = {
         feed_forward_length=256, head_count=2, head_count_kv=1, head_dim=256, context_length=32768,
         rope_freq_base=1000000.0, tokenizer_pre="llama-bpe", qk_norm=True, tied_output=True, write_key_length=True,
         rms_epsilon=1e-6, sliding_window=8, post_norms=True,
+    ),
+    # Mixtures of experts: a Qwen 3 MoE (q/k norms, stated expert width and head width, which HF reads) and a Mixtral
+    # as llama.cpp writes it (architecture llama, experts as wide as feed_forward_length, no width stated). The
+    # expert counts are odd so that renormalising the top-k weights changes them.
+    "qwen3moe": ModelShape(
+        architecture="qwen3moe", name="strata-test-qwen3moe", block_count=3, embedding_length=128,
+        feed_forward_length=256, head_count=4, head_count_kv=2, head_dim=32, context_length=8192,
+        rope_freq_base=1000000.0, tokenizer_pre="qwen2", qk_norm=True, write_key_length=True, rms_epsilon=1e-6,
+        expert_count=8, expert_used_count=3, expert_feed_forward_length=64,
+    ),
+    "mixtral": ModelShape(
+        architecture="llama", name="strata-test-mixtral", block_count=3, embedding_length=128,
+        feed_forward_length=96, head_count=4, head_count_kv=2, head_dim=32, context_length=4096,
+        rope_freq_base=1000000.0, tokenizer_pre="llama-bpe", expert_count=5, expert_used_count=2,
     ),
     # Phi-3 as llama.cpp writes it: fused matrices, no biases; Phi-4 mini's partial rotation is a test case's.
     "phi3": ModelShape(
@@ -176,13 +191,20 @@ def tensor_plan(shape: ModelShape, *, vocab_size: int) -> list[PlannedTensor]:
         if shape.post_norms:
             layer += [(f"{blk}.{name}.weight", (n_embd,), Q.F32) for name in ("post_attention_norm", "post_ffw_norm")]
         if shape.expert_count:
-            n_exp, n_ff = shape.expert_count, shape.expert_feed_forward_length
+            n_exp, n_ff = shape.expert_count, shape.expert_feed_forward_length or shape.feed_forward_length
             layer += [
                 (f"{blk}.ffn_gate_inp.weight", (n_embd, n_exp), Q.F32),
-                (f"{blk}.ffn_gate_exps.weight", (n_embd, n_ff, n_exp), Q.Q4_K),
-                (f"{blk}.ffn_up_exps.weight", (n_embd, n_ff, n_exp), Q.Q4_K),
-                (f"{blk}.ffn_down_exps.weight", (n_ff, n_embd, n_exp), Q.Q6_K),
+                (f"{blk}.ffn_gate_exps.weight", (n_embd, n_ff, n_exp), small_or(Q.Q8_0, Q.Q4_K)),
+                (f"{blk}.ffn_up_exps.weight", (n_embd, n_ff, n_exp), small_or(Q.Q4_0, Q.Q4_K)),
+                (f"{blk}.ffn_down_exps.weight", (n_ff, n_embd, n_exp), small_or(Q.F16, Q.Q6_K)),
             ]
+            if n_sh := shape.shared_expert_feed_forward_length:
+                layer += [
+                    (f"{blk}.ffn_gate_inp_shexp.weight", (n_embd,), Q.F32),
+                    (f"{blk}.ffn_gate_shexp.weight", (n_embd, n_sh), Q.Q8_0),
+                    (f"{blk}.ffn_up_shexp.weight", (n_embd, n_sh), Q.Q8_0),
+                    (f"{blk}.ffn_down_shexp.weight", (n_sh, n_embd), Q.Q8_0),
+                ]
         elif shape.fused:
             n_ff = shape.feed_forward_length
             layer += [

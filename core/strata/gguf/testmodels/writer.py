@@ -33,7 +33,9 @@ class WrittenTensor:
     @property
     def resident_bytes(self) -> int:
         """What a GPU stage holds for this tensor once loaded."""
-        return resident_bytes(self.ggml_type, elements=int(np.prod(self.dims)), stored_bytes=self.nbytes)
+        return resident_bytes(
+            self.ggml_type, name=self.name, elements=int(np.prod(self.dims)), stored_bytes=self.nbytes
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,7 +77,8 @@ def write_test_model(
     shape: ModelShape | None = None,
     weight_type: GGMLQuantizationType | None = None,
 ) -> WrittenModel:
-    """A small model of `architecture` (llama, mistral, qwen2, qwen3, gemma2, gemma3) with seeded weights, at `path`.
+    """A small model of `architecture` (a key of SMALL_SHAPES: llama, mixtral, qwen3moe, ...) with seeded weights, at
+    `path`.
 
     `block_count` overrides the shape's layer count (the stage worker splits models into up to three stages);
     `shape` replaces the small shape outright (benchmarks want realistic widths); `weight_type` stores every matrix
@@ -177,7 +180,10 @@ def _writer(path: Path, *, shape: ModelShape, vocab: Vocabulary) -> GGUFWriter:
     if shape.expert_count:
         writer.add_expert_count(shape.expert_count)
         writer.add_expert_used_count(shape.expert_used_count)
+    if shape.expert_feed_forward_length:
         writer.add_expert_feed_forward_length(shape.expert_feed_forward_length)
+    if shape.shared_expert_feed_forward_length:
+        writer.add_expert_shared_feed_forward_length(shape.shared_expert_feed_forward_length)
     if shape.sliding_window:
         writer.add_sliding_window(shape.sliding_window)
     if shape.softcaps:

@@ -29,7 +29,7 @@ from strata_testbed.controlplane import ControlPlane
 from strata_testbed.demo import gateway_url
 from strata_testbed.demo_models import DEMO_MODELS, demo_manifest
 from strata_testbed.hf_reference import greedy, hf_reference
-from strata_testbed.operator_process import OperatorProcess
+from strata_testbed.operator_run import OperatorProcess
 from strata_testbed.pod_runner import PodRunner
 from strata_testbed.range_server import serve_directory
 from strata_testbed.waiting import establish_crd, eventually

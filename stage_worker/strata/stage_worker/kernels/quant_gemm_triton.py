@@ -24,11 +24,9 @@ from strata.stage_worker.kernels.quant_matmul_triton import (
     _chunks,
     _columns,
     _constexprs,
-    _join4,
     _multiprocessors,
-    _pair,
+    _nibble_values,
     _planes,
-    _unit,
 )
 from torch import Tensor
 
@@ -56,7 +54,6 @@ def _gemm(
 ):  # fmt: skip
     """out[split, m, n] = sum over the split's chunks of x[m] . W[n], a tile's products on the tensor cores."""
     NIBBLES: tl.constexpr = 1 if HALF_STRIDE == 0 else 2
-    SPLIT_HALVES: tl.constexpr = FAMILY >= 2
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -80,27 +77,9 @@ def _gemm(
         w0, w1, w2, w3 = _columns(words)
         h0, h1, h2, h3 = _columns(high)
         for h in tl.static_range(NIBBLES):
-            if SPLIT_HALVES and h == 1:
-                scale = a_hi[:, :, None]
-                offset = b_hi[:, :, None]
-            else:
-                scale = a_lo[:, :, None]
-                offset = b_lo[:, :, None]
-            # The chunk's 16 values of nibble h, in column order (as the dequantise kernel stores them).
-            v00, v02 = _pair(FAMILY, BITS, w0, h0, 0, h)
-            v01, v03 = _pair(FAMILY, BITS, w0, h0, 1, h)
-            v10, v12 = _pair(FAMILY, BITS, w1, h1, 0, h)
-            v11, v13 = _pair(FAMILY, BITS, w1, h1, 1, h)
-            v20, v22 = _pair(FAMILY, BITS, w2, h2, 0, h)
-            v21, v23 = _pair(FAMILY, BITS, w2, h2, 1, h)
-            v30, v32 = _pair(FAMILY, BITS, w3, h3, 0, h)
-            v31, v33 = _pair(FAMILY, BITS, w3, h3, 1, h)
-            values = _join4(
-                _join4(v00, v10, v20, v30), _join4(v01, v11, v21, v31), _join4(v02, v12, v22, v32),
-                _join4(v03, v13, v23, v33),
-            )  # fmt: skip
-            u = tl.reshape(values, (BLOCK_N, CHUNKS, 16)) * _unit(BITS, h)  # exact
-            w = tl.reshape(tl.fma(scale, u, offset), (BLOCK_N, CHUNKS * 16)).to(x_ptr.dtype.element_ty)
+            value = _nibble_values(FAMILY, BITS, w0, w1, w2, w3, h0, h1, h2, h3, a_lo, b_lo, a_hi, b_hi, h, BLOCK_N,
+                                   CHUNKS)  # fmt: skip
+            w = tl.reshape(value, (BLOCK_N, CHUNKS * 16)).to(x_ptr.dtype.element_ty)
             column = tl.reshape(base[:, None] + HALF_STRIDE * h + sixteen, (CHUNKS * 16,))  # [C x 16]
             column_ok = tl.reshape(kmask[:, None] & (sixteen < 16), (CHUNKS * 16,))
             xt = tl.load(

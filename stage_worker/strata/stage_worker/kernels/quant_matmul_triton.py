@@ -326,6 +326,35 @@ def _gemv(
 
 
 @triton.jit
+def _nibble_values(FAMILY: tl.constexpr, BITS: tl.constexpr, w0, w1, w2, w3, h0, h1, h2, h3, a_lo, b_lo, a_hi, b_hi,
+                   h: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr):  # fmt: skip
+    """The [BLOCK_N, CHUNKS, 16] values of nibble h of a tile of chunks, in column order (word i, byte t: column
+    4 i + t), each a u + b in one FMA (the reference's one rounding: a u is exact). w0-w3 and h0-h3: `_columns` of
+    `_chunk`'s words and high words; a and b its scales and offsets."""
+    if FAMILY >= 2 and h == 1:  # a K-quant's nibbles lie in different sub-blocks
+        scale = a_hi[:, :, None]
+        offset = b_hi[:, :, None]
+    else:
+        scale = a_lo[:, :, None]
+        offset = b_lo[:, :, None]
+    v00, v02 = _pair(FAMILY, BITS, w0, h0, 0, h)
+    v01, v03 = _pair(FAMILY, BITS, w0, h0, 1, h)
+    v10, v12 = _pair(FAMILY, BITS, w1, h1, 0, h)
+    v11, v13 = _pair(FAMILY, BITS, w1, h1, 1, h)
+    v20, v22 = _pair(FAMILY, BITS, w2, h2, 0, h)
+    v21, v23 = _pair(FAMILY, BITS, w2, h2, 1, h)
+    v30, v32 = _pair(FAMILY, BITS, w3, h3, 0, h)
+    v31, v33 = _pair(FAMILY, BITS, w3, h3, 1, h)
+    # Joins append dimensions, the last varying fastest: an outer one over t, inner ones over i.
+    values = _join4(
+        _join4(v00, v10, v20, v30), _join4(v01, v11, v21, v31), _join4(v02, v12, v22, v32),
+        _join4(v03, v13, v23, v33),
+    )  # fmt: skip
+    u = tl.reshape(values, (BLOCK_N, CHUNKS, 16)) * _unit(BITS, h)  # exact
+    return tl.fma(scale, u, offset)
+
+
+@triton.jit
 def _dequantise(
     out_ptr, q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr,
     N, n_chunks,
@@ -336,7 +365,6 @@ def _dequantise(
     """out[n, k] = the weight's value, a u + b in one FMA (the reference's one rounding: a u is exact), in out's
     dtype."""
     NIBBLES: tl.constexpr = 1 if HALF_STRIDE == 0 else 2
-    SPLIT_HALVES: tl.constexpr = FAMILY >= 2
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -353,29 +381,9 @@ def _dequantise(
     sixteen = tl.arange(0, 16)[None, None, :]
     mask = (rows < N)[:, None, None] & kmask[None, :, None] & (sixteen < 16)
     for h in tl.static_range(NIBBLES):
-        if SPLIT_HALVES and h == 1:
-            scale = a_hi[:, :, None]
-            offset = b_hi[:, :, None]
-        else:
-            scale = a_lo[:, :, None]
-            offset = b_lo[:, :, None]
-        # The chunk's 16 values of nibble h are consecutive columns (word i, byte t: column 4 i + t): joined in that
-        # order, each lane stores 32 contiguous bytes (whole sectors; four values a store left L2 merging quarters).
-        v00, v02 = _pair(FAMILY, BITS, w0, h0, 0, h)
-        v01, v03 = _pair(FAMILY, BITS, w0, h0, 1, h)
-        v10, v12 = _pair(FAMILY, BITS, w1, h1, 0, h)
-        v11, v13 = _pair(FAMILY, BITS, w1, h1, 1, h)
-        v20, v22 = _pair(FAMILY, BITS, w2, h2, 0, h)
-        v21, v23 = _pair(FAMILY, BITS, w2, h2, 1, h)
-        v30, v32 = _pair(FAMILY, BITS, w3, h3, 0, h)
-        v31, v33 = _pair(FAMILY, BITS, w3, h3, 1, h)
-        # Joins append dimensions, the last varying fastest: an outer one over t, inner ones over i.
-        values = _join4(
-            _join4(v00, v10, v20, v30), _join4(v01, v11, v21, v31), _join4(v02, v12, v22, v32),
-            _join4(v03, v13, v23, v33),
-        )  # fmt: skip
-        u = tl.reshape(values, (BLOCK_N, CHUNKS, 16)) * _unit(BITS, h)  # exact
-        value = tl.fma(scale, u, offset)
+        # Each lane stores a chunk's 16 values of nibble h, consecutive columns: 32 contiguous bytes (whole sectors;
+        # four values a store left L2 merging quarters).
+        value = _nibble_values(FAMILY, BITS, w0, w1, w2, w3, h0, h1, h2, h3, a_lo, b_lo, a_hi, b_hi, h, BLOCK_N, CHUNKS)
         column = base[None, :, None] + HALF_STRIDE * h + sixteen
         tl.store(out_ptr + rows[:, None, None] * so + column, value.to(out_ptr.dtype.element_ty), mask=mask)
 

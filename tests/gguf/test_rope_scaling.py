@@ -11,13 +11,12 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 from strata.cli import main
 from strata.gguf import NotExecutableError, check_executable, describe, read_header
 from strata.gguf.sources import open_source
 from strata.gguf.testmodels import SMALL_SHAPES, write_test_model
 from strata.stage_worker.errors import ModelFileError
-from strata.stage_worker.loader import LoadProgress, load_stage
+from strata_testbed.stages import load_spans
 
 # architecture, what the file states under {arch}.rope., rope_freqs.weight values -> the refusal, or None: accepted
 REFUSED: dict[str, tuple[str, tuple[tuple[str, str | float | int], ...], tuple[float, ...], str]] = {
@@ -81,22 +80,7 @@ def written(
 
 
 def load_whole(path: Path) -> None:
-    source = open_source(str(path))
-    try:
-        header = read_header(source)
-        layers = header.metadata[f"{header.metadata['general.architecture']}.block_count"]
-        assert isinstance(layers, int)
-        load_stage(
-            source=source,
-            header=header,
-            layer_start=0,
-            layer_end=layers,
-            dtype=torch.float32,
-            device=torch.device("cpu"),
-            progress=LoadProgress(),
-        )
-    finally:
-        source.close()
+    load_spans(path)
 
 
 @pytest.mark.parametrize("case", REFUSED)

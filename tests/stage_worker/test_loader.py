@@ -15,6 +15,7 @@ from strata.gguf.sources import open_source
 from strata.gguf.testmodels import SMALL_SHAPES, ModelShape, write_test_model
 from strata.stage_worker.errors import ModelFileError
 from strata.stage_worker.loader import LoadProgress, load_stage
+from strata_testbed.stages import load_spans
 
 Edits = dict[str, Callable[[tuple[int, ...]], np.ndarray | None]]  # tensor -> its replacement, or None: left out
 
@@ -126,23 +127,7 @@ def test_a_tensor_outside_the_blocks_that_no_stage_reads_is_named(
 
 def load_any(path: Path) -> None:
     """Load every layer of a file of any architecture."""
-    source = open_source(str(path))
-    try:
-        header = read_header(source)
-        arch = header.metadata["general.architecture"]
-        layers = header.metadata[f"{arch}.block_count"]
-        assert isinstance(layers, int)
-        load_stage(
-            source=source,
-            header=header,
-            layer_start=0,
-            layer_end=layers,
-            dtype=torch.float32,
-            device=torch.device("cpu"),
-            progress=LoadProgress(),
-        )
-    finally:
-        source.close()
+    load_spans(path)
 
 
 # What a file says, through a generated shape, that the architecture table has no place for.

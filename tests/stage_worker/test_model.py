@@ -6,32 +6,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from strata.gguf import read_header
 from strata.gguf.model import CacheType
-from strata.gguf.sources import open_source
 from strata.stage_worker.engine import Chunk, Engine
 from strata.stage_worker.kv_pool import KVPool
-from strata.stage_worker.loader import LoadProgress, load_stage
 from strata_testbed.hf_reference import hf_reference
+from strata_testbed.stages import load_spans
 
 CPU = torch.device("cpu")
 PROMPT = (1, 17, 200, 3, 45, 99, 12, 7, 250, 31, 64, 128, 5, 77, 190, 2, 33, 81, 140, 9)
 
 
 def engines(path: Path, spans: list[tuple[int, int]], cache_type: CacheType = CacheType.F32) -> list[Engine]:
-    source = open_source(str(path))
-    header = read_header(source)
     built = []
-    for start, end in spans:
-        model = load_stage(
-            source=source,
-            header=header,
-            layer_start=start,
-            layer_end=end,
-            dtype=torch.float32,
-            device=CPU,
-            progress=LoadProgress(),
-        )
+    for (start, end), model in zip(spans, load_spans(path, spans), strict=True):
         c = model.config
         pool = KVPool(
             n_layers=end - start,
@@ -45,7 +32,6 @@ def engines(path: Path, spans: list[tuple[int, int]], cache_type: CacheType = Ca
             device=CPU,
         )
         built.append(Engine(model=model, pool=pool, device=CPU, dtype=torch.float32))
-    source.close()
     return built
 
 

@@ -13,20 +13,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from strata.gguf import read_header
 from strata.gguf.model import CacheType, ModelInfo
-from strata.gguf.sources import open_source
 from strata.gguf.testmodels import SMALL_SHAPES, write_test_model
 from strata.operator.planner import PlanOptions, plan_placement
 from strata.plan import Plan
 from strata.stage_worker.engine import Chunk, Engine
 from strata.stage_worker.errors import ContextExceededError
 from strata.stage_worker.kv_pool import KVPool
-from strata.stage_worker.loader import LoadProgress, load_stage
 from strata.stage_worker.prefix_cache import PrefixCache
 from strata_testbed.cluster_objects import gpu_node
 from strata_testbed.hf_reference import greedy, hf_reference
 from strata_testbed.model_shapes import dense_model, gemma3_like
+from strata_testbed.stages import load_spans
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
@@ -57,19 +55,8 @@ def expected(gemma3: Path) -> list[tuple[torch.Tensor, list[int]]]:
 
 
 def window_engines(path: Path, spans: list[tuple[int, int]], *, slack: int, context: int) -> list[Engine]:
-    source = open_source(str(path))
-    header = read_header(source)
     built = []
-    for start, end in spans:
-        model = load_stage(
-            source=source,
-            header=header,
-            layer_start=start,
-            layer_end=end,
-            dtype=torch.float32,
-            device=CPU,
-            progress=LoadProgress(),
-        )
+    for (start, end), model in zip(spans, load_spans(path, spans), strict=True):
         c = model.config
         pool = KVPool(
             n_layers=end - start,
@@ -86,7 +73,6 @@ def window_engines(path: Path, spans: list[tuple[int, int]], *, slack: int, cont
             window_slack=slack,
         )
         built.append(Engine(model=model, pool=pool, device=CPU, dtype=torch.float32))
-    source.close()
     return built
 
 

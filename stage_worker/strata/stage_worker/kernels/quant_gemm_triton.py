@@ -19,14 +19,14 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 from strata.stage_worker.kernels.quant_matmul_triton import (
-    WAVES,
     _chunk,
     _chunks,
     _columns,
     _constexprs,
-    _multiprocessors,
     _nibble_values,
     _planes,
+    checked_rows,
+    split_k,
 )
 from torch import Tensor
 
@@ -105,29 +105,17 @@ def quant_gemm(
 ) -> Tensor:
     """x [M, K] (M <= MAX_ROWS) @ W.T -> [M, N] in x's dtype, W given as its planes (formats.plane_names order);
     the tile is `default_tile`'s where not given."""
-    m_rows, k = x.shape
-    tile = default_tile(ggml_type, m_rows)
-    block_n, chunks, num_warps = block_n or tile[0], chunks or tile[1], num_warps or tile[2]
-    if k != columns:
-        raise ValueError(f"x has {k} columns, the weight {columns}")
-    if m_rows > MAX_ROWS:
-        raise ValueError(f"the tensor-core kernel takes at most {MAX_ROWS} rows of x, not {m_rows}")
-    n = planes[0].shape[0]
+    x = checked_rows(x, columns=columns, most=MAX_ROWS, kernel="tensor-core")
+    m_rows, n = x.shape[0], planes[0].shape[0]
     if m_rows == 0:
         return x.new_empty((0, n))
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    tile = default_tile(ggml_type, m_rows)
+    block_n, chunks, num_warps = block_n or tile[0], chunks or tile[1], num_warps or tile[2]
     n_chunks = _chunks(columns, ggml_type)
     chunks = min(chunks, triton.next_power_of_2(n_chunks))
     programs = triton.cdiv(n, block_n)
-    steps = triton.cdiv(n_chunks, chunks)
-    splits = max(1, min(steps, WAVES * _multiprocessors(x.device) // programs))
-    chunks_per_split = triton.cdiv(steps, splits) * chunks
-    splits = triton.cdiv(n_chunks, chunks_per_split)
-    if splits == 1:
-        out = torch.empty((m_rows, n), device=x.device, dtype=x.dtype)
-    else:  # f32 partial sums, added below
-        out = torch.empty((splits, m_rows, n), device=x.device, dtype=torch.float32)
+    chunks_per_split, out = split_k(x, n=n, n_chunks=n_chunks, chunks=chunks, programs=programs, splits=None)
+    splits = 1 if out.dim() == 2 else out.shape[0]
     slots, strides = _planes(planes, ggml_type)
     _gemm[(programs, splits)](
         x, out, *slots, m_rows, n, n_chunks, chunks_per_split,

@@ -460,20 +460,36 @@ def _chunks(columns: int, ggml_type: GGMLQuantizationType) -> int:
     return columns // LAYOUTS[ggml_type].values_per_chunk
 
 
+def checked_rows(x: Tensor, *, columns: int, most: int, kernel: str) -> Tensor:
+    """x [M, K] as a kernel takes it (rows dense), after refusing a K that is not the weight's or M past `most`."""
+    m_rows, k = x.shape
+    if k != columns:
+        raise ValueError(f"x has {k} columns, the weight {columns}")
+    if m_rows > most:
+        raise ValueError(f"the {kernel} kernel takes at most {most} rows of x, not {m_rows}")
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def split_k(x: Tensor, *, n: int, n_chunks: int, chunks: int, programs: int, splits: int | None) -> tuple[int, Tensor]:
+    """(chunks per split, out): splits along K enough for WAVES programs a multiprocessor (or `splits`), out
+    [M, N] in x's dtype for one, else [splits, M, N] f32 partial sums that the caller adds."""
+    steps = triton.cdiv(n_chunks, chunks)
+    wanted = splits or max(1, min(steps, WAVES * _multiprocessors(x.device) // programs))
+    chunks_per_split = triton.cdiv(steps, wanted) * chunks
+    splits = triton.cdiv(n_chunks, chunks_per_split)
+    if splits == 1:
+        return chunks_per_split, torch.empty((x.shape[0], n), device=x.device, dtype=x.dtype)
+    return chunks_per_split, torch.empty((splits, x.shape[0], n), device=x.device, dtype=torch.float32)
+
+
 def quant_matmul(
     x: Tensor, planes: Sequence[Tensor], ggml_type: GGMLQuantizationType, *, columns: int, config: Config | None = None
 ) -> Tensor:
     """x [M, K] (M <= 16) @ W.T -> [M, N] in x's dtype, W given as its planes (formats.plane_names order)."""
-    m_rows, k = x.shape
-    if k != columns:
-        raise ValueError(f"x has {k} columns, the weight {columns}")
-    if m_rows > MAX_ROWS:
-        raise ValueError(f"the fused kernel takes at most {MAX_ROWS} rows of x, not {m_rows}")
-    n = planes[0].shape[0]
+    x = checked_rows(x, columns=columns, most=MAX_ROWS, kernel="fused")
+    m_rows, n = x.shape[0], planes[0].shape[0]
     if m_rows == 0:
         return x.new_empty((0, n))
-    if x.stride(1) != 1:
-        x = x.contiguous()
     n_chunks = _chunks(columns, ggml_type)
     default = default_config(ggml_type, m_rows)
     config = config or default
@@ -481,14 +497,8 @@ def quant_matmul(
     warps = config.num_warps or default.num_warps or 4
     chunks = min(config.chunks or default.chunks or 128, triton.next_power_of_2(n_chunks))
     programs = triton.cdiv(n, block_n)
-    steps = triton.cdiv(n_chunks, chunks)
-    splits = config.splits or max(1, min(steps, WAVES * _multiprocessors(x.device) // programs))
-    chunks_per_split = triton.cdiv(steps, splits) * chunks
-    splits = triton.cdiv(n_chunks, chunks_per_split)
-    if splits == 1:
-        out = torch.empty((m_rows, n), device=x.device, dtype=x.dtype)
-    else:  # f32 partial sums, added below
-        out = torch.empty((splits, m_rows, n), device=x.device, dtype=torch.float32)
+    chunks_per_split, out = split_k(x, n=n, n_chunks=n_chunks, chunks=chunks, programs=programs, splits=config.splits)
+    splits = 1 if out.dim() == 2 else out.shape[0]
     slots, strides = _planes(planes, ggml_type)
     _gemv[(programs, splits)](
         x, out, *slots, m_rows, n, n_chunks, chunks_per_split,

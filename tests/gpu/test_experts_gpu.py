@@ -1,6 +1,6 @@
 """A mixture of experts on a GPU: the grouped matmul over experts in bf16 computes what a plain loop over each row's
-experts computes in f32, and a stage's decode step, compiled and captured in a CUDA graph, decodes what the same
-stage decodes eagerly.
+experts computes in f32. (Its decode step runs eagerly: compiled and captured, it picked other tokens than eager
+decoding on an H200; strata.stage_worker.engine refuses graphs for experts until that is understood.)
 
 These need a CUDA device; CI has none, so they run on a GPU lease (`pytest tests/gpu` there, with the stage worker's
 packages on the path) and are skipped elsewhere. The CPU runs the same grouped code in every test of
@@ -18,7 +18,7 @@ from strata.gguf import read_header
 from strata.gguf.model import CacheType
 from strata.gguf.sources import open_source
 from strata.gguf.testmodels import write_test_model
-from strata.stage_worker.engine import Chunk, Engine
+from strata.stage_worker.engine import Engine
 from strata.stage_worker.experts import MixtureOfExperts
 from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.loader import LoadProgress, load_stage
@@ -26,8 +26,6 @@ from torch import Tensor
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a GPU lease)")
 
-PROMPTS = ((1, 17, 200, 3, 45, 99, 12, 7, 250, 31, 64, 128), (4, 8, 15, 16, 23, 42, 108))
-STEPS = 12
 GPU = torch.device("cuda:0")
 
 
@@ -74,32 +72,3 @@ def test_the_grouped_experts_in_bf16_match_a_loop_over_experts_in_f32(model_path
     with torch.inference_mode():
         grouped, looped = moe(x).float(), loop_over_experts(moe, x)
     assert float((grouped - looped).norm() / looped.norm()) <= 1e-2
-
-
-def greedy(stage: Engine) -> dict[int, tuple[list[int], list[float]]]:
-    """Both prompts prefilled together, then STEPS decode steps of both slots (the captured path with graphs)."""
-    chunks = [Chunk(slot=s, start_position=0, length=len(p), token_ids=p, sample=True) for s, p in enumerate(PROMPTS)]
-    picked: dict[int, tuple[list[int], list[float]]] = {s: ([], []) for s in range(len(PROMPTS))}
-    for _ in range(STEPS + 1):
-        result = stage.step(chunks, None)
-        for chunk in chunks:
-            tokens, logprobs = picked[chunk.slot]
-            tokens.append(result.tokens[chunk.slot].token_id)
-            logprobs.append(result.tokens[chunk.slot].logprob)
-        chunks = [
-            Chunk(slot=c.slot, start_position=c.start_position + c.length, length=1,
-                  token_ids=(picked[c.slot][0][-1],), sample=True)
-            for c in chunks
-        ]  # fmt: skip
-    return picked
-
-
-def test_a_captured_compiled_decode_decodes_what_eager_decoding_does(model_path: Path) -> None:
-    captured = engine(model_path, dtype=torch.bfloat16, graphs=True)
-    captured.warm_up()
-    eager = engine(model_path, dtype=torch.bfloat16, graphs=False)
-    found, expected = greedy(captured), greedy(eager)
-    assert captured.decoder.captured > 0
-    for slot, (tokens, logprobs) in expected.items():
-        assert found[slot][0] == tokens
-        assert max(abs(a - b) for a, b in zip(found[slot][1], logprobs, strict=True)) <= 5e-2

@@ -19,16 +19,20 @@ from pathlib import Path
 import pytest
 import torch
 from strata.gguf import read_header
+from strata.gguf.model import CacheType
 from strata.gguf.reader import inspect_model
 from strata.gguf.sources import open_source
 from strata.gguf.testmodels import SMALL_SHAPES, write_test_model
 from strata.rpc.v1 import stage_pb2
 from strata.stage_worker.client import Pipeline, Request
+from strata.stage_worker.engine import Engine
 from strata.stage_worker.errors import ModelFileError
 from strata.stage_worker.experts import MixtureOfExperts
+from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.loader import LoadProgress, config_from_header, load_stage
 from strata_testbed.hf_reference import greedy, hf_mixtral, hf_reference
 from strata_testbed.pipelines import local_pipeline
+from strata_testbed.stages import load_spans
 from transformers import PreTrainedModel
 
 PROMPTS = (
@@ -230,3 +234,18 @@ def test_a_file_with_experts_in_an_architecture_without_them_is_refused(tmp_path
             config_from_header(read_header(source))
     finally:
         source.close()
+
+
+@pytest.mark.parametrize("asked", [{"cuda_graphs": True}, {"compiled": True}], ids=["CUDA graphs", "compiled blocks"])
+def test_a_mixture_of_experts_decodes_eagerly(moe_models: dict[str, Path], asked: dict[str, bool]) -> None:
+    """Captured on an H200, the decode step of a qwen3moe stage picked other tokens than eager decoding: until that
+    is understood, asking for it is refused by name (the warm-up then takes the eager path)."""
+    model = load_spans(moe_models["qwen3moe"])[0]
+    c = model.config
+    pool = KVPool(
+        n_layers=c.n_layer, context=64, parallel=1, key_width=c.kv_dim, value_width=c.kv_dim,
+        type_k=CacheType.F32, type_v=CacheType.F32, dtype=torch.float32, device=torch.device("cpu"),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="a mixture-of-experts stage decodes eagerly"):
+        Engine(model=model, pool=pool, device=torch.device("cpu"), dtype=torch.float32, **asked)
+    assert not Engine(model=model, pool=pool, device=torch.device("cpu"), dtype=torch.float32).decoder.graphs

@@ -24,6 +24,7 @@ from strata.gguf.reader import inspect_model
 from strata.gguf.sources import open_source
 from strata.gguf.testmodels import SMALL_SHAPES, write_test_model
 from strata.rpc.v1 import stage_pb2
+from strata.stage_worker import warm_up
 from strata.stage_worker.client import Pipeline, Request
 from strata.stage_worker.engine import Engine
 from strata.stage_worker.errors import ModelFileError
@@ -239,7 +240,7 @@ def test_a_file_with_experts_in_an_architecture_without_them_is_refused(tmp_path
 @pytest.mark.parametrize("asked", [{"cuda_graphs": True}, {"compiled": True}], ids=["CUDA graphs", "compiled blocks"])
 def test_a_mixture_of_experts_decodes_eagerly(moe_models: dict[str, Path], asked: dict[str, bool]) -> None:
     """Captured on an H200, the decode step of a qwen3moe stage picked other tokens than eager decoding: until that
-    is understood, asking for it is refused by name (the warm-up then takes the eager path)."""
+    is understood, asking for it is refused by name (the warm-up takes the eager path)."""
     model = load_spans(moe_models["qwen3moe"])[0]
     c = model.config
     pool = KVPool(
@@ -249,3 +250,6 @@ def test_a_mixture_of_experts_decodes_eagerly(moe_models: dict[str, Path], asked
     with pytest.raises(ValueError, match="a mixture-of-experts stage decodes eagerly"):
         Engine(model=model, pool=pool, device=torch.device("cpu"), dtype=torch.float32, **asked)
     assert not Engine(model=model, pool=pool, device=torch.device("cpu"), dtype=torch.float32).decoder.graphs
+    # A stage on a GPU warms up the eager path only: the graph paths would be refused, and they have no fallback.
+    assert warm_up.paths_for(torch.device("cuda"), experts=True) == (warm_up.EAGER,)
+    assert warm_up.EAGER not in warm_up.paths_for(torch.device("cuda"))

@@ -133,7 +133,7 @@ def test_a_faster_decode_path_that_fails_falls_back_to_a_slower_one_that_works(
     from strata.stage_worker import warm_up
 
     fast = warm_up.DecodePath(name="injected fast", cuda_graphs=False, compiled=False)
-    monkeypatch.setattr(warm_up, "paths_for", lambda _device: (fast, warm_up.EAGER))
+    monkeypatch.setattr(warm_up, "paths_for", lambda _device, **_: (fast, warm_up.EAGER))
     failures = iter([AssertionError("inductor: injected compile failure")])  # the first warm-up fails, then they run
     real = Engine.warm_up
 

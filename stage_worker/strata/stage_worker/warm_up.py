@@ -42,10 +42,11 @@ class DecodeStepError(StageError):
     """No path could run the decode step; the message names each path tried and why it failed."""
 
 
-def paths_for(device: torch.device) -> tuple[DecodePath, ...]:
+def paths_for(device: torch.device, *, experts: bool = False) -> tuple[DecodePath, ...]:
     """The paths a stage on `device` tries, fastest first. A CUDA graph failure does not fall back to eager: a
-    stage that cannot capture on its own device is broken in a way that serving slowly would only hide."""
-    if device.type == "cuda":
+    stage that cannot capture on its own device is broken in a way that serving slowly would only hide. A mixture
+    of experts decodes eagerly everywhere (strata.stage_worker.engine says why)."""
+    if device.type == "cuda" and not experts:
         return (COMPILED_GRAPHS, GRAPHS)
     return (EAGER,)
 
@@ -59,9 +60,9 @@ def warm_engine(
     stage_index: int,
     paths: tuple[DecodePath, ...] | None = None,
 ) -> Engine:
-    """The engine of the first of `paths` (default: `paths_for(device)`) whose warm-up runs."""
+    """The engine of the first of `paths` (default: `paths_for` the device and model) whose warm-up runs."""
     failures: list[str] = []
-    for path in paths or paths_for(device):
+    for path in paths or paths_for(device, experts=bool(model.config.n_expert)):
         started = time.monotonic()
         try:
             engine = Engine(

@@ -110,13 +110,17 @@ def sample_rows(logits: Tensor, *, params: Sequence[Sampling], positions: Sequen
 def _penalised(logits: Tensor, params: Sequence[Sampling]) -> Tensor:
     """The repetition penalty, as HF and vLLM apply it: each row's penalized tokens' logits divided by the penalty
     where positive and multiplied where negative, before any bias."""
-    entries = [(row, token) for row, p in enumerate(params) if p.repetition_penalty != 1.0 for token in p.penalized]
+    entries = [
+        (row, token, p.repetition_penalty)
+        for row, p in enumerate(params)
+        if p.repetition_penalty != 1.0
+        for token in p.penalized
+    ]
     if not entries:
         return logits
-    at = torch.tensor(entries, dtype=torch.long).T.contiguous().to(logits.device)  # [2, E]
-    penalty = torch.tensor(
-        [p.repetition_penalty for p in params if p.repetition_penalty != 1.0 for _ in p.penalized]
-    ).to(logits.device)
+    rows, tokens, penalties = zip(*entries, strict=True)
+    at = torch.tensor([rows, tokens], dtype=torch.long).to(logits.device)  # [2, E]
+    penalty = torch.tensor(penalties).to(logits.device)
     picked = logits[at[0], at[1]]
     logits[at[0], at[1]] = torch.where(picked > 0, picked / penalty, picked * penalty)
     return logits

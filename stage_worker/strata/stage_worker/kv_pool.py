@@ -33,6 +33,17 @@ def _stored_bytes(values: Tensor, scales: Tensor | None) -> int:
     return values.numel() * values.element_size() + extra
 
 
+def quantise_q8(rows: Tensor) -> tuple[Tensor, Tensor]:
+    """rows [N, width] as ggml's block_q8_0 does it: per 32 values d = max|x| / 127 (f32, stored as f16) and the
+    values round(x / d) as int8, through the f32 inverse of d. Returns (values [N, width] int8, scales [N, width / 32]
+    f16)."""
+    blocks = rows.float().view(rows.shape[0], -1, Q8_BLOCK)  # [N, width / 32, 32]
+    scale = blocks.abs().amax(dim=-1) / 127.0  # [N, width / 32]
+    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    quantised = torch.round(blocks * inverse[..., None]).clamp(-127, 127).to(torch.int8)
+    return quantised.view(rows.shape[0], -1), scale.to(torch.float16)
+
+
 @dataclass(frozen=True)
 class RawRows:
     """Rows of a store exactly as stored (q8_0: the int8 values and their f16 scales), so a copy put back is
@@ -90,13 +101,7 @@ class Store:
         if self.scales is None:
             self.values[cells] = rows.to(self.values.dtype)
             return
-        blocks = rows.float().view(rows.shape[0], -1, Q8_BLOCK)  # [N, width / 32, 32]
-        scale = blocks.abs().amax(dim=-1) / 127.0  # [N, width / 32]
-        scale16 = scale.to(torch.float16)
-        inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-        quantised = torch.round(blocks * inverse[..., None]).clamp(-127, 127).to(torch.int8)
-        self.values[cells] = quantised.view(rows.shape[0], -1)
-        self.scales[cells] = scale16
+        self.values[cells], self.scales[cells] = quantise_q8(rows)
 
     def read(self, cells: Tensor, *, dtype: torch.dtype) -> Tensor:
         # cells: [S] -> [S, width] in dtype
@@ -116,8 +121,19 @@ class LayerCache:
         self.dtype = dtype
 
     def write(self, cells: Tensor, k: Tensor, v: Tensor) -> None:
-        self.keys.write(cells, k)
-        self.values.write(cells, v)
+        # cells: [N]; k, v: [N, width]
+        keys, values = self.keys, self.values
+        if k.device.type == "cuda" and keys.scales is not None and values.scales is not None:
+            # Both q8_0 on a GPU: one kernel for the pair (strata.stage_worker.kernels.kv_write).
+            from strata.stage_worker.kernels.kv_write import write_q8_kv
+
+            write_q8_kv(
+                k=k, v=v, cells=cells, k_values=keys.values, k_scales=keys.scales, v_values=values.values,
+                v_scales=values.scales,
+            )  # fmt: skip
+            return
+        keys.write(cells, k)
+        values.write(cells, v)
 
     def read(self, cells: Tensor) -> tuple[Tensor, Tensor]:
         return self.keys.read(cells, dtype=self.dtype), self.values.read(cells, dtype=self.dtype)

@@ -13,6 +13,7 @@ On the CPU the same body runs eagerly, so the fidelity tests cover the batched a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -57,9 +58,12 @@ class Decoder:
         # layer (the blocks differ only in their tensors), so a new (B, S) costs one block's compilation, not a
         # whole model's.
         self._run: RunBlock = run_block
+        self._greedy: Callable[[Tensor], Tensor] = greedy
         if compiled:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
             self._run = torch.compile(run_block, dynamic=dynamic)
+            # Eagerly, the vocabulary's softmax and argmax are one thread block each for a row of 128K logits.
+            self._greedy = torch.compile(greedy, dynamic=dynamic)
         n = pool.parallel
         # slots, positions, cells, tokens, and the cells of the sliding-window layers when they have their own
         self.inputs = torch.zeros(5, n, dtype=torch.long, device=self.device)
@@ -128,6 +132,11 @@ class Decoder:
         if not self.model.is_last:
             return DecodeOutput(hidden=x, logits=None, greedy=None)
         logits = self.model.head(x).float()  # [B, vocab]
-        token = torch.argmax(logits, dim=-1)  # [B]
-        logprob = torch.log_softmax(logits, dim=-1).gather(1, token[:, None])[:, 0]  # [B]
-        return DecodeOutput(hidden=None, logits=logits, greedy=torch.stack((token.float(), logprob)))
+        return DecodeOutput(hidden=None, logits=logits, greedy=self._greedy(logits))
+
+
+def greedy(logits: Tensor) -> Tensor:
+    """logits [B, vocab] f32 -> [2, B] f32: each row's argmax token and its log-probability."""
+    token = torch.argmax(logits, dim=-1)  # [B]
+    logprob = logits.gather(1, token[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # [B]
+    return torch.stack((token.float(), logprob))

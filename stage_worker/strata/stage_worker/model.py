@@ -240,17 +240,29 @@ class Block(nn.Module):
         self.attn_post_norm = RMSNorm(config.dim, config.norm_eps) if config.post_norms else None
         self.ffn_post_norm = RMSNorm(config.dim, config.norm_eps) if config.post_norms else None
 
-    def forward(self, x: Tensor, *, rope: Rope, cos: Tensor, sin: Tensor, cache: LayerCache, layout: Layout) -> Tensor:
-        # x: [N, D]
-        attended = self.attn(self.attn_norm(x), rope=rope, cos=cos, sin=sin, cache=cache, layout=layout)
+    def forward(
+        self,
+        x: Tensor,
+        residual: Tensor | None,
+        *,
+        rope: Rope,
+        cos: Tensor,
+        sin: Tensor,
+        cache: LayerCache,
+        layout: Layout,
+    ) -> tuple[Tensor, Tensor]:
+        """x [N, D] plus `residual` (the previous block's stream, None for the first) -> (this block's
+        feed-forward output, its stream): the caller adds the two, or the next block does, so that the add fuses
+        into the next block's norm."""
+        h = x if residual is None else x + residual
+        attended = self.attn(self.attn_norm(h), rope=rope, cos=cos, sin=sin, cache=cache, layout=layout)
         if self.attn_post_norm is not None:
             attended = self.attn_post_norm(attended)
-        h = x + attended
+        h = h + attended
         fed = self.ffn(self.ffn_norm(h))
         if self.ffn_post_norm is not None:
             fed = self.ffn_post_norm(fed)
-        out: Tensor = h + fed
-        return out
+        return fed, h
 
 
 class RopeFactors(nn.Module):
@@ -263,14 +275,31 @@ class RopeFactors(nn.Module):
 
 class RunBlock(Protocol):
     def __call__(
-        self, block: nn.Module, x: Tensor, *, rope: Rope, cos: Tensor, sin: Tensor, cache: LayerCache, layout: Layout
-    ) -> Tensor: ...
+        self,
+        block: nn.Module,
+        x: Tensor,
+        residual: Tensor | None,
+        *,
+        rope: Rope,
+        cos: Tensor,
+        sin: Tensor,
+        cache: LayerCache,
+        layout: Layout,
+    ) -> tuple[Tensor, Tensor]: ...
 
 
 def run_block(
-    block: nn.Module, x: Tensor, *, rope: Rope, cos: Tensor, sin: Tensor, cache: LayerCache, layout: Layout
-) -> Tensor:
-    out: Tensor = block(x, rope=rope, cos=cos, sin=sin, cache=cache, layout=layout)
+    block: nn.Module,
+    x: Tensor,
+    residual: Tensor | None,
+    *,
+    rope: Rope,
+    cos: Tensor,
+    sin: Tensor,
+    cache: LayerCache,
+    layout: Layout,
+) -> tuple[Tensor, Tensor]:
+    out: tuple[Tensor, Tensor] = block(x, residual, rope=rope, cos=cos, sin=sin, cache=cache, layout=layout)
     return out
 
 
@@ -317,10 +346,13 @@ class StageModel(nn.Module):
         angles = {kind: rope.angles(layout.positions, sliding=kind) for kind in set(sliding)}  # once per rotation
         # Sliding layers address their own cells when the pool gives them a space of their own.
         layouts: dict[bool, Layout] = {False: layout, True: layout.window or layout}
+        residual: Tensor | None = None
         for layer, cache, kind in zip(self.layers, caches, sliding, strict=True):
             cos, sin = angles[kind]
-            x = (run or run_block)(layer, x, rope=rope, cos=cos, sin=sin, cache=cache, layout=layouts[kind])
-        return x
+            x, residual = (run or run_block)(
+                layer, x, residual, rope=rope, cos=cos, sin=sin, cache=cache, layout=layouts[kind]
+            )
+        return x if residual is None else x + residual
 
     def head(self, x: Tensor) -> Tensor:
         # x: [M, D] -> logits [M, vocab]

@@ -68,11 +68,11 @@ def kernel_speed(device: torch.device, *, depths: list[int]) -> dict[str, float]
 
     configs = {
         "default": kernels.DEFAULT,
-        "n32": dataclasses.replace(kernels.DEFAULT, block_n=32),
         "w4": dataclasses.replace(kernels.DEFAULT, num_warps=4),
-        "w2": dataclasses.replace(kernels.DEFAULT, num_warps=2),
+        "n32w4": dataclasses.replace(kernels.DEFAULT, block_n=32, num_warps=4),
         "s3": dataclasses.replace(kernels.DEFAULT, num_stages=3),
-        "waves4": dataclasses.replace(kernels.DEFAULT, waves=4, max_splits=64),
+        "waves4": dataclasses.replace(kernels.DEFAULT, waves=4),
+        "min512": dataclasses.replace(kernels.DEFAULT, min_split=512),
     }
     shapes = [(1, d) for d in depths] + [(STREAMS, STREAM_DEPTH)]
     speeds = {}

@@ -62,7 +62,7 @@ def _attend_split(
     n_rep, head_dim, q_tiles,
     K_Q8: tl.constexpr, V_Q8: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_T: tl.constexpr, REP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    F32_DOT: tl.constexpr, BLOCKED_SCALES: tl.constexpr, SOFTCAP: tl.constexpr,
+    F32_DOT: tl.constexpr, BLOCKED_SCALES: tl.constexpr, SOFTCAP: tl.constexpr, MIN_SPLIT: tl.constexpr,
 ):  # fmt: skip
     seq_tile = tl.program_id(0)
     group = tl.program_id(1)
@@ -71,12 +71,13 @@ def _attend_split(
     seq = seq_tile // q_tiles
     tile = seq_tile % q_tiles
 
+    # All four before any branch: each dependent round trip to memory is a microsecond of a short sequence's time.
     q_len = tl.load(q_lens_ptr + seq)
     kv_len = tl.load(kv_lens_ptr + seq)
-    if tile * BLOCK_T >= q_len:
-        return
     q_start = tl.load(q_starts_ptr + seq)
     slot = tl.load(slots_ptr + seq)
+    if tile * BLOCK_T >= q_len:
+        return
 
     # Rows of the M dimension: (query position t of the tile, head r of the group).
     offs_m = tl.arange(0, BLOCK_T * REP)
@@ -92,11 +93,17 @@ def _attend_split(
     # the tile's first query starts (the caller passes a window longer than any sequence where there is none).
     visible = tl.minimum(kv_len, kv_len - q_len + tl.minimum(q_len, (tile + 1) * BLOCK_T))
     lowest = tl.maximum(0, kv_len - q_len + tile * BLOCK_T - window + 1)
-    per_split = tl.cdiv(tl.cdiv(visible - lowest, splits), BLOCK_N) * BLOCK_N
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(visible - lowest, splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
     begin = lowest + split * per_split
     end = tl.minimum(begin + per_split, visible)
+    rows = (q_start + t).to(tl.int64)
+    if begin >= end:
+        # A split past the sequence's end says so in its log-sum-exp alone (the merge reads none of its values) and
+        # loads nothing: one stream's 128 splits at 300 positions no longer write 8 MB of empty partial outputs.
+        tl.store(lse_part_ptr + rows * stride_ln + head * stride_lh + split, float("-inf"), mask=row_ok)
+        return
 
-    q_rows = (q_start + t).to(tl.int64) * stride_qn + head.to(tl.int64) * stride_qh
+    q_rows = rows * stride_qn + head.to(tl.int64) * stride_qh
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     q = (q.to(tl.float32) * sm_scale).to(q_ptr.dtype.element_ty)
 
@@ -142,7 +149,6 @@ def _attend_split(
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-    rows = (q_start + t).to(tl.int64)
     o_off = rows[:, None] * stride_on + head[:, None] * stride_oh + split * stride_os + offs_d[None, :]
     tl.store(o_part_ptr + o_off, out, mask=row_ok[:, None] & d_ok[None, :])
     tl.store(lse_part_ptr + rows * stride_ln + head * stride_lh + split, lse, mask=row_ok)
@@ -192,6 +198,9 @@ class LaunchConfig:
     num_stages: int = 2
     waves: int = 8  # programs per multiprocessor the splits aim for
     max_splits: int = 128
+    # Positions a split takes at least (0: block_n). A short sequence is latency-bound: more splits of one tile each
+    # finish sooner than fewer of two (an H100, 300 positions: 128 positions a split cost 1.5x).
+    min_split: int = 0
 
 
 DEFAULT = LaunchConfig()
@@ -261,7 +270,7 @@ def paged_attention(
         K_Q8=key_scales is not None, V_Q8=value_scales is not None, PAGE=page,
         BLOCK_T=block_t, REP=rep, BLOCK_N=block_n, BLOCK_D=block_d,
         F32_DOT=q.dtype == torch.float32, BLOCKED_SCALES=head_dim % 32 == 0 and block_d == head_dim,
-        SOFTCAP=softcap > 0,
+        SOFTCAP=softcap > 0, MIN_SPLIT=max(config.min_split, block_n),
         num_warps=warps, num_stages=config.num_stages,
     )  # fmt: skip
     out = torch.empty_like(q)

@@ -12,6 +12,9 @@ from strata_testbed.controlplane import ControlPlane
 from strata_testbed.gpu_pool import create_gpu_pool
 from strata_testbed.waiting import establish_crd
 
+# As `strata` sets it (strata.cli says why): the tests start stage processes from a process with open channels.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 if not torch.cuda.is_available():
     # Without a GPU the Triton kernels' tests run them under Triton's interpreter. triton.jit chooses the interpreter
     # when a function is decorated, Triton's own library functions included, so the flag must be set before anything

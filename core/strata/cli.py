@@ -8,10 +8,17 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from importlib.metadata import version
 from typing import NoReturn
+
+# gRPC's fork handlers (on by default in grpcio's builds) restart its poller in a forked child; `strata serve` forks
+# stage processes (a preexec_fn makes Popen fork, not vfork) while its channels are open, and Popen's close_fds then
+# closes the poller's epoll fd under it: the child aborts before exec, one start in a few (grpc/grpc#43055). Nothing
+# here forks without exec, so the handlers are off. Set before any subcommand imports grpc.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 # (subcommand, module that implements it); the module's register() adds the parser and sets `run`.
 SUBCOMMANDS: tuple[tuple[str, str], ...] = (

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from strata.stage_worker.kernels import quant_matmul_triton
+from strata.stage_worker.kernels import quant_blocks_triton, quant_matmul_triton
 from strata.stage_worker.kernels.quant_matmul import (
     FUSED_MAX_ROWS,
     FUSED_TYPES,
@@ -154,13 +154,13 @@ def test_dequantise_kernel_is_the_reference(ggml_type: GGMLQuantizationType, dev
 def test_a_wrong_kernel_fails_the_check(wrong: str, device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
     """The check can fail: a kernel that misreads a Q4_K block is caught."""
     if wrong == "high nibbles misplaced":  # right values, multiplied by x 16 columns early
-        layouts = dict(quant_matmul_triton.LAYOUTS)
+        layouts = dict(quant_blocks_triton.LAYOUTS)
         layouts[Q.Q4_K] = replace(layouts[Q.Q4_K], half_stride=16)
-        monkeypatch.setattr(quant_matmul_triton, "LAYOUTS", layouts)
+        monkeypatch.setattr(quant_blocks_triton, "LAYOUTS", layouts)
     else:  # sub-block scales and minimums swapped
-        planes = dict(quant_matmul_triton.SCALE_PLANES)
+        planes = dict(quant_blocks_triton.SCALE_PLANES)
         planes[Q.Q4_K] = ("d", "dmin", "m", "sc")
-        monkeypatch.setattr(quant_matmul_triton, "SCALE_PLANES", planes)
+        monkeypatch.setattr(quant_blocks_triton, "SCALE_PLANES", planes)
     case = Case("", Q.Q4_K, 1, 19, 768, "normal")
     assert run_case(case, device=device, dtype=torch.float32) > 1e-2
 

@@ -4,10 +4,11 @@ The fused kernel of strata.stage_worker.kernels.quant_matmul_triton forms each w
 every row of x on the CUDA cores: the right trade for a decode step of a few rows, and past about eight rows its
 registers run out. Beyond that the model used to dequantise the whole matrix into x's dtype and hand it to cuBLAS,
 which writes two bytes a value and reads them back every step: at 16 streams that cost more than the weights' own
-bytes. This kernel reads the planes once, forms a [BLOCK_N, CHUNKS x 16] tile of values in registers with the same
-block reader (`_chunk`, `_pair`: exactly the dequantise kernel's values), rounds it to x's dtype (as the dequantise
-path does), and multiplies it by the matching columns of x with `tl.dot`. A tile's columns are the chunks' own (a
-K-quant's nibbles lie 32 columns apart), so x is gathered at them; x is small and stays in cache.
+bytes. This kernel reads the planes once, forms a [BLOCK_N, CHUNKS x 16] tile of values in registers with the block
+readers of strata.stage_worker.kernels.quant_blocks_triton (`read_chunk`, `nibble_values`: exactly the dequantise
+kernel's values), rounds it to x's dtype (as the dequantise path does), and multiplies it by the matching columns of
+x with `tl.dot`. A tile's columns are the chunks' own (a K-quant's nibbles lie 32 columns apart), so x is gathered at
+them; x is small and stays in cache.
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ import torch
 import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
-from strata.stage_worker.kernels.quant_matmul_triton import (
-    _chunk,
-    _chunks,
-    _columns,
-    _constexprs,
-    _nibble_values,
-    _planes,
+from strata.stage_worker.kernels.quant_blocks_triton import (
     checked_rows,
+    chunk_count,
+    four_columns,
+    kernel_planes,
+    layout_constexprs,
+    nibble_values,
+    read_chunk,
     split_k,
 )
 from torch import Tensor
@@ -70,14 +71,14 @@ def _gemm(
         kc = k0 + offs_c
         kmask = kc < last
         flat = 4 * k0 + offs_w
-        words, high, a_lo, b_lo, a_hi, b_hi, base = _chunk(
+        words, high, a_lo, b_lo, a_hi, b_hi, base = read_chunk(
             FAMILY, BITS, MINIMUMS, q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr, sq, sh, sd, sd2, ssc, smn,
             rows_in, kc, kmask, flat, flat < 4 * last,
         )  # fmt: skip
-        w0, w1, w2, w3 = _columns(words)
-        h0, h1, h2, h3 = _columns(high)
+        w0, w1, w2, w3 = four_columns(words)
+        h0, h1, h2, h3 = four_columns(high)
         for h in tl.static_range(NIBBLES):
-            value = _nibble_values(FAMILY, BITS, w0, w1, w2, w3, h0, h1, h2, h3, a_lo, b_lo, a_hi, b_hi, h, BLOCK_N,
+            value = nibble_values(FAMILY, BITS, w0, w1, w2, w3, h0, h1, h2, h3, a_lo, b_lo, a_hi, b_hi, h, BLOCK_N,
                                    CHUNKS)  # fmt: skip
             w = tl.reshape(value, (BLOCK_N, CHUNKS * 16)).to(x_ptr.dtype.element_ty)
             column = tl.reshape(base[:, None] + HALF_STRIDE * h + sixteen, (CHUNKS * 16,))  # [C x 16]
@@ -111,16 +112,16 @@ def quant_gemm(
         return x.new_empty((0, n))
     tile = default_tile(ggml_type, m_rows)
     block_n, chunks, num_warps = block_n or tile[0], chunks or tile[1], num_warps or tile[2]
-    n_chunks = _chunks(columns, ggml_type)
+    n_chunks = chunk_count(columns, ggml_type)
     chunks = min(chunks, triton.next_power_of_2(n_chunks))
     programs = triton.cdiv(n, block_n)
     chunks_per_split, out = split_k(x, n=n, n_chunks=n_chunks, chunks=chunks, programs=programs, splits=None)
     splits = 1 if out.dim() == 2 else out.shape[0]
-    slots, strides = _planes(planes, ggml_type)
+    slots, strides = kernel_planes(planes, ggml_type)
     _gemm[(programs, splits)](
         x, out, *slots, m_rows, n, n_chunks, chunks_per_split,
         x.stride(0), out.stride(0) if splits > 1 else 0, out.stride(-2), *strides,
-        **_constexprs(ggml_type), BLOCK_M=max(16, triton.next_power_of_2(m_rows)), BLOCK_N=block_n, CHUNKS=chunks,
+        **layout_constexprs(ggml_type), BLOCK_M=max(16, triton.next_power_of_2(m_rows)), BLOCK_N=block_n, CHUNKS=chunks,
         F32_DOT=x.dtype == torch.float32, num_warps=num_warps,
     )  # fmt: skip
     return out if splits == 1 else out.sum(dim=0).to(x.dtype)

@@ -19,8 +19,9 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from strata.gguf.model import CacheType
-from strata.operator.children import Owner, render_children
-from strata.operator.reconcile import summarize
+from strata.operator.children import Owner
+from strata.operator.render import PipelineChildren, render_children
+from strata.operator.replicas import summarize
 from strata.operator.spec import ModelDeploymentSpec
 from strata.plan import Backend, Plan, Stage
 from strata_testbed.helm import Helm, find
@@ -65,9 +66,9 @@ def _workload_templates() -> dict[str, Manifest]:
     children = render_children(
         owner,
         spec,
-        plan,
-        generation=1,
+        [PipelineChildren(index=0, plan=plan, generation=1)],
         serving=summarize(plan, generation=1),
+        served=[],
         image="strata:test",
         model_name="m",
         operator_namespace="strata-system",

@@ -17,7 +17,6 @@ from strata.operator.children import (
     RUN_AS_USER,
     STAGE_REQUESTS,
     Owner,
-    render_children,
 )
 from strata.operator.names import (
     GATEWAY_PORT,
@@ -27,7 +26,8 @@ from strata.operator.names import (
     STAGE_PORT,
     labels,
 )
-from strata.operator.reconcile import summarize
+from strata.operator.render import PipelineChildren, render_children
+from strata.operator.replicas import summarize
 from strata.operator.spec import ModelDeploymentSpec
 from strata.plan import Backend, Plan, Stage
 
@@ -70,9 +70,9 @@ def _children(stages: int = 3, operator_namespace: str = OPERATOR_NAMESPACE, **s
     return render_children(
         OWNER,
         parsed,
-        plan := _plan(stages),
-        generation=1,
-        serving=summarize(plan, generation=1),
+        [PipelineChildren(index=0, plan=(plan := _plan(stages)), generation=1)],
+        serving=(serving := summarize(plan, generation=1)),
+        served=[(0, serving)],
         image="strata:test",
         model_name="m",
         operator_namespace=operator_namespace,

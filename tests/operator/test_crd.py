@@ -95,7 +95,9 @@ INVALID = [
         "spec.placement.tolerations[0].operator",
         id="an unknown toleration operator is refused",
     ),
-    pytest.param(_with("spec.replicas", 3), "replicas", id="an unknown field is refused"),
+    pytest.param(_with("spec.pipelines", 3), "pipelines", id="an unknown field is refused"),
+    pytest.param(_with("spec.replicas", 0), "spec.replicas", id="zero pipelines are refused until scaling from zero"),
+    pytest.param(_with("spec.rollout.maxUnavailable", 0), "spec.rollout.maxUnavailable", id="a rollout must move"),
     pytest.param({**VALID, "spec": {"parallel": 2}}, "spec.model", id="a manifest without a model is refused"),
 ]
 
@@ -128,3 +130,23 @@ def test_the_api_server_accepts_the_valid_example_and_applies_defaults(api_clien
     )
     assert created["spec"]["cacheTypeV"] == "q8_0"
     assert created["spec"]["model"]["url"] == VALID["spec"]["model"]["url"]
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("crd_installed")
+def test_kubectl_scale_sets_spec_replicas_through_the_scale_subresource(api_client: client.ApiClient) -> None:
+    objects = client.CustomObjectsApi(api_client)
+    name = f"scaled-{uuid.uuid4().hex[:6]}"
+    body = copy.deepcopy(VALID) | {"metadata": {"name": name}}
+    created = objects.create_namespaced_custom_object(
+        group=GROUP, version=VERSION, namespace="default", plural=PLURAL, body=body, field_validation="Strict"
+    )
+    assert created["spec"]["replicas"] == 1
+    where = {"group": GROUP, "version": VERSION, "namespace": "default", "plural": PLURAL, "name": name}
+    objects.patch_namespaced_custom_object_status(
+        **where, body={"status": {"replicas": 1, "selector": "app.kubernetes.io/component=stage"}}
+    )
+    scale = objects.patch_namespaced_custom_object_scale(**where, body={"spec": {"replicas": 3}})
+    assert scale["spec"]["replicas"] == 3
+    assert scale["status"] == {"replicas": 1, "selector": "app.kubernetes.io/component=stage"}
+    assert objects.get_namespaced_custom_object(**where)["spec"]["replicas"] == 3

@@ -18,7 +18,7 @@ from kubernetes import client
 from strata.gguf import read_model_header
 from strata.gguf.testmodels.shapes import LARGE_SHAPES
 from strata.gguf.testmodels.writer import write_header_only_model, write_test_model
-from strata.operator.names import LABEL_GENERATION, LABEL_INSTANCE
+from strata.operator.names import LABEL_GENERATION, LABEL_INSTANCE, Names
 from strata.operator.spec import GROUP, PLURAL, VERSION
 from strata_testbed.broken_models import cut_tensor_data
 from strata_testbed.controlplane import ControlPlane
@@ -354,14 +354,13 @@ def test_restarting_the_operator_mid_reconcile_leaves_no_duplicates(
         sets = apps.list_namespaced_stateful_set(namespace=namespace).items
         assert len(sets) == len(body["status"]["plan"]["stages"])
         assert len({s.metadata.name for s in sets}) == len(sets)
-        assert (
-            len(
-                client.CoreV1Api(cluster)
-                .list_namespaced_config_map(namespace=namespace, label_selector=f"{LABEL_INSTANCE}=restart")
-                .items
-            )
-            == 1
+        maps = (
+            client.CoreV1Api(cluster)
+            .list_namespaced_config_map(namespace=namespace, label_selector=f"{LABEL_INSTANCE}=restart")
+            .items
         )
+        names = Names("restart", namespace)
+        assert sorted(m.metadata.name for m in maps) == sorted([names.plan_configmap, names.pipelines_configmap])
     finally:
         process.stop()
 

@@ -8,17 +8,17 @@ garbage collector remove everything when the ModelDeployment goes.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from strata.operator.names import (
     GATEWAY_PORT,
-    LABEL_NAMESPACE_NAME,
-    LABEL_STAGE,
+    LABEL_PIPELINE,
     STAGE_PORT,
     Names,
     labels,
-    operator_labels,
     stage_labels,
 )
 from strata.operator.spec import GROUP, KIND, VERSION, ModelDeploymentSpec, Resources
@@ -58,7 +58,7 @@ class Owner:
         }
 
 
-def _metadata(owner: Owner, *, name: str, labels: dict[str, str]) -> Manifest:
+def owned_metadata(owner: Owner, *, name: str, labels: dict[str, str]) -> Manifest:
     return {"name": name, "namespace": owner.namespace, "labels": labels, "ownerReferences": [owner.reference()]}
 
 
@@ -85,13 +85,44 @@ def _env(values: dict[str, str | int | float]) -> list[Manifest]:
     return [{"name": key, "value": str(value)} for key, value in values.items()]
 
 
+def serving_pipelines(owner: Owner, serving: Sequence[tuple[int, PlanSummary]]) -> str:
+    """The pipelines that serve, as JSON: where a gateway finds each one's first stage and how many lanes it has.
+
+    One list in one ConfigMap, so a gateway that routes across pipelines reads (and watches) them in one place.
+    """
+    names = Names(owner.name, owner.namespace)
+    entries = [
+        {
+            "index": index,
+            "generation": plan.generation,
+            "firstStage": names.stage_address(generation=plan.generation, index=0),
+            "parallel": plan.parallel,
+            "contextLength": plan.context_length,
+        }
+        for index, plan in serving
+    ]
+    return json.dumps(entries, sort_keys=True)
+
+
 def plan_configmap(owner: Owner, plan: Plan, *, generation: int) -> Manifest:
+    """Pipeline 0's newest plan."""
     names = Names(owner.name, owner.namespace)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(owner, name=names.plan_configmap, labels=labels(owner.name, component="plan")),
+        "metadata": owned_metadata(owner, name=names.plan_configmap, labels=labels(owner.name, component="plan")),
         "data": {"plan.json": plan.model_dump_json(), "generation": str(generation)},
+    }
+
+
+def pipelines_configmap(owner: Owner, serving: Sequence[tuple[int, PlanSummary]]) -> Manifest:
+    """The serving pipelines (pipelines.json): where a gateway that routes across pipelines finds them."""
+    names = Names(owner.name, owner.namespace)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": owned_metadata(owner, name=names.pipelines_configmap, labels=labels(owner.name, component="plan")),
+        "data": {"pipelines.json": serving_pipelines(owner, serving)},
     }
 
 
@@ -101,7 +132,7 @@ def stages_service(owner: Owner) -> Manifest:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(owner, name=names.stages_service, labels=selector),
+        "metadata": owned_metadata(owner, name=names.stages_service, labels=selector),
         "spec": {
             "clusterIP": "None",
             # Stages find each other before they are ready: the next stage's address must resolve while it loads.
@@ -113,10 +144,20 @@ def stages_service(owner: Owner) -> Manifest:
 
 
 def stage_statefulset(
-    owner: Owner, spec: ModelDeploymentSpec, plan: Plan, stage: StagePlan, *, generation: int, image: str
+    owner: Owner,
+    spec: ModelDeploymentSpec,
+    plan: Plan,
+    stage: StagePlan,
+    *,
+    generation: int,
+    image: str,
+    pipeline: int = 0,
 ) -> Manifest:
     names = Names(owner.name, owner.namespace)
-    pod_labels = stage_labels(owner.name, generation=generation, index=stage.index)
+    pod_labels = stage_labels(owner.name, generation=generation, index=stage.index, pipeline=pipeline)
+    # A StatefulSet's selector cannot change: it names the generation and stage only (a generation belongs to one
+    # pipeline), as it did before pipelines had an index, so an operator upgrade can apply over an older set.
+    selector = {key: value for key, value in pod_labels.items() if key != LABEL_PIPELINE}
     last = stage.index == len(plan.stages) - 1
     next_stage = "" if last else names.stage_address(generation=generation, index=stage.index + 1)
     env = _env(
@@ -169,12 +210,14 @@ def stage_statefulset(
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
-        "metadata": _metadata(owner, name=names.stage(generation=generation, index=stage.index), labels=pod_labels),
+        "metadata": owned_metadata(
+            owner, name=names.stage(generation=generation, index=stage.index), labels=pod_labels
+        ),
         "spec": {
             "serviceName": names.stages_service,
             "replicas": 1,
             "podManagementPolicy": "Parallel",
-            "selector": {"matchLabels": pod_labels},
+            "selector": {"matchLabels": selector},
             "template": {
                 "metadata": {"labels": pod_labels},
                 "spec": {
@@ -198,7 +241,7 @@ def stages_disruption_budget(owner: Owner) -> Manifest:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(owner, name=names.stages_pdb, labels=selector),
+        "metadata": owned_metadata(owner, name=names.stages_pdb, labels=selector),
         # Every stage is a single point of failure of its pipeline: a drain waits until the operator has moved
         # the stages off the cordoned node (a re-plan), instead of evicting a stage that still serves.
         "spec": {"maxUnavailable": 0, "selector": {"matchLabels": selector}},
@@ -216,7 +259,7 @@ def gateway_access(owner: Owner) -> list[Manifest]:
     names = Names(owner.name, owner.namespace)
 
     def meta() -> Manifest:
-        return _metadata(owner, name=names.gateway_account, labels=labels(owner.name, component="gateway"))
+        return owned_metadata(owner, name=names.gateway_account, labels=labels(owner.name, component="gateway"))
 
     leases = {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"]}
     return [
@@ -247,7 +290,7 @@ def coordinator_lease(owner: Owner) -> Manifest:
     return {
         "apiVersion": "coordination.k8s.io/v1",
         "kind": "Lease",
-        "metadata": _metadata(owner, name=names.coordinator_lease, labels=labels(owner.name, component="gateway")),
+        "metadata": owned_metadata(owner, name=names.coordinator_lease, labels=labels(owner.name, component="gateway")),
     }
 
 
@@ -303,7 +346,7 @@ def gateway_deployment(
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(owner, name=names.gateway, labels=pod_labels),
+        "metadata": owned_metadata(owner, name=names.gateway, labels=pod_labels),
         "spec": {
             "replicas": spec.gateway.replicas,
             # Standby replicas are not ready until they win the coordinator Lease, so a rolling update would wait
@@ -333,7 +376,7 @@ def gateway_service(owner: Owner) -> Manifest:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(owner, name=names.gateway, labels=selector),
+        "metadata": owned_metadata(owner, name=names.gateway, labels=selector),
         "spec": {"selector": selector, "ports": [{"name": "http", "port": GATEWAY_PORT, "targetPort": GATEWAY_PORT}]},
     }
 
@@ -366,92 +409,6 @@ def gateway_ingress(owner: Owner, spec: ModelDeploymentSpec) -> Manifest | None:
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "Ingress",
-        "metadata": _metadata(owner, name=names.gateway, labels=labels(owner.name, component="gateway")),
+        "metadata": owned_metadata(owner, name=names.gateway, labels=labels(owner.name, component="gateway")),
         "spec": body,
     }
-
-
-def _scrapers(spec: ModelDeploymentSpec) -> list[Manifest]:
-    """An ingress rule for the metrics port, from the scrapers the spec names (none: no rule)."""
-    peers = [scraper.model_dump(by_alias=True, exclude_none=True) for scraper in spec.network_policy.metrics_from]
-    if not peers:
-        return []
-    return [{"from": peers, "ports": [{"protocol": "TCP", "port": METRICS_PORT_NAME}]}]
-
-
-def _network_policy(owner: Owner, *, name: str, selected: dict[str, str], ingress: list[Manifest]) -> Manifest:
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": _metadata(owner, name=name, labels=labels(owner.name, component="network-policy")),
-        "spec": {"podSelector": {"matchLabels": selected}, "policyTypes": ["Ingress"], "ingress": ingress},
-    }
-
-
-def stage_network_policy(owner: Owner, spec: ModelDeploymentSpec, *, index: int, operator_namespace: str) -> Manifest:
-    """Stage `index` accepts gRPC from its predecessor (the gateway for stage 0, stage index-1 otherwise) and from
-    the operator, which asks each stage for its load progress; the operator may run in another namespace.
-
-    A NetworkPolicy has one pod selector, so each stage gets its own; it selects by stage index, not plan
-    generation, so the new generation of a re-plan is covered the moment its pods start.
-    """
-    names = Names(owner.name, owner.namespace)
-    stage = labels(owner.name, component="stage")
-    predecessor = labels(owner.name, component="gateway") if index == 0 else stage | {LABEL_STAGE: str(index - 1)}
-    port = [{"protocol": "TCP", "port": STAGE_PORT}]
-    grpc = {"from": [{"podSelector": {"matchLabels": predecessor}}], "ports": port}
-    operator = {
-        "namespaceSelector": {"matchLabels": {LABEL_NAMESPACE_NAME: operator_namespace}},
-        "podSelector": {"matchLabels": operator_labels()},
-    }
-    return _network_policy(
-        owner,
-        name=names.stage_policy(index=index),
-        selected=stage | {LABEL_STAGE: str(index)},
-        ingress=[grpc, {"from": [operator], "ports": port}, *_scrapers(spec)],
-    )
-
-
-def gateway_network_policy(owner: Owner, spec: ModelDeploymentSpec) -> Manifest:
-    """Clients (and an ingress controller) reach the gateway's HTTP port from anywhere; nothing else is open."""
-    names = Names(owner.name, owner.namespace)
-    http = {"ports": [{"protocol": "TCP", "port": GATEWAY_PORT}]}
-    return _network_policy(
-        owner, name=names.gateway, selected=labels(owner.name, component="gateway"), ingress=[http, *_scrapers(spec)]
-    )
-
-
-def render_children(
-    owner: Owner,
-    spec: ModelDeploymentSpec,
-    plan: Plan,
-    *,
-    generation: int,
-    serving: PlanSummary,
-    image: str,
-    model_name: str,
-    operator_namespace: str,
-) -> list[Manifest]:
-    """Every child for plan `generation`, in the order they should be applied; the gateway stays on `serving`.
-
-    `operator_namespace` is where the operator's own pods run: stage NetworkPolicies admit them.
-    """
-    children = [plan_configmap(owner, plan, generation=generation), stages_service(owner)]
-    children += [
-        stage_statefulset(owner, spec, plan, stage, generation=generation, image=image) for stage in plan.stages
-    ]
-    children += [stages_disruption_budget(owner), coordinator_lease(owner), *gateway_access(owner)]
-    children += [
-        gateway_deployment(owner, spec, serving=serving, image=image, model_name=model_name),
-        gateway_service(owner),
-    ]
-    ingress = gateway_ingress(owner, spec)
-    if ingress is not None:
-        children.append(ingress)
-    if spec.network_policy.enabled:
-        children += [
-            stage_network_policy(owner, spec, index=stage.index, operator_namespace=operator_namespace)
-            for stage in plan.stages
-        ]
-        children.append(gateway_network_policy(owner, spec))
-    return children

@@ -68,6 +68,7 @@ def render_crd() -> dict[str, Any]:
         ("Stages", "integer", ".status.stageCount"),
         ("Context", "integer", ".status.contextLength"),
         ("Ready", "string", ".status.ready"),
+        ("Pipelines", "string", ".status.pipelinesReady"),
         ("Phase", "string", ".status.phase"),
         ("Reason", "string", ".status.reason"),
         ("Age", "date", ".metadata.creationTimestamp"),
@@ -92,7 +93,15 @@ def render_crd() -> dict[str, Any]:
                     "name": VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
+                    # `kubectl scale`, a HorizontalPodAutoscaler and KEDA set spec.replicas through this.
+                    "subresources": {
+                        "status": {},
+                        "scale": {
+                            "specReplicasPath": ".spec.replicas",
+                            "statusReplicasPath": ".status.replicas",
+                            "labelSelectorPath": ".status.selector",
+                        },
+                    },
                     "additionalPrinterColumns": [
                         {"name": name, "type": kind, "jsonPath": path} for name, kind, path in columns
                     ],

@@ -24,11 +24,13 @@ from typing import Any
 
 import kopf
 from kubernetes.client.exceptions import ApiException
+from strata.operator.children import Owner
 from strata.operator.conditions import settle
 from strata.operator.doorbells import DeploymentKey, Doorbells
 from strata.operator.events import EventRecorder
 from strata.operator.planning import placement_problem
 from strata.operator.reconcile import Outcome, Reconciler
+from strata.operator.replicas import rollout_waits
 from strata.operator.spec import GROUP, PLURAL, VERSION, ModelDeploymentSpec
 from strata.operator.status import EventReason, ModelDeploymentStatus, Phase
 from strata.operator.status_writer import StatusWriter, plain
@@ -91,9 +93,12 @@ def _key(body: Mapping[str, Any]) -> DeploymentKey:
 
 
 def placed_nodes(status: Mapping[str, Any] | None) -> set[str] | None:
-    """Nodes that the newest and the serving generation use; None while there is no placement to lose."""
+    """Nodes that the newest and the serving generation of every pipeline use; None while there is no placement to
+    lose."""
     status = status or {}
+    pipelines = status.get("pipelines") or ()
     plans = [p for p in (status.get("plan"), status.get("serving")) if p]
+    plans += [plan for pipeline in pipelines for plan in (pipeline.get("plan"), pipeline.get("serving")) if plan]
     if not plans:
         return None
     return {stage["node"] for plan in plans for stage in plan.get("stages") or ()}
@@ -223,10 +228,12 @@ def _observe(
     if status.plan is None:
         return True  # a shortfall: only a change to the pool (or the safety net) makes it look again
     meta = body["metadata"]
+    if rollout_waits(status.pipelines, spec_generation=int(meta.get("generation", 1))):
+        _reconcile(body, key=key, logger=logger)
+        return False
     outcome = reconciler.advance(body)
-    reconciler.observe(
-        namespace=meta["namespace"], name=meta["name"], outcome=outcome, generation=int(meta.get("generation", 1))
-    )
+    owner = Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+    reconciler.observe(owner, outcome=outcome, generation=int(meta.get("generation", 1)))
     reconciler.observe_coordinator(namespace=meta["namespace"], name=meta["name"], outcome=outcome)
     _publish(outcome, key=key, body=body)
     settled = outcome.status

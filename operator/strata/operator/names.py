@@ -20,6 +20,8 @@ LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_GENERATION = "strata.dev/plan-generation"
 LABEL_STAGE = "strata.dev/stage"
+# Which pipeline (replica) of the deployment a stage pod belongs to; generations are unique across pipelines.
+LABEL_PIPELINE = "strata.dev/pipeline"
 FIELD_MANAGER = "strata-operator"
 # The namespace label the API server sets on every namespace, so a NetworkPolicy can select one by name.
 LABEL_NAMESPACE_NAME = "kubernetes.io/metadata.name"
@@ -45,6 +47,11 @@ class Names:
     @property
     def plan_configmap(self) -> str:
         return fit(self.deployment, suffix="-plan")
+
+    @property
+    def pipelines_configmap(self) -> str:
+        """The serving pipelines, each with its first stage's address and lanes (pipelines.json)."""
+        return fit(self.deployment, suffix="-pipelines")
 
     @property
     def stages_service(self) -> str:
@@ -98,5 +105,14 @@ def operator_labels() -> dict[str, str]:
     return {LABEL_NAME: "strata", LABEL_COMPONENT: "operator"}
 
 
-def stage_labels(deployment: str, *, generation: int, index: int) -> dict[str, str]:
-    return labels(deployment, component="stage") | {LABEL_GENERATION: str(generation), LABEL_STAGE: str(index)}
+def stage_labels(deployment: str, *, generation: int, index: int, pipeline: int = 0) -> dict[str, str]:
+    return labels(deployment, component="stage") | {
+        LABEL_GENERATION: str(generation),
+        LABEL_STAGE: str(index),
+        LABEL_PIPELINE: str(pipeline),
+    }
+
+
+def stage_selector(deployment: str) -> str:
+    """Every stage pod of the deployment as a label selector string (the scale subresource's status.selector)."""
+    return ",".join(f"{key}={value}" for key, value in labels(deployment, component="stage").items())

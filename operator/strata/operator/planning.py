@@ -15,12 +15,12 @@ from typing import Any
 from strata.gguf import NotExecutableError, check_executable
 from strata.gguf.model import ModelInfo
 from strata.operator.names import LABEL_INSTANCE, fit
-from strata.operator.planner import PlanOptions, build_inventory, plan_placement
+from strata.operator.planner import PipelinePlan, PlanOptions, build_inventory, plan_pipelines, plan_placement
 from strata.operator.planner.errors import PlanningError
 from strata.operator.planner.scheduling import Toleration
 from strata.operator.spec import ModelDeploymentSpec
 from strata.operator.status import EventReason, ModelDeploymentStatus
-from strata.plan import Plan
+from strata.plan import Excluded, Plan
 
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$")
 _SCALE = {
@@ -84,8 +84,8 @@ def plan_deployment(
     pods: Sequence[Mapping[str, Any]],
     spec: ModelDeploymentSpec,
 ) -> Plan:
-    """A placement for the model, or PlanRefused; a model the stages cannot run is refused before placing it, by
-    the check `strata inspect` and `strata serve` make."""
+    """One pipeline's placement on the whole pool (pipeline 0's), or PlanRefused; a model the stages cannot run is
+    refused before placing it, by the check `strata inspect` and `strata serve` make."""
     try:
         check_executable(model.architecture, unsupported=model.unsupported)
         return plan_placement(model=model, nodes=nodes, pods=pods, options=options_for(spec))
@@ -93,6 +93,33 @@ def plan_deployment(
         raise ModelNotExecutable(str(e)) from e
     except PlanningError as e:
         raise PlanRefused(str(e)) from e
+
+
+def plan_replicas(
+    *,
+    model: ModelInfo,
+    nodes: Sequence[Mapping[str, Any]],
+    pods: Sequence[Mapping[str, Any]],
+    spec: ModelDeploymentSpec,
+) -> tuple[tuple[PipelinePlan, ...], tuple[Excluded, ...]]:
+    """spec.replicas pipelines for the model (each placed or short) and the nodes left out, or PlanRefused; a model
+    the stages cannot run is refused before placing it, by the check `strata inspect` and `strata serve` make."""
+    options = options_for(spec)
+    try:
+        check_executable(model.architecture, unsupported=model.unsupported)
+        inventory = build_inventory(
+            nodes=nodes,
+            pods=pods,
+            node_selector=options.node_selector,
+            tolerations=options.tolerations,
+            gpu_memory_bytes=options.gpu_memory_bytes,
+        )
+        pipelines = plan_pipelines(model=model, inventory=inventory, options=options, replicas=spec.replicas)
+    except NotExecutableError as e:
+        raise ModelNotExecutable(str(e)) from e
+    except PlanningError as e:
+        raise PlanRefused(str(e)) from e
+    return pipelines, inventory.excluded
 
 
 def placement_problem(
@@ -103,9 +130,13 @@ def placement_problem(
     spec: ModelDeploymentSpec,
     deployment: Mapping[str, Any],
 ) -> str | None:
-    """Why the current placement no longer holds, or None while it does. Without a plan, always look again."""
+    """Why the current placement no longer holds, or None while it does. Without a plan for every pipeline asked
+    for, always look again (the pool may have grown)."""
     if status.plan is None:
         return "no placement yet: planning again"
+    plans = [p.plan for p in status.pipelines if p.plan is not None] or [status.plan]
+    if len(plans) < spec.replicas:
+        return f"{len(plans)} of {spec.replicas} pipelines placed: planning again"
     options = options_for(spec)
     try:
         inventory = build_inventory(
@@ -119,8 +150,9 @@ def placement_problem(
         return f"the pool cannot be read: {e}"
     excluded = {x.node: x.reason for x in inventory.excluded}
     free = Counter({(g.node, g.backend.value): g.free for g in inventory.gpus})
-    needed = Counter((s.node, s.backend) for s in status.plan.stages)
-    for stage in status.plan.stages:
+    stages = [stage for plan in plans for stage in plan.stages]
+    needed = Counter((s.node, s.backend) for s in stages)
+    for stage in stages:
         if stage.node in excluded:
             return f"stage {stage.index} on {stage.node} lost its node: {excluded[stage.node]}"
         if free[(stage.node, stage.backend)] < needed[(stage.node, stage.backend)]:

@@ -7,20 +7,35 @@ serve now in place and says why nothing new fits.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 from strata.operator.backoff import Backoff
-from strata.operator.children import Owner, gateway_deployment, render_children
+from strata.operator.children import (
+    Owner,
+    gateway_deployment,
+    pipelines_configmap,
+)
 from strata.operator.conditions import refuse, set_condition
 from strata.operator.kube import Cluster
 from strata.operator.models import ModelCache, ModelUnreadable
-from strata.operator.names import Names
-from strata.operator.planning import PlanRefused, foreign_pods, plan_deployment
+from strata.operator.names import Names, stage_selector
+from strata.operator.planner import PipelinePlan
+from strata.operator.planning import PlanRefused, foreign_pods, plan_replicas
 from strata.operator.progress import load_failure, load_progress
 from strata.operator.reasons import Reason
+from strata.operator.render import PipelineChildren, render_children
+from strata.operator.replicas import (
+    count,
+    describe,
+    generations_in_use,
+    place,
+    previous_pipelines,
+)
+from strata.operator.replicas import serving as serving_pipelines
 from strata.operator.spec import ModelDeploymentSpec
 from strata.operator.status import (
     ConditionType,
@@ -28,10 +43,7 @@ from strata.operator.status import (
     EventReason,
     Excluded,
     ModelDeploymentStatus,
-    PlanSummary,
-    StageSummary,
 )
-from strata.plan import Plan
 
 Manifest = dict[str, Any]
 
@@ -52,35 +64,6 @@ class Outcome:
     status: ModelDeploymentStatus
     events: list[Event] = field(default_factory=list)
     retry_in: float | None = None  # seconds until the model is read again, while it cannot be read
-
-
-def summarize(plan: Plan, *, generation: int, spec_generation: int | None = None) -> PlanSummary:
-    return PlanSummary(
-        generation=generation,
-        specGeneration=spec_generation,
-        stages=[
-            StageSummary(
-                index=s.index,
-                node=s.node,
-                gpus=len(s.gpus),
-                backend=str(s.backend),
-                layerStart=s.layer_start,
-                layerEnd=s.layer_end,
-            )
-            for s in plan.stages
-        ],
-        contextLength=plan.context_length,
-        parallel=plan.parallel,
-        cacheTypeK=str(plan.cache_type_k),
-        cacheTypeV=str(plan.cache_type_v),
-    )
-
-
-def same_placement(current: PlanSummary | None, new: PlanSummary) -> bool:
-    if current is None:
-        return False
-    same = {"generation", "spec_generation"}
-    return current.model_dump(exclude=same) == new.model_dump(exclude=same)
 
 
 def model_name(spec: ModelDeploymentSpec) -> str:
@@ -129,13 +112,14 @@ class Reconciler:
         nodes, pods = self.cluster.pool()
         others = foreign_pods(pods, name=name, namespace=namespace)
         try:
-            plan = plan_deployment(model=model, nodes=nodes, pods=others, spec=spec)
+            pipelines, excluded = plan_replicas(model=model, nodes=nodes, pods=others, spec=spec)
         except PlanRefused as e:
             return self._refused(outcome, reason=e.reason, message=str(e), meta=meta, event=e.event)
 
-        status.excluded = [Excluded(node=x.node, reason=x.reason) for x in plan.excluded]
-        if plan.shortfall is not None:
-            message = plan.shortfall.message
+        status.excluded = [Excluded(node=x.node, reason=x.reason) for x in excluded]
+        first = pipelines[0]
+        if first.plan is None:
+            message = first.short or "no placement"
             repeated = status.shortfall == message
             status.shortfall = message
             set_condition(
@@ -152,61 +136,90 @@ class Reconciler:
             return outcome
 
         status.shortfall = None
-        previous = status.plan
-        plan_generation = previous.generation if previous else 0
-        summary = summarize(plan, generation=plan_generation or 1, spec_generation=generation)
-        if not same_placement(previous, summary):
-            plan_generation += 1
-            summary = summarize(plan, generation=plan_generation, spec_generation=generation)
-            if previous is None:
-                outcome.events.append(Event("Normal", EventReason.PLANNED, _describe(summary)))
-            else:
-                outcome.events.append(Event("Normal", EventReason.REPLANNED, _describe(summary)))
-        # A new generation loads beside the one that serves; the gateway moves over in advance() once it is ready.
-        serving = status.serving if status.serving and status.serving.generation != summary.generation else summary
         owner = Owner(name=name, namespace=namespace, uid=meta["uid"])
+        rendered = self._place(owner, status, pipelines, spec=spec, spec_generation=generation, outcome=outcome)
+        zero = status.pipelines[0]
+        # Pipeline 0 is placed (checked above): its plan is the new one, or the one it serves while it waits.
+        assert zero.plan is not None
+        assert zero.serving is not None
         for child in render_children(
             owner,
             spec,
-            plan,
-            generation=plan_generation,
-            serving=serving,
+            rendered,
+            serving=zero.serving,
+            served=serving_pipelines(status.pipelines),
             image=self.image,
             model_name=status.model_name,
             operator_namespace=self.operator_namespace,
         ):
             self.cluster.apply(child)
         self.cluster.delete_other_generations(
-            namespace=namespace, deployment=name, keep={plan_generation, serving.generation}
+            namespace=namespace, deployment=name, keep=generations_in_use(status.pipelines)
         )
 
-        status.plan = summary
-        status.serving = serving
-        status.stage_count = len(summary.stages)
-        status.context_length = summary.context_length
+        status.plan, status.serving = zero.plan, zero.serving
+        status.stage_count = len(zero.plan.stages)
+        status.context_length = zero.plan.context_length
+        placed = sum(p.plan is not None for p in pipelines)
         set_condition(
             status,
             ConditionType.PLANNED,
             ok=True,
             reason=Reason.PLANNED,
-            message=_describe(summary),
+            message=describe(zero.plan),
             generation=generation,
         )
+        short = next((p.short for p in pipelines if p.plan is None), None)
         set_condition(
             status,
             ConditionType.CAPACITY_AVAILABLE,
-            ok=True,
-            reason=Reason.FITS,
-            message=f"{len(summary.stages)} stage(s) placed",
+            ok=short is None,
+            reason=Reason.FITS if short is None else Reason.SHORTFALL,
+            message=(
+                f"{len(zero.plan.stages)} stage(s) placed"
+                if spec.replicas == 1
+                else f"{placed} of {spec.replicas} pipelines placed"
+                + ("" if short is None else f"; pipeline {placed} and later: {short}")
+            ),
             generation=generation,
         )
         status.endpoint = Names(name, namespace).gateway_url()
-        self.observe(namespace=namespace, name=name, outcome=outcome, generation=generation)
+        self.observe(owner, outcome=outcome, generation=generation)
         self.observe_coordinator(namespace=namespace, name=name, outcome=outcome)
         return outcome
 
+    def _place(
+        self,
+        owner: Owner,
+        status: ModelDeploymentStatus,
+        pipelines: Sequence[PipelinePlan],
+        *,
+        spec: ModelDeploymentSpec,
+        spec_generation: int,
+        outcome: Outcome,
+    ) -> list[PipelineChildren]:
+        """status.pipelines from the planner's pipelines and the rollout bound; the pipelines to render."""
+        before = previous_pipelines(status)
+        serving = {p.serving.generation for p in before.values() if p.serving is not None}
+        placement = place(
+            before,
+            pipelines,
+            replicas=spec.replicas,
+            max_unavailable=spec.rollout.max_unavailable,
+            spec_generation=spec_generation,
+            ready={generation: self._ready(owner, generation) for generation in serving},
+        )
+        status.pipelines = placement.pipelines
+        outcome.events += [Event(type, reason, message) for type, reason, message in placement.events]
+        return placement.rendered
+
+    def _ready(self, owner: Owner, generation: int) -> bool:
+        stages = self.cluster.stage_readiness(namespace=owner.namespace, deployment=owner.name, generation=generation)
+        return bool(stages) and all(s.ready for s in stages)
+
     def advance(self, body: Manifest) -> Outcome:
-        """Cut the gateway over to the newest generation once every one of its stages is ready.
+        """Move each pipeline over to its newest generation once every one of its stages is ready; pipeline 0's
+        move also moves the gateway.
 
         Until then the previous generation keeps serving: a new generation that never loads costs nothing but
         the GPUs it holds, and the status says which generation serves and why the newest does not yet.
@@ -215,40 +228,51 @@ class Reconciler:
         name, namespace = meta["name"], meta["namespace"]
         status = ModelDeploymentStatus.model_validate(body.get("status") or {})
         outcome = Outcome(status=status)
-        pending, serving = status.plan, status.serving
-        if pending is None or serving is None:
+        if status.plan is None or status.serving is None:
             return outcome
-        if pending.generation == serving.generation:
-            # The old generation goes only once the gateway pods that drive the new one are up: until then the
-            # gateway that still runs may be driving the old stages.
-            if self.cluster.gateway_rolled_out(namespace=namespace, name=Names(name, namespace).gateway):
-                self.cluster.delete_other_generations(namespace=namespace, deployment=name, keep={serving.generation})
-            return outcome
-        stages = self.cluster.stage_readiness(namespace=namespace, deployment=name, generation=pending.generation)
-        if len(stages) < len(pending.stages) or not all(s.ready for s in stages):
-            return outcome
-        try:
-            spec = ModelDeploymentSpec.from_manifest(body["spec"])
-        except ValidationError as e:
-            raise InvalidSpec(str(e)) from e
+        pipelines = list(previous_pipelines(status).values())
         owner = Owner(name=name, namespace=namespace, uid=meta["uid"])
-        self.cluster.apply(
-            gateway_deployment(owner, spec, serving=pending, image=self.image, model_name=model_name(spec))
-        )
-        status.serving = pending
-        outcome.events.append(
-            Event(
-                "Normal",
-                EventReason.CUT_OVER,
-                f"every stage of generation {pending.generation} is ready: the gateway moves over from generation "
-                f"{serving.generation}, which is removed once the new gateway pods are available",
+        moved = False
+        for pipeline in pipelines:
+            pending, serving = pipeline.plan, pipeline.serving
+            if pending is None or serving is None or pending.generation == serving.generation:
+                continue
+            if not self._ready(owner, pending.generation):
+                continue
+            if pipeline.index == 0:
+                try:
+                    spec = ModelDeploymentSpec.from_manifest(body["spec"])
+                except ValidationError as e:
+                    raise InvalidSpec(str(e)) from e
+                self.cluster.apply(
+                    gateway_deployment(owner, spec, serving=pending, image=self.image, model_name=model_name(spec))
+                )
+                status.serving = pending
+            pipeline.serving = pending
+            moved = True
+            which = "the gateway moves over" if pipeline.index == 0 else f"pipeline {pipeline.index} moves over"
+            outcome.events.append(
+                Event(
+                    "Normal",
+                    EventReason.CUT_OVER,
+                    f"every stage of generation {pending.generation} is ready: {which} from generation "
+                    f"{serving.generation}, which is removed once the new gateway pods are available",
+                )
             )
-        )
+        if status.pipelines:
+            status.pipelines = sorted(pipelines, key=lambda p: p.index)
+        if not moved and self.cluster.gateway_rolled_out(namespace=namespace, name=Names(name, namespace).gateway):
+            # Old generations go only once the gateway pods that drive the new one are up: until then the gateway
+            # that still runs may be driving an old generation of pipeline 0.
+            self.cluster.delete_other_generations(
+                namespace=namespace, deployment=name, keep=generations_in_use(pipelines)
+            )
         return outcome
 
-    def observe(self, *, namespace: str, name: str, outcome: Outcome, generation: int) -> None:
+    def observe(self, owner: Owner, *, outcome: Outcome, generation: int) -> None:
         """Fold the children's readiness, and the load failures the stages report, into the status; a LoadFailed
         Event each time the failure says something new."""
+        name, namespace = owner.name, owner.namespace
         status = outcome.status
         if status.plan is None:
             return
@@ -282,6 +306,7 @@ class Reconciler:
             message="gateway has an available replica" if gateway_ok else "no gateway replica available",
             generation=generation,
         )
+        self._count_pipelines(owner, status=status)
         serving = status.serving
         if serving is not None and serving.generation != status.plan.generation:
             old = self.cluster.stage_readiness(namespace=namespace, deployment=name, generation=serving.generation)
@@ -303,6 +328,16 @@ class Reconciler:
             message=note if gateway_ok else f"{note}; no gateway replica available",
             generation=generation,
         )
+
+    def _count_pipelines(self, owner: Owner, *, status: ModelDeploymentStatus) -> None:
+        """Each pipeline's readiness into status, and the serving ones into the pipelines ConfigMap."""
+        if not status.pipelines:
+            status.pipelines = list(previous_pipelines(status).values())
+        ready = {p.index: p.serving is not None and self._ready(owner, p.serving.generation) for p in status.pipelines}
+        desired = max(len(status.pipelines), 1)
+        count(status, desired=desired, ready=ready)
+        status.selector = stage_selector(owner.name)
+        self.cluster.apply(pipelines_configmap(owner, serving_pipelines(status.pipelines)))
 
     def observe_coordinator(self, *, namespace: str, name: str, outcome: Outcome) -> None:
         """The gateway replica holding the coordinator Lease into status; an Event when the holder or term moves."""
@@ -357,12 +392,3 @@ class Reconciler:
 def _validation_message(error: ValidationError) -> str:
     """Each field and what is wrong with it, without pydantic's links to its documentation."""
     return "; ".join(f"spec.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
-
-
-def _describe(summary: PlanSummary) -> str:
-    stages = ", ".join(f"{s.node} layers [{s.layer_start},{s.layer_end})" for s in summary.stages)
-    kv = f"{summary.cache_type_k}/{summary.cache_type_v}"
-    return (
-        f"generation {summary.generation}: {len(summary.stages)} stage(s) ({stages}), "
-        f"context {summary.context_length}, {summary.parallel} slots, KV {kv}"
-    )

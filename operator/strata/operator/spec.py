@@ -243,6 +243,19 @@ class Coordination(_Spec):
         return self
 
 
+class Rollout(_Spec):
+    max_unavailable: int = Field(
+        default=1,
+        alias="maxUnavailable",
+        ge=1,
+        le=64,
+        description=(
+            "Serving pipelines a re-plan replaces at once; each keeps serving its old generation until its new one "
+            "is ready. With 2 or more replicas at most replicas - 1, so one pipeline is untouched by a rollout."
+        ),
+    )
+
+
 class Stage(_Spec):
     image: str | None = Field(default=None, max_length=512, description="Defaults to the operator's image.")
     resources: Resources = Field(
@@ -281,6 +294,16 @@ class ModelDeploymentSpec(_Spec):
     served_model_name: str | None = Field(
         default=None, alias="servedModelName", min_length=1, max_length=256, description="Model id clients send."
     )
+    replicas: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description=(
+            "Pipelines, each on its own GPUs (kubectl scale sets it). The gateway drives pipeline 0; every serving "
+            "pipeline is listed in the <name>-pipelines ConfigMap."
+        ),
+    )
+    rollout: Rollout = Field(default_factory=Rollout, description="How a re-plan replaces the pipelines.")
     context: int | None = Field(default=None, ge=512, le=16_777_216, description="Context length override.")
     parallel: int = Field(default=4, ge=1, le=256, description="Parallel slots sharing one KV pool.")
     cache_type_k: CacheType = Field(default=CacheType.Q8_0, alias="cacheTypeK", description="K cache element type.")

@@ -7,8 +7,9 @@ them; the reconciler writes the whole status object each time it acts.
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 from strata.modeldeployment import COORDINATOR_FENCED
 
 MAX_CONDITION_MESSAGE_CHARS = 32768  # the API's limit on a condition's message
@@ -97,16 +98,41 @@ class Coordinator(_Status):
     term: int = Field(ge=0)
 
 
+class PipelineStatus(_Status):
+    """One pipeline: the plan it loads, the one it serves, and why it has none when the pool is short."""
+
+    index: int = Field(ge=0)
+    plan: PlanSummary | None = Field(default=None, description="Its newest plan; its stages may still be loading.")
+    serving: PlanSummary | None = Field(default=None, description="The plan it serves with, once all stages are ready.")
+    ready: bool = Field(default=False, description="Every stage of its serving plan is ready.")
+    shortfall: str | None = Field(default=None, description="Why the pool holds no placement for it.")
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Unset fields are left out: the API server drops a null inside a list item, so a status that sent one
+        would differ from the stored status on every pass and be written again."""
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
 class ModelDeploymentStatus(_Status):
     observed_generation: int = Field(default=0, alias="observedGeneration", ge=0)
     phase: Phase = Phase.PENDING
     reason: str = Field(default="", description="Why the phase is what it is: a reason of the conditions.")
     conditions: list[Condition] = Field(default_factory=list)
     model_name: str | None = Field(default=None, alias="modelName")
-    plan: PlanSummary | None = Field(default=None, description="The newest plan; its stages may still be loading.")
-    serving: PlanSummary | None = Field(
-        default=None, description="The plan the gateway uses: the newest once all its stages are ready."
+    plan: PlanSummary | None = Field(
+        default=None, description="Pipeline 0's newest plan; its stages may still be loading."
     )
+    serving: PlanSummary | None = Field(
+        default=None, description="The plan the gateway uses (pipeline 0's): the newest once all its stages are ready."
+    )
+    pipelines: list[PipelineStatus] = Field(default_factory=list, description="Every pipeline, in index order.")
+    replicas: int = Field(default=0, ge=0, description="Pipelines placed (the scale subresource's replicas).")
+    ready_replicas: int = Field(default=0, alias="readyReplicas", ge=0, description="Pipelines serving.")
+    pipelines_ready: str = Field(
+        default="0/0", alias="pipelinesReady", description="Pipelines serving over pipelines asked for."
+    )
+    selector: str = Field(default="", description="Label selector of the stage pods (the scale subresource's).")
     stage_count: int = Field(default=0, alias="stageCount", ge=0)
     context_length: int = Field(default=0, alias="contextLength", ge=0)
     ready: str = Field(default="0/0", description="Ready stages over planned stages.")

@@ -12,10 +12,19 @@ from typing import Any
 from strata.gguf.model import ModelInfo
 from strata.operator.planner.inventory import Inventory, build_inventory
 from strata.operator.planner.options import PlanOptions
+from strata.operator.planner.pipelines import PipelinePlan, plan_pipelines
 from strata.operator.planner.search import plan_on_inventory
 from strata.plan import Plan
 
-__all__ = ["Inventory", "PlanOptions", "build_inventory", "plan_on_inventory", "plan_placement"]
+__all__ = [
+    "Inventory",
+    "PipelinePlan",
+    "PlanOptions",
+    "build_inventory",
+    "plan_on_inventory",
+    "plan_pipelines",
+    "plan_placement",
+]
 
 
 def plan_placement(

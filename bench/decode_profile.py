@@ -1,0 +1,142 @@
+"""Where a decode step's time goes on one GPU: the kernels of one replayed step, by name, and what the host adds.
+
+    python bench/decode_profile.py [--depth 300] [--steps 10] [--out DIR]
+
+Loads bench/gpu.py's Llama-3-8B-shape file (random Q8_0 weights, written where it runs) into the in-process engine
+(weights in their blocks, compiled blocks in CUDA graphs, q8_0 KV), decodes one stream after `--depth` positions, and
+reports: the engine's step time and a bare graph replay's (their difference is the host's part of a step), then the
+torch profiler's view of `--steps` steps: kernels a step, kernel time a step, the gaps between kernels, and the
+kernels grouped by name, most time first. The table of docs/benchmarks.md's "Where a single-stream step goes" came
+from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from strata.gguf.testmodels import LARGE_SHAPES
+from strata.gguf.testmodels.bulk import write_bulk_q8_model
+from strata.stage_worker.engine import Chunk, Engine
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu  # the GPU bench's loaders and measures, shared
+
+SHAPE = LARGE_SHAPES["llama3-8b"]
+TOP = 25  # kernel names the table lists
+GAP_LIMIT_US = 500.0  # a longer pause between kernels is the host between steps, not a gap inside one
+
+
+def decode_once(engine: Engine, *, position: int, token: int) -> int:
+    chunk = Chunk(slot=0, start_position=position, length=1, token_ids=(token,), sample=True)
+    return engine.step([chunk], None).tokens[0].token_id
+
+
+def host_share(engine: Engine, *, position: int, token: int, steps: int) -> tuple[float, float, int, int]:
+    """(p50 engine step s, mean bare replay s, next position, last token): one stream, graphs already captured."""
+    times = []
+    for _ in range(steps):
+        gpu.sync(engine.device)
+        begun = time.perf_counter()
+        token = decode_once(engine, position=position, token=token)
+        times.append(time.perf_counter() - begun)
+        position += 1
+    graph = engine.decoder._captured[1].graph
+    gpu.sync(engine.device)
+    begun = time.perf_counter()
+    for _ in range(steps):
+        graph.replay()
+    gpu.sync(engine.device)
+    return statistics.median(times), (time.perf_counter() - begun) / steps, position, token
+
+
+def kernel_table(engine: Engine, *, position: int, token: int, steps: int) -> dict[str, object]:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            token = decode_once(engine, position=position, token=token)
+            position += 1
+        gpu.sync(engine.device)
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start
+    )
+    by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for event in kernels:
+        by_name[event.name][0] += 1
+        by_name[event.name][1] += event.device_time
+    gaps = [b.time_range.start - a.time_range.end for a, b in itertools.pairwise(kernels)]
+    return {
+        "kernels_per_step": len(kernels) / steps,
+        "kernel_ms_per_step": sum(t for _, t in by_name.values()) / steps / 1e3,
+        "gap_ms_per_step": sum(g for g in gaps if g < GAP_LIMIT_US) / steps / 1e3,
+        "by_name": sorted(
+            ((name, count / steps, us / steps) for name, (count, us) in by_name.items()), key=lambda row: -row[2]
+        ),
+    }
+
+
+def render(r: dict[str, object], *, depth: int) -> str:
+    table, machine = r["kernels"], r["machine"]
+    assert isinstance(table, dict)
+    assert isinstance(machine, dict)
+    lines = [
+        "machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()),
+        f"model: llama3-8b shape, random Q8_0 weights kept in their blocks, bf16 compute, q8_0 KV; one stream at "
+        f"depth {depth}",
+        "",
+        f"engine step p50 {r['step_ms']:.3f} ms; bare graph replay {r['replay_ms']:.3f} ms (the host's part: "
+        f"{r['step_ms'] - r['replay_ms']:.3f} ms)",  # type: ignore[operator]
+        f"kernels a step {table['kernels_per_step']:.0f}; kernel time {table['kernel_ms_per_step']:.3f} ms; gaps "
+        f"between them {table['gap_ms_per_step']:.3f} ms",
+        "",
+        "| us a step | launches a step | kernel |",
+        "| ---: | ---: | --- |",
+    ]
+    for name, count, us in table["by_name"][:TOP]:
+        lines.append(f"| {us:.1f} | {count:.0f} | `{name[:100]}` |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=Path(tempfile.gettempdir()) / "strata-bench-model.gguf")
+    parser.add_argument("--depth", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/decode_profile.py profiles a GPU's decode step")
+    device = torch.device("cuda:0")
+    if not args.model.exists():
+        write_bulk_q8_model(args.model, shape=SHAPE)
+    model = gpu.load(args.model, span=(0, SHAPE.block_count), device=device, dtype=torch.bfloat16)
+    engine = gpu.engine_for(model, device=device, dtype=torch.bfloat16, graphs=True)
+    prompt = gpu.prompt(args.depth, vocab=model.config.vocab_size, seed=1)
+    token = gpu.engine_prefill(engine, slot=0, tokens=prompt)[0]
+    position = args.depth
+    for _ in range(8):  # capture and warm up
+        token = decode_once(engine, position=position, token=token)
+        position += 1
+    step, replay, position, token = host_share(engine, position=position, token=token, steps=50)
+    results: dict[str, object] = {
+        "machine": gpu.machine(device),
+        "step_ms": step * 1e3,
+        "replay_ms": replay * 1e3,
+        "kernels": kernel_table(engine, position=position, token=token, steps=args.steps),
+    }
+    table = render(results, depth=args.depth)
+    print(table)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "decode_profile.md").write_text(table)
+
+
+if __name__ == "__main__":
+    main()

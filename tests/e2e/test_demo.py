@@ -119,11 +119,12 @@ def test_the_deployment_is_ready_within_the_bound_and_the_demo_prints_its_answer
 
 def test_the_printer_columns_show_stages_context_ready_and_why(demo: RunningDemo) -> None:
     header, row = demo.kubectl("get", "modeldeployments", "--namespace", "default").splitlines()[:2]
-    assert header.split() == ["NAME", "MODEL", "STAGES", "CONTEXT", "READY", "PHASE", "REASON", "AGE"]
-    name, model, stages, context, ready, phase, reason, _ = row.split()
+    assert header.split() == ["NAME", "MODEL", "STAGES", "CONTEXT", "READY", "PIPELINES", "PHASE", "REASON", "AGE"]
+    name, model, stages, context, ready, pipelines, phase, reason, _ = row.split()
     assert (name, model, phase, reason) == ("tiny", "tiny", "Ready", "Ready")
     assert int(stages) >= 1
     assert ready == f"{stages}/{stages}"
+    assert pipelines == "1/1"
     plan_context = demo.kubectl(
         "get", "modeldeployment", "tiny", "--namespace", "default", "-o", "jsonpath={.status.contextLength}"
     )

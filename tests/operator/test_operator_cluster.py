@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -38,15 +38,6 @@ from strata_testbed.waiting import eventually
 pytestmark = pytest.mark.cluster
 
 T = TypeVar("T")
-
-
-@pytest.fixture
-def operator(control_plane: ControlPlane, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
-    process = OperatorProcess(control_plane.kubeconfig, namespace, tmp_path / "operator.log")
-    process.start()
-    yield process
-    process.stop()
-    print((tmp_path / "operator.log").read_text(errors="replace")[-6000:])  # shown when the test fails
 
 
 def pod_runner(control_plane: ControlPlane, *, core: client.CoreV1Api, namespace: str, folder: Path) -> PodRunner:

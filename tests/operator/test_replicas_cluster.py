@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,20 +14,10 @@ import pytest
 from kubernetes import client
 from strata.operator.names import LABEL_GENERATION, LABEL_PIPELINE, Names
 from strata.operator.spec import GROUP, PLURAL, VERSION
-from strata_testbed.controlplane import ControlPlane
-from strata_testbed.operator_run import OperatorProcess, create, deployment, read, stage_pods
+from strata_testbed.operator_run import create, deployment, read, stage_pods
 from strata_testbed.waiting import eventually
 
 pytestmark = pytest.mark.cluster
-
-
-@pytest.fixture
-def operator(control_plane: ControlPlane, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
-    process = OperatorProcess(control_plane.kubeconfig, namespace, tmp_path / "operator.log")
-    process.start()
-    yield process
-    process.stop()
-    print((tmp_path / "operator.log").read_text(errors="replace")[-6000:])  # shown when the test fails
 
 
 def _ready(cluster: client.ApiClient, namespace: str, name: str, replicas: int) -> dict[str, Any] | None:

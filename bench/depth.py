@@ -66,13 +66,13 @@ def kernel_speed(device: torch.device, *, depths: list[int]) -> dict[str, float]
     import triton.testing
     from strata.stage_worker.kernels import paged_attention_triton as kernels
 
+    base = kernels.DEFAULT
     configs = {
-        "default": kernels.DEFAULT,
-        "w4": dataclasses.replace(kernels.DEFAULT, num_warps=4),
-        "n32w4": dataclasses.replace(kernels.DEFAULT, block_n=32, num_warps=4),
-        "s3": dataclasses.replace(kernels.DEFAULT, num_stages=3),
-        "waves4": dataclasses.replace(kernels.DEFAULT, waves=4),
-        "min512": dataclasses.replace(kernels.DEFAULT, min_split=512),
+        "default": base,
+        "bf16 dots": dataclasses.replace(base, f16_dot=False),
+        "64-position tiles, 2 warps": dataclasses.replace(base, lone_block_n=64, num_warps=2),
+        "16-position tiles": dataclasses.replace(base, lone_block_n=16, block_n=32),
+        "3 stages": dataclasses.replace(base, num_stages=3),
     }
     shapes = [(1, d) for d in depths] + [(STREAMS, STREAM_DEPTH)]
     speeds = {}
@@ -101,7 +101,27 @@ def kernel_speed(device: torch.device, *, depths: list[int]) -> dict[str, float]
             speeds[key] = pool.cell_bytes * depth * streams / (ms * 1e-3) / 1e9
             log(f"kernel alone, {key}: {ms * 1e3:.1f} us, {speeds[key]:.0f} GB/s of q8_0 K/V")
         del pool
+    for fn in (kernels._attend_split, kernels._merge_splits):
+        for line in compiled_kernels(fn):
+            log(f"compiled {fn.__name__}: {line}")
     return speeds
+
+
+def compiled_kernels(fn: object) -> list[str]:
+    """Registers, spills and shared memory of each variant of a Triton kernel compiled so far (what sets how many
+    programs a multiprocessor holds)."""
+    lines = []
+    for cache in getattr(fn, "device_caches", {}).values():
+        compiled = cache[0] if isinstance(cache, tuple) else cache
+        for variant in getattr(compiled, "values", lambda: [])():
+            meta = getattr(variant, "metadata", None)
+            constants = {k: v for k, v in getattr(variant, "constants", {}).items() if isinstance(v, (int, bool))}
+            lines.append(
+                f"regs {getattr(variant, 'n_regs', '?')}, spills {getattr(variant, 'n_spills', '?')}, "
+                f"shared {getattr(meta, 'shared', '?')}, warps {getattr(meta, 'num_warps', '?')}, "
+                f"stages {getattr(meta, 'num_stages', '?')} {constants}"
+            )
+    return lines
 
 
 def fill(engine: Engine, *, slot: int, depth: int, generator: torch.Generator) -> None:

@@ -10,6 +10,10 @@ log-sum-exp. One program takes all query heads of one KV head (the GQA group) an
 positions, packed into the M dimension of the dot products, so a decode step (one position), a speculative step (a
 few) and a prefill chunk after a cached prefix (many) run the same code.
 
+Under a bf16 or f16 q, q8_0 and f16 K/V go into the dot products as f16 (the int8 values converted with integer
+operations, `_int8_to_f16`): exact for the stored values, and it keeps the step off the conversion unit, which runs at
+a quarter of the ALU rate. A K/V value past f16's range (65,504) would be inf there, as in llama.cpp's f16 cache.
+
 The table maps a sequence's page to a pool cell: `cell = table[slot, pos // PAGE] * PAGE + pos % PAGE`. Today's pool
 holds one position per cell (PAGE = 1); a paged pool passes its block size.
 """
@@ -29,24 +33,34 @@ NO_WINDOW = 1 << 30  # the window of layers without one: longer than any sequenc
 
 
 @triton.jit
+def _int8_to_f16(values):
+    """int8 -> f16 exactly without the conversion unit (a quarter of the ALU rate, and at depth the step's limit):
+    the byte with its sign bit flipped is the mantissa of 1024 + (v + 128) in f16, bits 0x6400 | (v ^ 0x80)."""
+    bits = (values.to(tl.uint8, bitcast=True).to(tl.uint16) ^ 0x6480).to(tl.uint16)
+    return bits.to(tl.float16, bitcast=True) - 1152.0
+
+
+@triton.jit
 def _dequantise(values, scales_ptr, cell, stride_sc, first_column, pos_ok, d_ok, BLOCK_N: tl.constexpr,
-                BLOCK_D: tl.constexpr, BLOCKED: tl.constexpr):  # fmt: skip
-    """q8_0 int8 values [N, D] of one KV head times their f16 scales (one per 32 values of a cell's row), in f32.
+                BLOCK_D: tl.constexpr, BLOCKED: tl.constexpr, F16: tl.constexpr):  # fmt: skip
+    """q8_0 int8 values [N, D] of one KV head times their f16 scales (one per 32 values of a cell's row), in f16
+    (F16: for f16 dot products) or f32.
 
     When the head starts on a block boundary (BLOCKED), each row's D / 32 scales are loaded once and broadcast over
     their blocks; otherwise every value loads its own scale (the same bytes, many more load instructions), and only
     for the head's columns: a padded column past the last head would read past the row, and 0 times a stray inf or
     NaN there is NaN in every score."""
+    numbers = _int8_to_f16(values) if F16 else values.to(tl.float32)
     if BLOCKED:
         offs_b = tl.arange(0, BLOCK_D // 32)
         scale = tl.load(scales_ptr + cell[:, None] * stride_sc + first_column // 32 + offs_b[None, :],
-                        mask=pos_ok[:, None], other=0.0)  # fmt: skip
-        blocks = tl.reshape(values.to(tl.float32), (BLOCK_N, BLOCK_D // 32, 32))
-        return tl.reshape(blocks * scale.to(tl.float32)[:, :, None], (BLOCK_N, BLOCK_D))
+                        mask=pos_ok[:, None], other=0.0).to(numbers.dtype)  # fmt: skip
+        blocks = tl.reshape(numbers, (BLOCK_N, BLOCK_D // 32, 32))
+        return tl.reshape(blocks * scale[:, :, None], (BLOCK_N, BLOCK_D))
     offs_d = tl.arange(0, BLOCK_D)
     scale = tl.load(scales_ptr + cell[:, None] * stride_sc + (first_column + offs_d[None, :]) // 32,
                     mask=pos_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-    return values.to(tl.float32) * scale.to(tl.float32)
+    return numbers * scale.to(numbers.dtype)
 
 
 @triton.jit
@@ -63,6 +77,7 @@ def _attend_split(
     K_Q8: tl.constexpr, V_Q8: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_T: tl.constexpr, REP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     F32_DOT: tl.constexpr, BLOCKED_SCALES: tl.constexpr, SOFTCAP: tl.constexpr, MIN_SPLIT: tl.constexpr,
+    DOT_F16: tl.constexpr,
 ):  # fmt: skip
     seq_tile = tl.program_id(0)
     group = tl.program_id(1)
@@ -105,7 +120,7 @@ def _attend_split(
 
     q_rows = rows * stride_qn + head.to(tl.int64) * stride_qh
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    q = (q.to(tl.float32) * sm_scale).to(q_ptr.dtype.element_ty)
+    q = (q.to(tl.float32) * sm_scale).to(tl.float16 if DOT_F16 else q_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_T * REP], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_T * REP], dtype=tl.float32)
@@ -121,7 +136,7 @@ def _attend_split(
         k = tl.load(k_ptr + cell[:, None] * stride_kc + column[None, :], mask=kv_mask, other=0)
         if K_Q8:
             k = _dequantise(k, ks_ptr, cell, stride_ksc, group * head_dim, pos_ok, d_ok,
-                            BLOCK_N, BLOCK_D, BLOCKED_SCALES)  # fmt: skip
+                            BLOCK_N, BLOCK_D, BLOCKED_SCALES, DOT_F16)  # fmt: skip
         k = k.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") if F32_DOT else tl.dot(q, tl.trans(k))
         if SOFTCAP:  # softcap * tanh(scores / softcap), with tanh(x) = 2 sigmoid(2x) - 1
@@ -138,7 +153,7 @@ def _attend_split(
         v = tl.load(v_ptr + cell[:, None] * stride_vc + column[None, :], mask=kv_mask, other=0)
         if V_Q8:
             v = _dequantise(v, vs_ptr, cell, stride_vsc, group * head_dim, pos_ok, d_ok,
-                            BLOCK_N, BLOCK_D, BLOCKED_SCALES)  # fmt: skip
+                            BLOCK_N, BLOCK_D, BLOCKED_SCALES, DOT_F16)  # fmt: skip
         v = v.to(q.dtype)
         if F32_DOT:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
@@ -194,28 +209,41 @@ class LaunchConfig:
     """The kernel's tile and launch shape; `bench/depth.py --kernel-only` measures the alternatives."""
 
     block_n: int = 64  # positions per tile (halved for head dims over 128)
-    num_warps: int | None = None  # None: 2 when the sequences alone leave multiprocessors idle, else 4
+    lone_block_n: int = 32  # ... when the sequences alone would leave most multiprocessors idle
+    num_warps: int | None = None  # None: by the batch's shape (launch_shape)
     num_stages: int = 2
     waves: int = 8  # programs per multiprocessor the splits aim for
     max_splits: int = 128
-    # Positions a split takes at least (0: block_n). A short sequence is latency-bound: more splits of one tile each
+    # Positions a split takes at least (0: its tile). A short sequence is latency-bound: more splits of one tile each
     # finish sooner than fewer of two (an H100, 300 positions: 128 positions a split cost 1.5x).
     min_split: int = 0
+    f16_dot: bool = True  # q8_0 and f16 K/V under a 16-bit q: dot products in f16 (see `_int8_to_f16`)
 
 
 DEFAULT = LaunchConfig()
 
 
-def launch_shape(*, programs: int, device: torch.device, config: LaunchConfig = DEFAULT) -> tuple[int, int]:
-    """(splits per sequence, warps per program), from the batch's shape only, so a CUDA graph replays at any depth.
+@dataclass(frozen=True)
+class Launch:
+    splits: int  # programs per sequence, tile and KV head
+    warps: int
+    block_n: int
+
+
+def launch_shape(*, programs: int, rows: int, device: torch.device, config: LaunchConfig = DEFAULT) -> Launch:
+    """The launch from the batch's shape only, so a CUDA graph replays at any depth.
 
     Splits give enough programs to fill the GPU `waves` times over, whatever the lengths (empty splits end at once).
-    Measured on an H100 (bench/depth.py --kernel-only): a lone long stream reads fastest with many small programs
-    (2 warps: more gathers in flight per multiprocessor), a full batch with 4."""
+    Measured on an H100 (bench/depth.py --kernel-only, q8_0, Llama-3-8B heads): a lone long stream reads fastest
+    with many one-warp programs of 32-position tiles (1.75 TB/s at 131,072 positions against 1.49 with two warps and
+    64), each warp's registers holding its own tiles; a batch that gives every multiprocessor a program or more with
+    two warps and 64 (16 streams at 4,096: 1.38 TB/s against 1.25). `rows` is a program's query rows: one warp holds
+    the 16 of a decode step's GQA group, not the 64 of a prefill tile."""
     sms = _multiprocessors(device)
     splits = max(1, min(config.max_splits, -(-config.waves * sms // max(programs, 1))))
-    warps = config.num_warps or (2 if programs < sms else 4)
-    return splits, warps
+    lone = programs * 4 <= sms and rows <= 16
+    warps = config.num_warps or (1 if lone else 2 if programs < sms else 4)
+    return Launch(splits=splits, warps=warps, block_n=config.lone_block_n if lone else config.block_n)
 
 
 def paged_attention(
@@ -250,12 +278,14 @@ def paged_attention(
     rep = triton.next_power_of_2(n_rep)
     block_t = max(1, (16 if max_q_len == 1 else 64) // rep)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n = config.block_n if block_d <= 128 else config.block_n // 2
     q_tiles = triton.cdiv(max_q_len, block_t)
     n_seq = slots.shape[0]
-    splits, warps = launch_shape(programs=n_seq * q_tiles * n_head_kv, device=q.device, config=config)
+    launch = launch_shape(programs=n_seq * q_tiles * n_head_kv, rows=block_t * rep, device=q.device, config=config)
+    splits = launch.splits
+    block_n = launch.block_n if block_d <= 128 else launch.block_n // 2
     o_part = torch.empty(n, n_head, splits, head_dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(n, n_head, splits, dtype=torch.float32, device=q.device)
+    f16_tiles = keys.dtype in (torch.int8, torch.float16) and values.dtype in (torch.int8, torch.float16)
     _attend_split[(n_seq * q_tiles, n_head_kv, splits)](
         q, keys, keys if key_scales is None else key_scales, values, values if value_scales is None else value_scales,
         table, slots, q_starts, q_lens, kv_lens, o_part, lse_part,
@@ -271,7 +301,8 @@ def paged_attention(
         BLOCK_T=block_t, REP=rep, BLOCK_N=block_n, BLOCK_D=block_d,
         F32_DOT=q.dtype == torch.float32, BLOCKED_SCALES=head_dim % 32 == 0 and block_d == head_dim,
         SOFTCAP=softcap > 0, MIN_SPLIT=max(config.min_split, block_n),
-        num_warps=warps, num_stages=config.num_stages,
+        DOT_F16=config.f16_dot and q.dtype in (torch.bfloat16, torch.float16) and f16_tiles,
+        num_warps=launch.warps, num_stages=config.num_stages,
     )  # fmt: skip
     out = torch.empty_like(q)
     _merge_splits[(n, n_head)](

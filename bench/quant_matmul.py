@@ -158,6 +158,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--types", default=",".join(t.name for t in sorted(FUSED_TYPES)))
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--crossover", action="store_true", help="only the fused and tensor-core kernels at 1-16 rows")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -171,6 +172,10 @@ def main() -> None:
         f"{time.strftime('%Y-%m-%d')}")  # fmt: skip
     log(f"# device read: {bandwidth / 1e9:.0f} GB/s (a 1 GiB sum)")
     results: dict[str, object] = {"device": props.name, "read_gbps": bandwidth / 1e9}
+    if args.crossover:
+        results["crossover"] = crossover(device)
+        _save(args.out, results)
+        return
 
     started = time.perf_counter()
     log("\n## Fidelity, bf16 vs f32 reference: worst |error| / sum |w x| of any output, over the four matrices")
@@ -240,6 +245,37 @@ def main() -> None:
         results["batch"] = batch
         log(f"[{time.perf_counter() - started:.0f} s]")
         _save(args.out, results)
+
+
+def crossover(device: torch.device) -> list[dict[str, object]]:
+    """Where the tensor-core kernel starts to beat the fused one: both at 1-16 rows, us per call (FUSED_MAX_ROWS
+    is set from this)."""
+    log("\n## Fused (CUDA cores) against tensor-core kernel by rows of x, us per call, weights from HBM")
+    rows = []
+    for ggml_type in MAIN_TYPES:
+        for shape, (n, k) in SHAPES.items():
+            for m in (1, 2, 4, 8, 16):
+                fused = partial(_kernel_call, quant_matmul_triton.quant_matmul, ggml_type, k)
+                gemm = partial(_kernel_call, quant_gemm_triton.quant_gemm, ggml_type, k)
+                calls: list[Matmul] = [gemm] if m > quant_matmul_triton.MAX_ROWS else [fused, gemm]
+                _, times, size = timings(ggml_type, n, k, m, device, calls)
+                fused_us = times[0] * 1e6 if len(times) == 2 else float("nan")
+                gemm_us = times[-1] * 1e6
+                log(f"{ggml_type.name:5s} {shape:8s} M={m:2d}: fused {fused_us:7.1f}  tensor-core {gemm_us:7.1f}  "
+                    f"({size / 1e6:.0f} MB)")  # fmt: skip
+                rows.append({"type": ggml_type.name, "matrix": shape, "m": m, "fused_us": fused_us,
+                             "gemm_us": gemm_us})  # fmt: skip
+    return rows
+
+
+def _kernel_call(
+    kernel: Callable[..., torch.Tensor],
+    ggml_type: GGMLQuantizationType,
+    k: int,
+    x: torch.Tensor,
+    planes: list[torch.Tensor],
+) -> torch.Tensor:
+    return kernel(x, planes, ggml_type, columns=k)
 
 
 GEMM_TILES = ((32, 8, 4), (64, 8, 4), (64, 4, 4), (128, 4, 8), (64, 8, 8))  # block_n, chunks, num_warps

@@ -34,10 +34,10 @@ FUSED_TYPES: frozenset[GGMLQuantizationType] = frozenset(
         GGMLQuantizationType.Q6_K,
     }
 )
-# Rows of x up to which the fused kernel beats dequantise-then-cuBLAS (an H100, Llama-3-8B's matrices, Q4_K, Q6_K and
-# Q8_0: at 8 rows 1.4-2.1x faster, e.g. Q4_K gate_up 115 against 194 us; at 16 rows its registers spill and it is
-# several times slower).
-FUSED_MAX_ROWS = 8
+# Rows of x up to which the fused kernel beats the tensor-core one (an H100, Llama-3-8B's matrices, Q4_K, Q6_K and
+# Q8_0; bench/quant_matmul.py --crossover, 2026-11-25): at 4 rows it is ahead on every matrix (Q4_K gate_up 70 against
+# 74 us, Q8_0 60 against 71), at 8 behind on every one (Q4_K gate_up 115 against 79, Q8_0 104 against 73).
+FUSED_MAX_ROWS = 4
 # Rows up to which the tensor-core kernel beats dequantise-then-cuBLAS (same H100 and matrices): at 16 rows 1.4-2.9x
 # faster (Q8_0 gate_up 76 against 218 us, near cuBLAS on bf16 weights), at 64 still ahead over a layer's four
 # matrices (Q4_K 339 against 367 us), though no longer on the small ones.

@@ -3,8 +3,9 @@
 Without a GPU the Triton kernels run under Triton's interpreter (tests/conftest.py), in f32 and f16 (the interpreter
 has no bfloat16); on a GPU, compiled, in bf16 too. Each case builds random GGUF bytes of one type (every bit of
 every quantised field random; the f16 fields set per case, finite: the planes test covers NaN and inf) and splits
-them into planes as the loader does. Up to 16 rows of x the cases run the fused kernel; more rows run `kernel`, the
-Triton path the model takes on a GPU: the tensor-core kernel up to GEMM_MAX_ROWS, the dequantised weight beyond.
+them into planes as the loader does. Up to 16 rows of x the cases run the fused kernel; more rows (and the cases marked
+`op`) run `kernel`, the Triton path the model takes on a GPU: the fused kernel up to FUSED_MAX_ROWS, the tensor-core
+kernel up to GEMM_MAX_ROWS, the dequantised weight beyond.
 
 The check: every output within `tolerance(dtype)` of `x.float() @ dequantize(planes).T`, as a share of
 sum |x| |w| over that output (what an accumulation error scales with), so a wrong value anywhere in a row shows.
@@ -42,6 +43,7 @@ class Case:
     k: int
     blocks: str  # the f16 fields: "normal", "extreme" (+-65504 beside tiny), "zero" (a third of blocks all zero
     # bytes), "negative" (every f16 field negative: negative minimums)
+    op: bool = False  # through `kernel` whatever m: rows past FUSED_MAX_ROWS take the tensor-core kernel
 
 
 def _k(ggml_type: GGMLQuantizationType, *, long: bool) -> int:
@@ -57,6 +59,7 @@ def _cases() -> list[Case]:
         short, long = _k(t, long=False), _k(t, long=True)
         cases += [Case(f"{t.name} M={m}", t, m, 37 if m < 16 else 19, short, "normal") for m in (1, 3, 16, 17, 40, 65)]
         cases += [Case(f"{t.name} M={m}, K={long}", t, m, 21, long, "normal") for m in (1, 3, 33)]
+        cases += [Case(f"{t.name} M=6 through the op (tensor cores)", t, 6, 37, short, "normal", op=True)]
         cases += [Case(f"{t.name} M={m}, extreme scales", t, m, 19, short, "extreme") for m in (1, 16, 24)]
         cases += [Case(f"{t.name} M=3, zero blocks", t, 3, 19, short, "zero")]
         cases += [Case(f"{t.name} M={m}, negative scales", t, m, 19, short, "negative") for m in (1, 17, 65)]
@@ -111,7 +114,7 @@ def run_case(case: Case, *, device: torch.device, dtype: torch.dtype, seed: int 
     scale = min(1.0, 100.0 / float(w.abs().sum(dim=1).max().clamp_min(1e-30)))
     x = (torch.from_numpy(rng.standard_normal((case.m, case.k))).float() * scale).to(dtype)
     on_device = [p.to(device) for p in planes.values()]
-    if case.m <= quant_matmul_triton.MAX_ROWS:
+    if case.m <= quant_matmul_triton.MAX_ROWS and not case.op:
         ours = quant_matmul_triton.quant_matmul(x.to(device), on_device, case.ggml_type, columns=case.k)
     else:
         ours = kernel(x.to(device), on_device, case.ggml_type, columns=case.k)

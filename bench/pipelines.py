@@ -175,6 +175,38 @@ async def hit_rate(model: Path, addresses: list[str], *, policy: Policy, chats: 
         return (hits - before[0]) / max(1.0, (hits - before[0]) + (misses - before[1]))
 
 
+async def measure(args: argparse.Namespace) -> tuple[dict[int, float], dict[tuple[int, Policy], float]]:
+    """Both parts on one event loop (gRPC's asyncio poller outlives a loop that asyncio.run closes)."""
+    rates: dict[int, float] = {}
+    hits: dict[tuple[int, Policy], float] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch)
+        wide = write_test_model(
+            folder / "wide.gguf", architecture="llama", shape=bench_llama(layers=args.layers, context_length=CONTEXT)
+        ).path
+        for count in (1, 2):
+            with stage_processes(wide, count, lanes=args.lanes, folder=folder) as addresses:
+                rates[count] = await throughput(
+                    wide, addresses, lanes=args.lanes, tokens=args.tokens, rounds=args.rounds
+                )
+            print(f"  {count} pipeline(s): {rates[count]:.1f} tokens/s", flush=True)
+        small = write_test_model(folder / "small.gguf", architecture="qwen2", block_count=2).path
+        for count in (2, 4):
+            with contextlib.ExitStack() as stack:
+                sets = [
+                    stack.enter_context(local_pipeline(small, [(0, 2)], context=1024, prefix_cache_bytes=64 << 20))
+                    for _ in range(count)
+                ]
+                addresses = [f"127.0.0.1:{s[0].port}" for s in sets]
+                # Each run's gateway starts with empty prefix indexes: it restores only what it saved itself.
+                for policy in (Policy.PREFIX, Policy.ROUND_ROBIN):
+                    hits[count, policy] = await hit_rate(
+                        small, addresses, policy=policy, chats=args.chats, turns=args.turns
+                    )
+                    print(f"  {count} pipelines, {policy}: {hits[count, policy]:.0%} hits", flush=True)
+    return rates, hits
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=4)
@@ -186,33 +218,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)  # each gateway's drivers say they step down when it closes
     print(f"machine: {machine()}", flush=True)
-    with tempfile.TemporaryDirectory() as scratch:
-        folder = Path(scratch)
-        wide = write_test_model(
-            folder / "wide.gguf", architecture="llama", shape=bench_llama(layers=args.layers, context_length=CONTEXT)
-        ).path
-        rates = {}
-        for count in (1, 2):
-            with stage_processes(wide, count, lanes=args.lanes, folder=folder) as addresses:
-                rates[count] = asyncio.run(
-                    throughput(wide, addresses, lanes=args.lanes, tokens=args.tokens, rounds=args.rounds)
-                )
-            print(f"  {count} pipeline(s): {rates[count]:.1f} tokens/s", flush=True)
-        small = write_test_model(folder / "small.gguf", architecture="qwen2", block_count=2).path
-        hits: dict[tuple[int, Policy], float] = {}
-        for count in (2, 4):
-            with contextlib.ExitStack() as stack:
-                sets = [
-                    stack.enter_context(local_pipeline(small, [(0, 2)], context=1024, prefix_cache_bytes=64 << 20))
-                    for _ in range(count)
-                ]
-                addresses = [f"127.0.0.1:{s[0].port}" for s in sets]
-                # Each run's gateway starts with empty prefix indexes: it restores only what it saved itself.
-                for policy in (Policy.PREFIX, Policy.ROUND_ROBIN):
-                    hits[count, policy] = asyncio.run(
-                        hit_rate(small, addresses, policy=policy, chats=args.chats, turns=args.turns)
-                    )
-                    print(f"  {count} pipelines, {policy}: {hits[count, policy]:.0%} hits", flush=True)
+    rates, hits = asyncio.run(measure(args))
     print()
     print(f"| Pipelines behind one gateway ({machine()}) | Figure |")
     print("|---|---|")

@@ -47,7 +47,7 @@ AWAY = next(i for i in ring_order(KEY, [0, 1, 2]) if i != HOME)
             id="a holder loaded beyond the bound gives way to the ring: a hot prefix spills over",
         ),
         pytest.param(
-            [Candidate(index=i, lanes=4, busy=3 if i == HOME else 1) for i in range(3)],
+            [Candidate(index=i, lanes=4, busy=3 if i == HOME else 0) for i in range(3)],
             next(i for i in ring_order(KEY, [0, 1, 2]) if i != HOME),
             id="a place on the ring loaded beyond the bound is skipped for the next one within it",
         ),
@@ -58,16 +58,23 @@ def test_route(candidates: list[Candidate], expected: int | None) -> None:
 
 
 def test_when_every_free_pipeline_is_over_the_bound_the_least_loaded_free_one_takes_it() -> None:
-    # With a slack of 1 or more some pipeline is always within the bound; half an even share puts both past it.
+    # With a slack of 1 or more some pipeline is always within the bound; a quarter of an even share puts both past it.
     candidates = [Candidate(index=0, lanes=4, busy=3), Candidate(index=1, lanes=4, busy=2)]
-    assert not any(within_bound(c, candidates, balance=0.5) for c in candidates)
-    assert route(KEY, candidates, balance=0.5) == 1
+    assert not any(within_bound(c, candidates, balance=0.25) for c in candidates)
+    assert route(KEY, candidates, balance=0.25) == 1
 
 
 def test_the_bound_weighs_shares_by_lanes() -> None:
-    big, small = Candidate(index=0, lanes=12, busy=6), Candidate(index=1, lanes=4, busy=3)
-    assert within_bound(big, [big, small], balance=1.0), "a 7th of 10 busy lanes is within 12 of 16 lanes' share"
-    assert not within_bound(small, [big, small], balance=1.0), "a 4th of 10 exceeds 4 of 16 lanes' share"
+    big, small = Candidate(index=0, lanes=12, busy=6), Candidate(index=1, lanes=4, busy=4)
+    assert within_bound(big, [big, small], balance=1.0), "a 7th of 11 busy lanes is within 12 of 16 lanes' share"
+    assert not within_bound(small, [big, small], balance=1.0), "a 5th of 11 exceeds 4 of 16 lanes' share, plus one"
+
+
+def test_at_low_load_a_chat_stays_with_its_cache_while_its_last_request_is_still_releasing_its_lane() -> None:
+    candidates = [
+        Candidate(index=i, lanes=2, busy=1 if i == AWAY else 0, cached=32 if i == AWAY else 0) for i in range(4)
+    ]
+    assert route(KEY, candidates) == AWAY
 
 
 @pytest.mark.parametrize(

@@ -102,6 +102,7 @@ class Pipelines:
         self._members: dict[int, _Member] = {}
         self._owner: dict[Generation, _Member] = {}
         self._draining: set[asyncio.Task[None]] = set()
+        self._retiring: set[_Member] = set()  # left the list, finishing what they run under the current term
         self._turn = 0
         self._started = False
         self._capacity = -1
@@ -130,6 +131,7 @@ class Pipelines:
         for index, member in list(self._members.items()):
             if wanted.get(index) != member.entry:
                 del self._members[index]
+                self._retiring.add(member)
                 task = asyncio.create_task(self._retire(member), name=f"retire-pipeline-{index}")
                 self._draining.add(task)
                 task.add_done_callback(self._draining.discard)
@@ -163,6 +165,7 @@ class Pipelines:
         except TimeoutError:
             log.warning("pipeline %d did not finish within %g s: failing what it runs", entry.index, self.drain_s)
         finally:
+            self._retiring.discard(member)
             member.driver.step_down(f"pipeline {entry.index} (generation {entry.generation}) no longer serves")
             await member.driver.close()
 
@@ -177,6 +180,11 @@ class Pipelines:
         if not self._members:
             return "no pipeline serves yet"
         return "; ".join(f"pipeline {i}: {m.driver.not_ready_reason}" for i, m in sorted(self._members.items()))
+
+    @property
+    def lanes(self) -> int:
+        """Lanes of every pipeline driven, serving or not: the most that could run at once."""
+        return sum(m.entry.parallel for m in self._members.values())
 
     @property
     def capacity(self) -> int:
@@ -209,15 +217,17 @@ class Pipelines:
         self._fence, self._valid_until = fence, valid_until
         for member in self._members.values():
             member.driver.promote(fence, valid_until=valid_until)
+        for member in self._retiring:  # what they ran cannot go on under another term, and they serve no more
+            member.driver.step_down(f"the coordinator moved to term {fence.term}")
 
     def extend(self, *, valid_until: float) -> None:
         self._valid_until = valid_until
-        for member in self._members.values():
+        for member in [*self._members.values(), *self._retiring]:
             member.driver.extend(valid_until=valid_until)
 
     def step_down(self, reason: str) -> None:
         self._valid_until = -math.inf
-        for member in self._members.values():
+        for member in [*self._members.values(), *self._retiring]:
             member.driver.step_down(reason)
 
     # Requests.

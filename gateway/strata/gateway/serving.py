@@ -288,11 +288,9 @@ class Serving:
     ) -> list[Run]:
         """One run per choice (n of them, `constraints` holds each one's grammar), on lanes taken all at once."""
         n = len(constraints)
-        if not self.pipelines.ready:
-            raise NotReadyError(f"no pipeline serves: {self.pipelines.not_ready_reason}", retry_after_s=1)
-        if n > self.admission.lanes:
+        if n > max(self.pipelines.lanes, 1):
             raise InvalidRequestError(
-                f"n={n} asks for more choices than the {self.admission.lanes} lanes that run at once", param="n"
+                f"n={n} asks for more choices than the {self.pipelines.lanes} lanes that run at once", param="n"
             )
         if not prompt:
             raise InvalidRequestError("the prompt is empty", param=param)
@@ -325,6 +323,10 @@ class Serving:
             frequency_penalty=request.frequency_penalty,
             repetition_penalty=request.repetition_penalty,
         )
+        if not self.pipelines.ready:
+            raise NotReadyError(f"no pipeline serves: {self.pipelines.not_ready_reason}", retry_after_s=1)
+        if n > self.admission.lanes:  # a pipeline is down: fewer lanes serve now than the deployment has
+            raise NotReadyError(f"n={n} needs {n} lanes at once and {self.admission.lanes} serve now", retry_after_s=1)
         lanes = await self.admission.acquire_lanes(n)
         runs: list[Run] = []
         try:

@@ -21,7 +21,7 @@ from strata.operator.kube import Cluster
 from strata.operator.models import ModelCache
 from strata.operator.names import Names
 from strata.operator.reconcile import Outcome, Reconciler
-from strata.operator.spec import ModelDeploymentSpec
+from strata.operator.spec import GROUP, PLURAL, ModelDeploymentSpec
 from strata.operator.status import Coordinator, EventReason, ModelDeploymentStatus, PlanSummary, StageSummary
 from strata.plan import Backend, Plan
 from strata.plan import Stage as StagePlan
@@ -159,6 +159,25 @@ def test_the_gateway_role_allows_its_own_lease_and_nothing_else(
 ) -> None:
     name = Names(granted.name, granted.namespace).coordinator_lease if lease == "own" else lease
     assert _allowed(api_client, namespace=granted.namespace, verb=verb, name=name) is allowed
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize(
+    ("verb", "deployment", "allowed"),
+    [
+        pytest.param("get", "own", True, id="the gateway reads its own ModelDeployment, for the pipelines that serve"),
+        pytest.param("get", "tiny-other", False, id="the gateway cannot read another ModelDeployment"),
+        pytest.param("list", "", False, id="the gateway cannot list ModelDeployments"),
+        pytest.param("watch", "", False, id="the gateway cannot watch ModelDeployments"),
+        pytest.param("patch", "own", False, id="the gateway cannot change its ModelDeployment"),
+    ],
+)
+def test_the_gateway_role_allows_reading_its_own_deployment_and_nothing_more(
+    api_client: client.ApiClient, granted: Owner, verb: str, deployment: str, allowed: bool
+) -> None:
+    name = granted.name if deployment == "own" else deployment
+    checked = _allowed(api_client, namespace=granted.namespace, verb=verb, name=name, group=GROUP, resource=PLURAL)
+    assert checked is allowed
 
 
 @pytest.mark.cluster

@@ -118,3 +118,47 @@ def test_an_expired_wait_for_several_lanes_passes_what_it_collected_on() -> None
         assert sorted(await admission.acquire_lanes(2)) == [0, 1]
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("lanes", "held", "resized", "released", "busy", "free_after"),
+    [
+        pytest.param(4, 1, 8, 0, 1, 7, id="lanes added with a pipeline are free at once"),
+        pytest.param(8, 2, 4, 0, 2, 2, id="lanes taken away come out of the free ones first"),
+        pytest.param(8, 6, 4, 0, 6, 0, id="lanes taken away while held are owed by their holders"),
+        pytest.param(8, 6, 4, 2, 4, 0, id="owed lanes vanish as their holders release them"),
+        pytest.param(8, 6, 4, 4, 2, 2, id="once the debt is paid released lanes are free again"),
+        pytest.param(4, 4, 0, 4, 0, 0, id="no pipeline serves: no lane at all"),
+    ],
+)
+def test_resizing_follows_the_serving_pipelines_without_handing_out_more_than_there_is(
+    lanes: int, held: int, resized: int, released: int, busy: int, free_after: int
+) -> None:
+    async def run() -> None:
+        gate = admission(lanes=lanes, queue_per_lane=1, max_wait_s=5)
+        taken = [await gate.acquire() for _ in range(held)]
+        gate.resize(resized)
+        for lane in taken[:released]:
+            gate.release(lane)
+        assert gate.lanes == resized
+        assert gate.busy == busy
+        got = [await asyncio.wait_for(gate.acquire(), timeout=1) for _ in range(free_after)]
+        assert len(set(got) | set(taken[released:])) == free_after + held - released, "no lane is handed out twice"
+        assert gate.busy == busy + free_after <= max(resized, busy)
+
+    asyncio.run(run())
+
+
+def test_lanes_added_go_to_the_oldest_waiter_first() -> None:
+    async def run() -> None:
+        gate = admission(lanes=1, queue_per_lane=2, max_wait_s=5)
+        await gate.acquire()
+        first, second = asyncio.create_task(gate.acquire()), asyncio.create_task(gate.acquire())
+        await asyncio.sleep(0.01)
+        gate.resize(2)
+        assert await asyncio.wait_for(first, timeout=1) == 1
+        await asyncio.sleep(0.01)
+        assert not second.done()
+        second.cancel()
+
+    asyncio.run(run())

@@ -196,7 +196,7 @@ class Driver:
         )
 
     def steps_in_flight(self) -> float:
-        value = self.metrics.registry.get_sample_value("strata_gateway_steps_in_flight")
+        value = self.metrics.registry.get_sample_value("strata_gateway_steps_in_flight", {"pipeline": "0"})
         assert value is not None, "the gauge is exported"
         return value
 

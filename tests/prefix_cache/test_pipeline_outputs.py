@@ -123,7 +123,7 @@ def run(
 
 
 def figure(metrics: GatewayMetrics, name: str) -> float:
-    value = metrics.registry.get_sample_value(f"strata_gateway_prefix_cache_{name}")
+    value = metrics.registry.get_sample_value(f"strata_gateway_prefix_cache_{name}", {"pipeline": "0"})
     assert value is not None, f"{name} is not exported"
     return value
 

@@ -36,7 +36,7 @@ def chat(served: Served, question: str, **extra: object) -> tuple[str, int, int]
 
 
 def metric(served: Served, name: str) -> float:
-    match = re.search(rf"^{name} (\S+)$", httpx.get(f"{served.root}/metrics").text, re.MULTILINE)
+    match = re.search(rf"^{re.escape(name)} (\S+)$", httpx.get(f"{served.root}/metrics").text, re.MULTILINE)
     assert match, f"{name} is not in /metrics"
     return float(match.group(1))
 
@@ -82,12 +82,14 @@ def test_streamed_usage_and_completions_report_cached_tokens_too(cache_on: Serve
 @pytest.mark.parametrize(
     ("name", "at_least"),
     [
-        pytest.param("strata_gateway_prefix_cache_hits_total", 1, id="hits are counted"),
-        pytest.param("strata_gateway_prefix_cache_misses_total", 1, id="misses are counted"),
-        pytest.param("strata_gateway_prefix_cache_cached_tokens_total", 16, id="cached tokens are counted"),
-        pytest.param("strata_gateway_prefix_cache_bytes", 1, id="the stages' bytes held are shown"),
-        pytest.param("strata_gateway_prefix_cache_snapshots", 2, id="the stages' snapshots are shown"),
-        pytest.param("strata_gateway_prefix_cache_evictions_total", 0, id="evictions are shown"),
+        pytest.param('strata_gateway_prefix_cache_hits_total{pipeline="0"}', 1, id="hits are counted"),
+        pytest.param('strata_gateway_prefix_cache_misses_total{pipeline="0"}', 1, id="misses are counted"),
+        pytest.param(
+            'strata_gateway_prefix_cache_cached_tokens_total{pipeline="0"}', 16, id="cached tokens are counted"
+        ),
+        pytest.param('strata_gateway_prefix_cache_bytes{pipeline="0"}', 1, id="the stages' bytes held are shown"),
+        pytest.param('strata_gateway_prefix_cache_snapshots{pipeline="0"}', 2, id="the stages' snapshots are shown"),
+        pytest.param('strata_gateway_prefix_cache_evictions_total{pipeline="0"}', 0, id="evictions are shown"),
     ],
 )
 def test_metrics_show_the_prefix_cache(cache_on: Served, name: str, at_least: float) -> None:

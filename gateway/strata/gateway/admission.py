@@ -6,6 +6,11 @@ queue or an expired wait is RateLimitedError carrying Retry-After. A released la
 waiter, so nobody overtakes the queue. A request for n choices takes n lanes at once or waits for all n: the oldest
 waiter collects lanes as they come free and is admitted when it has its count (a wait that expires gives back what
 it collected). All of it runs on the event loop: no locks, and no sleeping.
+
+With several pipelines (strata.gateway.pipelines) the lanes are the sum of the serving pipelines' slots, and that sum
+moves as pipelines come, go and fail: `resize` follows it. A lane here is a claim on capacity, not a slot; the
+router picks the slot. Lanes taken away while held are owed: they vanish as they are released, so what is held never
+exceeds what serves for longer than the lost pipeline takes to fail its requests (it does that at once).
 """
 
 from __future__ import annotations
@@ -46,13 +51,37 @@ class Admission:
     def __init__(self, policy: AdmissionPolicy, *, metrics: GatewayMetrics) -> None:
         self.policy = policy
         self._metrics = metrics
+        self._lanes = policy.lanes
         self._free: deque[int] = deque(range(policy.lanes))
+        self._next_lane = policy.lanes  # lanes added later take new numbers, so an owed one is never handed out
+        self._owed = 0  # held lanes beyond the capacity: dropped as they are released
         self._waiters: deque[_Waiter] = deque()
         self._update()
 
     @property
+    def lanes(self) -> int:
+        """The lanes there are now: the policy's, or what `resize` last set."""
+        return self._lanes
+
+    @property
     def busy(self) -> int:
-        return self.policy.lanes - len(self._free)
+        return self._lanes + self._owed - len(self._free)
+
+    def resize(self, lanes: int) -> None:
+        """Make `lanes` the capacity: new lanes go to the oldest waiters first; lanes taken away come out of the free
+        ones first, and the rest are owed by the requests that hold them."""
+        if lanes < 0:
+            raise ValueError(f"lanes must not be negative, not {lanes}")
+        change, self._lanes = lanes - self._lanes, lanes
+        for _ in range(change):
+            self._next_lane += 1
+            self.release(self._next_lane - 1)
+        for _ in range(-change):
+            if self._free:
+                self._free.pop()
+            else:
+                self._owed += 1
+        self._update()
 
     @property
     def waiting(self) -> int:
@@ -64,14 +93,14 @@ class Admission:
 
     async def acquire_lanes(self, count: int) -> list[int]:
         """`count` lane indices, all at once (1 <= count <= lanes); RateLimitedError as for one."""
-        if not 1 <= count <= self.policy.lanes:
-            raise ValueError(f"a request takes 1 to {self.policy.lanes} lanes, not {count}")
+        if not 1 <= count <= max(self._lanes, 1):
+            raise ValueError(f"a request takes 1 to {self._lanes} lanes, not {count}")
         if len(self._free) >= count and not self._waiters:
             return self._admit([self._free.popleft() for _ in range(count)])
-        if len(self._waiters) >= self.policy.queue_limit:
+        if len(self._waiters) >= self._lanes * self.policy.queue_per_lane:
             self._reject("queue_full")
             raise RateLimitedError(
-                f"all {self.policy.lanes} lanes are busy and {len(self._waiters)} requests are already waiting; "
+                f"all {self._lanes} lanes are busy and {len(self._waiters)} requests are already waiting; "
                 "retry shortly",
                 retry_after_s=self.policy.retry_after_s,
             )
@@ -96,7 +125,11 @@ class Admission:
         return self._admit(lanes)
 
     def release(self, lane: int) -> None:
-        """Hand `lane` to the oldest live waiter, or back to the free list."""
+        """Hand `lane` to the oldest live waiter, or back to the free list; an owed lane is dropped."""
+        if self._owed:
+            self._owed -= 1
+            self._update()
+            return
         while self._waiters:
             waiter = self._waiters[0]
             if waiter.future.done():  # expired or cancelled: its own task withdraws it and passes its lanes on

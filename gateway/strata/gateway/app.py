@@ -176,8 +176,8 @@ def create_app(
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
-        if not serving.pipeline.ready:
-            raise NotReadyError(f"the pipeline is not ready: {serving.pipeline.not_ready_reason}", retry_after_s=1)
+        if not serving.pipelines.ready:
+            raise NotReadyError(f"no pipeline serves: {serving.pipelines.not_ready_reason}", retry_after_s=1)
         return JSONResponse({"status": "ready"})
 
     @app.get("/metrics")

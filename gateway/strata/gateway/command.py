@@ -16,6 +16,10 @@
     STRATA_LEASE_DURATION_SECONDS, STRATA_RENEW_DEADLINE_SECONDS, STRATA_RETRY_PERIOD_SECONDS  (default 15, 10, 2)
     STRATA_POD_NAME              this replica's name in the Lease (default: the hostname)
     STRATA_PREFIX_CACHE_CHUNK    prefix snapshots are taken every N prompt tokens (default 256; 0: no prefix cache)
+    STRATA_DEPLOYMENT_NAME       the ModelDeployment (in the Lease's namespace) Events are recorded on
+    STRATA_PIPELINES_POLL_SECONDS  read that ModelDeployment's status this often and drive every pipeline it lists
+                                 as serving, routing each request by its prompt's prefix (default 0: the one
+                                 pipeline at STRATA_FIRST_STAGE)
 
 Flags of the same names win over the environment. With a Lease, the replica holding it drives the pipeline with the
 fencing token (Lease uid, term) and the others stand by, not ready (/readyz 503); the API server is reached with the

@@ -1,7 +1,8 @@
-"""The gateway replicas' election: one Lease per deployment, its holder drives the pipeline, the others stand by.
+"""The gateway replicas' election: one Lease per deployment, its holder drives the pipelines, the others stand by.
 
 Each round (every retry period) the elector renews or tries to take the Lease; the Kubernetes client blocks, so the
-round runs in a worker thread while the event loop keeps serving. What a round decides goes to the pipeline:
+round runs in a worker thread while the event loop keeps serving. What a round decides goes to the pipeline (or to
+every pipeline of the deployment at once, strata.gateway.pipelines: one term fences them all):
 
 - won with a new token (Lease uid, term): `promote`, and the driver claims the stages with that term;
 - renewed: `extend` the token's validity to the start of this round plus the renew deadline, so a replica frozen
@@ -22,9 +23,9 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from kubernetes import client, config
-from strata.gateway.pipeline import Pipeline
 from strata.lease import FencingToken, LeaseElector, LeaseTiming
 
 log = logging.getLogger(__name__)
@@ -38,9 +39,25 @@ def kube_client() -> client.ApiClient:
     return config.new_client_from_config()
 
 
+class Coordinated(Protocol):
+    """What the election drives: one pipeline's driver (strata.gateway.pipeline) or all of them."""
+
+    @property
+    def deposed(self) -> bool: ...
+
+    @property
+    def fence(self) -> FencingToken | None: ...
+
+    def promote(self, fence: FencingToken, *, valid_until: float = ...) -> None: ...
+
+    def extend(self, *, valid_until: float) -> None: ...
+
+    def step_down(self, reason: str) -> None: ...
+
+
 class Coordinator:
     def __init__(
-        self, *, elector: LeaseElector, pipeline: Pipeline, clock: Callable[[], float] = time.monotonic
+        self, *, elector: LeaseElector, pipeline: Coordinated, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.elector = elector
         self.pipeline = pipeline

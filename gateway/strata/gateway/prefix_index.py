@@ -58,6 +58,14 @@ class PrefixIndex:
                 return PrefixMatch(key=key, length=length)
         return None
 
+    def covered(self, prompt: tuple[int, ...]) -> int:
+        """How many leading tokens of `prompt` a known snapshot holds (0: none), without counting as a use: the
+        router asks every pipeline's index, and only the one it picks restores."""
+        for length, digest in reversed(boundary_hashes(prompt, chunk=self.chunk, limit=len(prompt) - 1)):
+            if digest in self._entries:
+                return length
+        return 0
+
     def to_save(self, prompt: tuple[int, ...]) -> tuple[bytes, int] | None:
         """The (key, length) of the longest chunk-aligned prefix of a prefilled `prompt` that no snapshot covers."""
         hashes = boundary_hashes(prompt, chunk=self.chunk, limit=len(prompt))

@@ -39,7 +39,7 @@ from strata.gguf.model import CacheType
 if TYPE_CHECKING:
     from fastapi import FastAPI
     from strata.gateway.local import StageProcess
-    from strata.gateway.pipeline import Pipeline
+    from strata.gateway.pipelines import Pipelines
     from strata.gateway.serve_watch import ServeWatch
     from strata.gateway.supervision import StageSupervisor
 
@@ -228,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
         base = f"http://{host}:{port}/v1"
         print(f"serving {serving.model_name!r} ({len(spans)} stages, {args.parallel} lanes, context {context})")
         print(f"endpoint {base}  (stage logs in {workdir})", flush=True)
-        pipeline = serving.pipeline
+        pipeline = serving.pipelines
         watch.all_started(pipeline_ready=lambda: None if pipeline.ready else pipeline.not_ready_reason)
         supervisor = StageSupervisor(
             stages, start=_restarter(stages, envs), policy=policy, report=lambda line: print(line, flush=True)
@@ -278,7 +278,7 @@ def _serve_supervised(
     app: FastAPI,
     sock: socket.socket,
     *,
-    pipeline: Pipeline,
+    pipeline: Pipelines,
     supervisor: StageSupervisor[StageProcess],
     watch: ServeWatch,
 ) -> None:
@@ -324,7 +324,7 @@ def _serve_supervised(
         supervisor.stop()
 
 
-def _next_term(pipeline: Pipeline) -> None:
+def _next_term(pipeline: Pipelines) -> None:
     """Move the coordinator to the next term, as a won election would: it claims every stage again before serving."""
     fence = pipeline.fence
     if fence is not None:

@@ -1,4 +1,4 @@
-"""Assembling a gateway from its settings (tokenizer and template from the GGUF header, pipeline, admission) and
+"""Assembling a gateway from its settings (tokenizer and template from the GGUF header, pipelines, admission) and
 running it under uvicorn.
 
 Only the header of the model file is read, over HTTP Range requests when the model is remote: the gateway needs the
@@ -21,14 +21,17 @@ from strata.gateway.app import create_app
 from strata.gateway.chat_template import ChatTemplate
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.pipeline import Pipeline
+from strata.gateway.pipelines import PipelineEntry, Pipelines
 from strata.gateway.serving import Serving
 from strata.gateway.settings import GatewaySettings
 from strata.gateway.tokenizer import GGUFTokenizer, TokenizerSpec
 from strata.gguf import read_model_header
 from strata.gguf.header import GGUFHeader
+from strata.lease import FencingToken
 
 if TYPE_CHECKING:
     from strata.gateway.events import EventRecorder
+    from strata.gateway.pipeline_list import PipelineFollower
 
 log = logging.getLogger(__name__)
 
@@ -56,37 +59,59 @@ def build(settings: GatewaySettings, *, header: GGUFHeader | None = None) -> tup
     )
     metrics = GatewayMetrics()
     events = event_recorder(settings)
-    pipeline = Pipeline(
-        first_stage=settings.first_stage,
-        slots=settings.parallel,
-        context=settings.context,
-        fence=None if settings.lease_name else settings.fence,
-        plan_generation=settings.plan_generation,
-        prefix_chunk=settings.prefix_cache_chunk,
-        micro_batches=settings.micro_batches,
-        metrics=metrics,
-        on_ready_change=lambda ready: metrics.ready.set(1 if ready else 0),
-        on_fenced=events.fenced if events is not None else lambda _fence, _details: None,
-    )
+
+    def driver(entry: PipelineEntry, fence: FencingToken | None, on_ready_change: Callable[[bool], None]) -> Pipeline:
+        return Pipeline(
+            first_stage=entry.first_stage,
+            slots=entry.parallel,
+            context=entry.context,
+            fence=fence,
+            plan_generation=entry.generation,
+            prefix_chunk=settings.prefix_cache_chunk,
+            micro_batches=settings.micro_batches,
+            metrics=metrics.for_pipeline(entry.index),
+            on_ready_change=on_ready_change,
+            on_fenced=events.fenced if events is not None else lambda _fence, _details: None,
+        )
+
     policy = AdmissionPolicy(
         lanes=settings.parallel,
         queue_per_lane=settings.queue_per_lane,
         max_wait_s=settings.max_wait_seconds,
         retry_after_s=settings.retry_after_seconds,
     )
+    admission = Admission(policy, metrics=metrics)
+    pipelines = Pipelines(
+        make_driver=driver,
+        metrics=metrics,
+        fence=None if settings.lease_name else settings.fence,
+        prefix_chunk=settings.prefix_cache_chunk,
+        on_capacity=admission.resize,
+    )
     serving = Serving(
         model_name=settings.model_name or model_name(header, settings.model_url),
         tokenizer=tokenizer,
         template=template,
-        pipeline=pipeline,
-        admission=Admission(policy, metrics=metrics),
+        pipelines=pipelines,
+        admission=admission,
         metrics=metrics,
         context=settings.context,
     )
     app = create_app(
-        serving, api_keys=settings.api_keys, lifespan_hooks=lifespan_hooks(settings, pipeline, events=events)
+        serving, api_keys=settings.api_keys, lifespan_hooks=lifespan_hooks(settings, pipelines, events=events)
     )
     return app, serving
+
+
+def first_pipeline(settings: GatewaySettings) -> PipelineEntry:
+    """The pipeline the settings name: the only one without a deployment, the first until its status is read."""
+    return PipelineEntry(
+        index=0,
+        generation=settings.plan_generation,
+        first_stage=settings.first_stage,
+        parallel=settings.parallel,
+        context=settings.context,
+    )
 
 
 def event_recorder(settings: GatewaySettings) -> EventRecorder | None:
@@ -104,11 +129,24 @@ def event_recorder(settings: GatewaySettings) -> EventRecorder | None:
 
 
 def lifespan_hooks(
-    settings: GatewaySettings, pipeline: Pipeline, *, events: EventRecorder | None = None
+    settings: GatewaySettings, pipelines: Pipelines, *, events: EventRecorder | None = None
 ) -> tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]]:
-    """Start the driver, then the election; on the way out release the Lease before closing the driver."""
+    """Start the drivers and the follower of the pipelines list, then the election; on the way out release the
+    Lease before closing the drivers."""
+    follower = pipeline_follower(settings, pipelines)
+
+    async def start_pipelines() -> None:
+        await pipelines.start([first_pipeline(settings)])
+        if follower is not None:
+            await follower.start()
+
+    async def stop_pipelines() -> None:
+        if follower is not None:
+            await follower.close()
+        await pipelines.close()
+
     if not settings.lease_name:
-        return pipeline.start, pipeline.close
+        return start_pipelines, stop_pipelines
     from strata.gateway.coordination import Coordinator, build_elector
 
     elector = build_elector(
@@ -117,22 +155,41 @@ def lifespan_hooks(
         identity=settings.identity(),
         timing=settings.lease_timing(),
     )
-    coordinator = Coordinator(elector=elector, pipeline=pipeline)
+    coordinator = Coordinator(elector=elector, pipeline=pipelines)
     log.info(
         "electing a coordinator on Lease %s/%s as %s", settings.lease_namespace, settings.lease_name, elector.identity
     )
 
     async def start() -> None:
-        await pipeline.start()
+        await start_pipelines()
         await coordinator.start()
 
     async def stop() -> None:
         await coordinator.close()
-        await pipeline.close()
+        await stop_pipelines()
         if events is not None:
             events.close()
 
     return start, stop
+
+
+def pipeline_follower(settings: GatewaySettings, pipelines: Pipelines) -> PipelineFollower | None:
+    """Follows the deployment's serving pipelines when the settings ask for it (the operator does)."""
+    if not settings.pipelines_poll_seconds:
+        return None
+    from kubernetes import client
+    from strata.gateway.coordination import kube_client
+    from strata.gateway.pipeline_list import DeploymentPipelines, PipelineFollower
+
+    source = DeploymentPipelines(
+        api=client.CustomObjectsApi(kube_client()), namespace=settings.lease_namespace, name=settings.deployment_name
+    )
+    return PipelineFollower(
+        read=source.read,
+        apply=pipelines.update,
+        period_s=settings.pipelines_poll_seconds,
+        source=f"ModelDeployment {source.namespace}/{source.name}",
+    )
 
 
 def bind(listen: str) -> socket.socket:

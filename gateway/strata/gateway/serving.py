@@ -1,4 +1,4 @@
-"""The serving object: OpenAI requests in, admitted generations on the pipeline, OpenAI responses out.
+"""The serving object: OpenAI requests in, admitted generations on the pipelines, OpenAI responses out.
 
 Routes hand it validated protocol models and get back a response model or an async iterator of SSE lines; every
 failure is a GatewayError. Admission happens before a response starts, so a 429 or 503 is a real HTTP status even
@@ -27,12 +27,14 @@ from strata.gateway.errors import (
     GatewayError,
     InvalidRequestError,
     ModelNotFoundError,
+    NotReadyError,
 )
 from strata.gateway.grammar import Constraint, Grammars
 from strata.gateway.logprobs import chat_logprobs, completion_logprobs
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.model_ids import canonical_model_id, same_model
-from strata.gateway.pipeline import Finished, Pipeline, Sampling, Token
+from strata.gateway.pipeline import Finished, Sampling, Token
+from strata.gateway.pipelines import Pipelines
 from strata.gateway.runs import Piece, Run, usage_of
 from strata.gateway.streams import merged
 from strata.gateway.text import TextAssembler
@@ -60,7 +62,7 @@ class Serving:
         model_name: str,
         tokenizer: GGUFTokenizer,
         template: ChatTemplate | None,
-        pipeline: Pipeline,
+        pipelines: Pipelines,
         admission: Admission,
         metrics: GatewayMetrics,
         context: int,
@@ -69,7 +71,7 @@ class Serving:
         self.model_name = canonical_model_id(model_name)
         self.tokenizer = tokenizer
         self.template = template
-        self.pipeline = pipeline
+        self.pipelines = pipelines
         self.admission = admission
         self.metrics = metrics
         self.context = context
@@ -286,9 +288,9 @@ class Serving:
     ) -> list[Run]:
         """One run per choice (n of them, `constraints` holds each one's grammar), on lanes taken all at once."""
         n = len(constraints)
-        if n > self.admission.policy.lanes:
+        if n > max(self.pipelines.lanes, 1):
             raise InvalidRequestError(
-                f"n={n} asks for more choices than the {self.admission.policy.lanes} lanes that run at once", param="n"
+                f"n={n} asks for more choices than the {self.pipelines.lanes} lanes that run at once", param="n"
             )
         if not prompt:
             raise InvalidRequestError("the prompt is empty", param=param)
@@ -321,12 +323,15 @@ class Serving:
             frequency_penalty=request.frequency_penalty,
             repetition_penalty=request.repetition_penalty,
         )
+        if not self.pipelines.ready:
+            raise NotReadyError(f"no pipeline serves: {self.pipelines.not_ready_reason}", retry_after_s=1)
+        if n > self.admission.lanes:  # a pipeline is down: fewer lanes serve now than the deployment has
+            raise NotReadyError(f"n={n} needs {n} lanes at once and {self.admission.lanes} serve now", retry_after_s=1)
         lanes = await self.admission.acquire_lanes(n)
         runs: list[Run] = []
         try:
             for index, (lane, constraint) in enumerate(zip(lanes, constraints, strict=True)):
-                generation = self.pipeline.submit(
-                    slot=lane,
+                generation = self.pipelines.submit(
                     prompt=tuple(prompt),
                     max_tokens=max_tokens,
                     # Each choice draws its own tokens: seeds one apart, so a seeded request repeats whole.
@@ -338,7 +343,7 @@ class Serving:
                 runs.append(Run(generation=generation, prompt_tokens=len(prompt), stops=request.stop_strings()))
         except BaseException:
             for run in runs:  # submitted: the driver frees their lanes once their slots are reset
-                self.pipeline.cancel(run.generation)
+                self.pipelines.cancel(run.generation)
             for lane in lanes[len(runs) :]:
                 self.admission.release(lane)
             raise
@@ -390,4 +395,4 @@ class Serving:
                 yield Piece(text=text, tokens=[event])
         finally:
             if not generation.finished:
-                self.pipeline.cancel(generation)
+                self.pipelines.cancel(generation)

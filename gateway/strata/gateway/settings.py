@@ -2,7 +2,9 @@
 
 With a Lease name the replicas elect a coordinator on that Lease (strata.gateway.coordination) and the one that holds
 it drives the pipeline; without one the gateway is the only coordinator and uses a fixed token. With a deployment
-name as well, a stage refusing the coordinator's term is recorded as an Event on that ModelDeployment.
+name as well, a stage refusing the coordinator's term is recorded as an Event on that ModelDeployment, and with
+a pipelines poll period the gateway drives every pipeline that deployment's status says serves
+(strata.gateway.pipeline_list); without one it drives the one pipeline at the first stage given here.
 
 The operator sets these through the gateway container's environment (operator/strata/operator/children.py); the same
 names work as flags of `strata gateway`, and a flag wins over the environment. API keys come from STRATA_API_KEYS
@@ -54,6 +56,7 @@ OPTIONS: tuple[Option, ...] = tuple(
         ("--deployment-uid", "STRATA_DEPLOYMENT_UID", str, ""),
         ("--prefix-cache-chunk", "STRATA_PREFIX_CACHE_CHUNK", int, 256),
         ("--micro-batches", "STRATA_MICRO_BATCHES", int, DEFAULT_MICRO_BATCHES),
+        ("--pipelines-poll-seconds", "STRATA_PIPELINES_POLL_SECONDS", float, 0.0),
     )
 )
 
@@ -86,6 +89,7 @@ class GatewaySettings:
     deployment_uid: str = ""
     prefix_cache_chunk: int = 256  # tokens per prefix-cache chunk (snapshots are taken at multiples); 0: off
     micro_batches: int = DEFAULT_MICRO_BATCHES  # steps of disjoint slots in flight at once (with 2+ stages)
+    pipelines_poll_seconds: float = 0.0  # how often the deployment's serving pipelines are read; 0: one pipeline
     api_keys: frozenset[str] = field(default=frozenset(), repr=False)
     model_token: str | None = field(default=None, repr=False)
     fence: FencingToken = field(default_factory=local_fence)
@@ -97,6 +101,11 @@ class GatewaySettings:
             raise ValueError(f"the prefix cache chunk must not be negative, not {self.prefix_cache_chunk}")
         if self.micro_batches < 1:
             raise ValueError(f"micro-batches must be at least 1, not {self.micro_batches}")
+        if self.pipelines_poll_seconds < 0 or (self.pipelines_poll_seconds and not self.deployment_name):
+            raise ValueError(
+                f"a pipelines poll period ({self.pipelines_poll_seconds} s) must not be negative and needs the "
+                "deployment name whose status lists the pipelines"
+            )
         if self.lease_name:
             self.lease_timing()  # refuses unsafe timings at start-up, not at the first election
 

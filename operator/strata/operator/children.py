@@ -21,7 +21,7 @@ from strata.operator.names import (
     labels,
     stage_labels,
 )
-from strata.operator.spec import GROUP, KIND, VERSION, ModelDeploymentSpec, Resources
+from strata.operator.spec import GROUP, KIND, PLURAL, VERSION, ModelDeploymentSpec, Resources
 from strata.operator.status import PlanSummary
 from strata.plan import Backend, Plan
 from strata.plan import Stage as StagePlan
@@ -249,12 +249,14 @@ def stages_disruption_budget(owner: Owner) -> Manifest:
 
 
 def gateway_access(owner: Owner) -> list[Manifest]:
-    """The gateway's ServiceAccount and the least it needs: its own coordinator Lease, read and renewed, and
-    Events, to record a stage refusing its term on the ModelDeployment.
+    """The gateway's ServiceAccount and the least it needs: its own coordinator Lease, read and renewed; its own
+    ModelDeployment, read, for the pipelines its status says serve; and Events, to record a stage refusing its term
+    on the ModelDeployment.
 
     The operator creates that Lease (coordinator_lease), so every Lease verb is narrowed to it by name: a gateway
-    can neither create Leases nor touch another deployment's. It may create Events in its namespace, to record a
-    term the stages refused.
+    can neither create Leases nor touch another deployment's. The deployment is read by name too (the operator holds
+    `get` on ModelDeployments, so it may grant it; it holds no read of ConfigMaps, which is why the gateway does not
+    read the pipelines ConfigMap). It may create Events in its namespace, to record a term the stages refused.
     """
     names = Names(owner.name, owner.namespace)
 
@@ -270,6 +272,7 @@ def gateway_access(owner: Owner) -> list[Manifest]:
             "metadata": meta(),
             "rules": [
                 leases | {"verbs": ["get", "update"], "resourceNames": [names.coordinator_lease]},
+                {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["get"], "resourceNames": [owner.name]},
                 {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
             ],
         },
@@ -320,6 +323,8 @@ def gateway_deployment(
             "STRATA_LEASE_DURATION_SECONDS": spec.coordination.lease_duration_seconds,
             "STRATA_RENEW_DEADLINE_SECONDS": spec.coordination.renew_deadline_seconds,
             "STRATA_RETRY_PERIOD_SECONDS": spec.coordination.retry_period_seconds,
+            # The gateway drives every pipeline that status.pipelines lists as serving, read this often.
+            "STRATA_PIPELINES_POLL_SECONDS": spec.coordination.retry_period_seconds,
         }
     )
     if spec.gateway.api_key_secret_ref is not None:

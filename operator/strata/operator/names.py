@@ -6,13 +6,14 @@ ModelDeployment name is cut and given a short hash so two long names never colli
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
-MAX_NAME = 63
-STAGE_PORT = 50051
+from strata.modeldeployment import CLUSTER_DOMAIN, stage_address, stage_name, stages_service
+from strata.modeldeployment import MAX_NAME as MAX_NAME  # re-exported: the operator's modules name them from here
+from strata.modeldeployment import STAGE_PORT as STAGE_PORT
+from strata.modeldeployment import fit as fit
+
 GATEWAY_PORT = 8000
-CLUSTER_DOMAIN = "cluster.local"
 
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
@@ -25,16 +26,6 @@ LABEL_PIPELINE = "strata.dev/pipeline"
 FIELD_MANAGER = "strata-operator"
 # The namespace label the API server sets on every namespace, so a NetworkPolicy can select one by name.
 LABEL_NAMESPACE_NAME = "kubernetes.io/metadata.name"
-
-
-def fit(name: str, *, suffix: str = "", limit: int = MAX_NAME) -> str:
-    """`name` + `suffix` within `limit` characters; when cut, a hash of the full name keeps it unique."""
-    full = f"{name}{suffix}"
-    if len(full) <= limit:
-        return full
-    digest = hashlib.sha256(full.encode()).hexdigest()[:8]
-    keep = limit - len(suffix) - len(digest) - 1
-    return f"{name[:keep].rstrip('-.')}-{digest}{suffix}"
 
 
 @dataclass(frozen=True)
@@ -55,7 +46,7 @@ class Names:
 
     @property
     def stages_service(self) -> str:
-        return fit(self.deployment, suffix="-stages")
+        return stages_service(self.deployment)
 
     @property
     def gateway(self) -> str:
@@ -79,13 +70,11 @@ class Names:
         return fit(self.deployment, suffix=f"-s{index}")
 
     def stage(self, *, generation: int, index: int) -> str:
-        # The pod's hostname is `<statefulset>-0`: keep two characters for that suffix.
-        return fit(self.deployment, suffix=f"-g{generation}-s{index}", limit=MAX_NAME - 2)
+        return stage_name(self.deployment, generation=generation, index=index)
 
     def stage_address(self, *, generation: int, index: int) -> str:
         """host:port of a stage pod, through the headless Service's per-pod DNS record."""
-        pod = f"{self.stage(generation=generation, index=index)}-0"
-        return f"{pod}.{self.stages_service}.{self.namespace}.svc.{CLUSTER_DOMAIN}:{STAGE_PORT}"
+        return stage_address(self.deployment, self.namespace, generation=generation, index=index)
 
     def gateway_url(self) -> str:
         return f"http://{self.gateway}.{self.namespace}.svc.{CLUSTER_DOMAIN}:{GATEWAY_PORT}/v1"

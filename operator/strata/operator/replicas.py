@@ -2,9 +2,9 @@
 pure: the reconciler passes in which generations serve), and the counts the scale subresource shows.
 
 Plan generations are numbered across the deployment (one counter, a new number for each pipeline that re-plans), so
-a generation names one pipeline's stages and stage names stay `<deployment>-g<generation>-s<index>`. Pipeline 0 is
-the one the gateway drives (status.plan and status.serving are its), until the gateway routes across pipelines;
-every serving pipeline is listed in the pipelines ConfigMap (pipelines.json) for that.
+a generation names one pipeline's stages and stage names stay `<deployment>-g<generation>-s<index>`. status.plan and
+status.serving are pipeline 0's; the gateway drives every pipeline status.pipelines lists as ready (the pipelines
+ConfigMap, pipelines.json, lists the same).
 """
 
 from __future__ import annotations

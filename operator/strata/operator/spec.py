@@ -299,8 +299,8 @@ class ModelDeploymentSpec(_Spec):
         ge=1,
         le=64,
         description=(
-            "Pipelines, each on its own GPUs (kubectl scale sets it). The gateway drives pipeline 0; every serving "
-            "pipeline is listed in the <name>-pipelines ConfigMap."
+            "Pipelines, each on its own GPUs (kubectl scale sets it). The gateway drives every serving pipeline "
+            "and routes each request to the one that holds its prompt's prefix."
         ),
     )
     rollout: Rollout = Field(default_factory=Rollout, description="How a re-plan replaces the pipelines.")

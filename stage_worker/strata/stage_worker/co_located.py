@@ -8,9 +8,11 @@ as when each runs alone. The process is configured as one stage would be, over t
 process's. The first stage's listen address, or each stage's, comes from `listen` (one address per stage,
 comma-separated, or one address with port 0 for all). Only the process's last stage has a next stage elsewhere.
 
-The stages load one after the other on one thread: on a GPU, a CUDA graph captured while another thread of the
-process allocates or copies is invalidated, and compiling two decode steps at once gains nothing on one device. A
-stage that fails to load reports it in its own load status, and the stages after it load still, so each says what
+The stages load one after the other on one thread, the last first: on a GPU, a CUDA graph captured while another
+thread of the process allocates, copies or launches work is invalidated, and compiling two decode steps at once
+gains nothing on one device. Last first, the first stage (the only one a coordinator sends steps to) says it has
+loaded only once the stages after it have, so no step runs here while a later stage captures its decode step. A
+stage that fails to load reports it in its own load status, and the stages before it load still, so each says what
 it can.
 """
 
@@ -67,7 +69,7 @@ def co_located_settings(process: StageSettings, *, split_at: tuple[int, ...]) ->
 
 
 class CoLocatedStages:
-    """The stages of one process, started (each listening), loading in order on one thread; first to last."""
+    """The stages of one process, started (each listening), loading one by one on one thread; first to last."""
 
     def __init__(self, settings: Sequence[StageSettings], *, max_workers: int = 16) -> None:
         self.loader = threading.Thread(target=self._load_all, daemon=True, name="stage-loader")
@@ -86,8 +88,8 @@ class CoLocatedStages:
         self.loader.start()
 
     def _load_all(self) -> None:
-        for stage in self.stages:
-            stage.service.load()  # records its own failure; the next stage loads still
+        for stage in reversed(self.stages):
+            stage.service.load()  # records its own failure; the stage before it loads still
 
     def stop(self, grace_s: float | None = None) -> None:
         for stage in self.stages:

@@ -79,8 +79,7 @@ def hop_ms(*, shared: bool, width: int, device: torch.device) -> dict[int, float
             for _ in range(REPEATS + 2):
                 started = time.perf_counter()
                 request = stage_pb2.ForwardRequest(step_id=1)
-                release = link.carry(request, hidden)
-                stream.receive(stream.send(request, release=release))
+                stream.receive(stream.send(request, link.carry(request, hidden)))
                 times.append(time.perf_counter() - started)
             assert (request.WhichOneof("activations") == "shared_hidden") == shared, "the hop took the other way"
             figures[tokens] = statistics.median(times[2:]) * 1e3

@@ -216,6 +216,24 @@ def stage_process(
     next_port: int | None,
     extra_env: dict[str, str] | None = None,
 ) -> Iterator[int]:
+    with stage_ports(
+        model=model, index=index, span=span, device=device, next_port=next_port, extra_env=extra_env
+    ) as ports:
+        yield ports[0]
+
+
+@contextmanager
+def stage_ports(
+    *,
+    model: Path,
+    index: int,
+    span: tuple[int, int],
+    device: str,
+    next_port: int | None,
+    extra_env: dict[str, str] | None = None,
+    split_at: tuple[int, ...] = (),
+) -> Iterator[list[int]]:
+    """A stage-worker process over `span`, split into stages of one process at `split_at`; each stage's port."""
     env = {
         **os.environ,
         **(extra_env or {}),
@@ -223,16 +241,20 @@ def stage_process(
         "STRATA_MODEL_URL": str(model), "STRATA_CONTEXT": str(CONTEXT), "STRATA_PARALLEL": str(PARALLEL),
         "STRATA_CACHE_TYPE_K": KV.value, "STRATA_CACHE_TYPE_V": KV.value, "STRATA_DEVICE": device,
         "STRATA_NEXT_STAGE": f"127.0.0.1:{next_port}" if next_port else "", "STRATA_LISTEN": "127.0.0.1:0",
+        "STRATA_SPLIT_AT": ",".join(map(str, split_at)),
     }  # fmt: skip
     command = [sys.executable, "-c", STAGE_MAIN]
     errors = STAGE_LOG.open("a") if STAGE_LOG else subprocess.DEVNULL
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=errors, text=True)
     try:
-        line = process.stdout.readline() if process.stdout else ""
-        match = re.search(r"listening on port (\d+)", line)
-        if match is None:
-            raise RuntimeError(f"stage {index} did not start: {line!r}")
-        yield int(match.group(1))
+        ports = []
+        for stage in range(index, index + len(split_at) + 1):
+            line = process.stdout.readline() if process.stdout else ""
+            match = re.search(r"listening on port (\d+)", line)
+            if match is None:
+                raise RuntimeError(f"stage {stage} did not start: {line!r}")
+            ports.append(int(match.group(1)))
+        yield ports
     finally:
         process.terminate()
         try:

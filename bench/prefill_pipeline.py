@@ -1,15 +1,17 @@
-"""Time to first token over 1 and 2 stages: the activations through shared memory (the default on one host) against
-inline over gRPC, and a long prefill sent on in pieces (the default) against in one message.
+"""Time to first token over 1 and 2 stages: both stages in one process (what `strata serve` runs for stages that
+share a device: the activations handed over in memory, the prefill whole), and two stage processes with the
+activations through shared memory (the default between processes on one host) against inline over gRPC, a long
+prefill sent on in pieces (the default between processes) against in one message.
 
-    python bench/prefill_pipeline.py [--lengths 512,4096] [--rounds 2] [--layers N] [--out DIR]
+    python bench/prefill_pipeline.py [--lengths 512,4096] [--rounds 2] [--layers N] [--variants KEYS] [--out DIR]
 
 Stage processes on loopback gRPC, as `strata serve` runs them, driven by the coordinator's client with one prefill
-chunk per prompt (the first stage cuts it into STRATA_PIPELINE_CHUNK-position pieces and sends each on as soon as it
-is computed). On a GPU: bench/gpu.py's Llama-3-8B-shape file with random Q8_0 weights (`--layers` keeps fewer of its
-layers), both stages on GPU 0 (one per GPU where there are two). On the CPU: a generated llama of realistic width
-(bench_llama, 4 layers). Medians of 3 prompts per length, the best of `--rounds` rounds in which the variants take
-turns; one table naming the machine, printed (and written to --out) after every variant, so a run cut short still
-reports what it measured.
+chunk per prompt (between processes the first stage cuts it into STRATA_PIPELINE_CHUNK-position pieces and sends each
+on as soon as it is computed; in one process it stays whole). On a GPU: bench/gpu.py's Llama-3-8B-shape file with
+random Q8_0 weights (`--layers` keeps fewer of its layers), both stages on GPU 0 (one per GPU where there are two,
+except in one process, which takes GPU 0). On the CPU: a generated llama of realistic width (bench_llama, 4 layers).
+Medians of 3 prompts per length, the best of `--rounds` rounds in which the variants take turns; one table naming the
+machine, printed (and written to --out) after every variant, so a run cut short still reports what it measured.
 """
 
 from __future__ import annotations
@@ -33,23 +35,33 @@ from strata.stage_worker.client import Pipeline, wait_loaded
 sys.path.insert(0, str(Path(__file__).parent))
 import gpu
 
+ONE_PROCESS = "2 stages, one process"  # STRATA_SPLIT_AT: the second stage takes the first's tensor, the prefill whole
 VARIANTS = {  # name -> stages, and the stages' environment; the most telling first, for a run cut short
     "1 stage": (1, {}),
+    ONE_PROCESS: (2, {}),
     "2 stages, pieces, shared memory": (2, {"STRATA_PIPELINE_CHUNK": "512", "STRATA_HOP_SLOTS": "4"}),
     "2 stages, pieces, inline": (2, {"STRATA_PIPELINE_CHUNK": "512", "STRATA_HOP_SLOTS": "0"}),
     "2 stages, one message, inline": (2, {"STRATA_PIPELINE_CHUNK": "0", "STRATA_HOP_SLOTS": "0"}),
 }
+KEYS = dict(zip(("one-stage", "one-process", "shared", "inline", "whole"), VARIANTS, strict=True))  # for --variants
 # As `strata serve` starts stages on one machine (strata.gateway.local): idle OpenMP threads must not spin on the
 # cores the working stage needs.
 CO_LOCATED = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def time_to_first_token(model: Path, *, stages: int, env: dict[str, str], devices: list[str], lengths: list[int],
-                        layers: int, vocab: int) -> dict[int, float]:  # fmt: skip
+                        layers: int, vocab: int, one_process: bool = False) -> dict[int, float]:  # fmt: skip
     spans = [(0, layers)] if stages == 1 else [(0, layers // 2), (layers // 2, layers)]
     with ExitStack() as stack:
         ports: list[int] = []
-        for index in reversed(range(stages)):
+        if one_process:
+            ports = stack.enter_context(
+                gpu.stage_ports(
+                    model=model, index=0, span=(0, layers), device=devices[0], next_port=None,
+                    extra_env={**CO_LOCATED, **env}, split_at=(layers // 2,),
+                )
+            )  # fmt: skip
+        for index in reversed(range(0 if one_process else stages)):
             port = stack.enter_context(
                 gpu.stage_process(
                     model=model,
@@ -80,7 +92,10 @@ def time_to_first_token(model: Path, *, stages: int, env: dict[str, str], device
         pipeline.link.close()
         if stages > 1:  # how the activations came, as the last stage counted them
             last = wait_loaded(f"127.0.0.1:{ports[-1]}", timeout_s=10)
-            print(f"  activations: {last.activations_shared} steps shared, {last.activations_inline} inline")
+            print(
+                f"  activations: {last.activations_in_process} steps in process, {last.activations_shared} shared, "
+                f"{last.activations_inline} inline"
+            )
     return figures
 
 
@@ -112,8 +127,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--layers", type=int, default=0, help="GPU: keep this many of the 8B shape's 32 layers")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--variants",
+        default=",".join(KEYS),
+        help=f"which to run, comma-separated, one-stage among them ({', '.join(KEYS)})",
+    )
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
+    chosen = args.variants.split(",")
+    unknown = [key for key in chosen if key not in KEYS]
+    if unknown or "one-stage" not in chosen:
+        known = ", ".join(KEYS)
+        parser.error(f"--variants {args.variants!r}: give one-stage and any of {known}; unknown: {unknown}")
+    variants = {KEYS[key]: VARIANTS[KEYS[key]] for key in KEYS if key in chosen}
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         gpu.STAGE_LOG = args.out / "stages.log"
@@ -140,10 +166,11 @@ def main() -> None:
     machine = gpu.machine(device)
     best: dict[str, dict[int, float]] = {}
     for round_ in range(args.rounds):  # the variants take turns, so a busy moment of the machine does not pick one
-        for name, (stages, env) in VARIANTS.items():
+        for name, (stages, env) in variants.items():
             figures = time_to_first_token(
-                model, stages=stages, env=env, devices=devices, lengths=lengths, layers=layers, vocab=vocab
-            )
+                model, stages=stages, env=env, devices=devices, lengths=lengths, layers=layers, vocab=vocab,
+                one_process=name == ONE_PROCESS,
+            )  # fmt: skip
             print(f"round {round_ + 1}, {name}: {figures}", flush=True)
             best[name] = {n: min(best.get(name, figures)[n], figures[n]) for n in lengths}
             report(best, machine=machine, description=description, devices=devices, lengths=lengths, out=args.out)

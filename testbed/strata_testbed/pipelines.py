@@ -1,4 +1,6 @@
-"""Local pipelines for tests and benchmarks: stage servers on loopback, in this process, last stage first."""
+"""Local pipelines for tests and benchmarks: stage servers on loopback, in this process, last stage first. Each stage
+runs alone, as a stage process runs it (its next stage reached over gRPC), or all of them co-located, as the stages of
+one process that share a device (strata.stage_worker.co_located: the activations handed over in memory)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from strata.gguf.model import CacheType
+from strata.stage_worker.co_located import CoLocatedStages
 from strata.stage_worker.server import RunningStage
 from strata.stage_worker.settings import StageSettings
 
@@ -24,31 +27,38 @@ def local_pipeline(
     plan_generation: int = 0,
     load_timeout_s: float = 60.0,
     pipeline_chunk: int = 512,
+    co_located: bool = False,
 ) -> Iterator[list[RunningStage]]:
     """Start one stage per span; yields them first to last once all have loaded."""
+
+    def settings(index: int, next_stage: str) -> StageSettings:
+        start, end = spans[index]
+        return StageSettings(
+            stage_index=index,
+            layer_start=start,
+            layer_end=end,
+            model_url=str(model),
+            context=context,
+            parallel=parallel,
+            cache_type_k=cache_type,
+            cache_type_v=cache_type,
+            next_stage=next_stage,
+            listen="127.0.0.1:0",
+            prefix_cache_bytes=prefix_cache_bytes,
+            plan_generation=plan_generation,
+            pipeline_chunk=pipeline_chunk,
+        )
+
     stages: list[RunningStage] = []
-    next_stage = ""
     try:
-        for index in reversed(range(len(spans))):
-            start, end = spans[index]
-            settings = StageSettings(
-                stage_index=index,
-                layer_start=start,
-                layer_end=end,
-                model_url=str(model),
-                context=context,
-                parallel=parallel,
-                cache_type_k=cache_type,
-                cache_type_v=cache_type,
-                next_stage=next_stage,
-                listen="127.0.0.1:0",
-                prefix_cache_bytes=prefix_cache_bytes,
-                plan_generation=plan_generation,
-                pipeline_chunk=pipeline_chunk,
-            )
-            stage = RunningStage(settings)
-            stages.insert(0, stage)
-            next_stage = f"127.0.0.1:{stage.port}"
+        if co_located:
+            stages = CoLocatedStages([settings(index, "") for index in range(len(spans))]).stages
+        else:
+            next_stage = ""
+            for index in reversed(range(len(spans))):
+                stage = RunningStage(settings(index, next_stage))
+                stages.insert(0, stage)
+                next_stage = f"127.0.0.1:{stage.port}"
         deadline = time.monotonic() + load_timeout_s
         for stage in stages:
             stage.loader.join(max(0.0, deadline - time.monotonic()))

@@ -102,12 +102,18 @@ def living(*, pids: set[int], groups: set[int]) -> set[int]:
 
 
 def stage_pid(serve_pid: int, index: int) -> int | None:
-    """The process of stage `index` under `strata serve` (its STRATA_STAGE_INDEX), None while there is none."""
-    wanted = f"STRATA_STAGE_INDEX={index}".encode()
+    """The process that runs stage `index` under `strata serve` (its STRATA_STAGE_INDEX, and with STRATA_SPLIT_AT the
+    stages after it in the same process), None while there is none."""
     for pid in process_tree(serve_pid):
         if pid == serve_pid:
             continue
         with contextlib.suppress(OSError):
-            if wanted in (PROC / str(pid) / "environ").read_bytes().split(b"\0"):
+            pairs = (entry.partition(b"=") for entry in (PROC / str(pid) / "environ").read_bytes().split(b"\0"))
+            env = {key: value for key, _, value in pairs}
+            if b"STRATA_STAGE_INDEX" not in env:
+                continue
+            first = int(env[b"STRATA_STAGE_INDEX"])
+            split = env.get(b"STRATA_SPLIT_AT", b"").strip()
+            if first <= index <= first + (split.count(b",") + 1 if split else 0):
                 return pid
     return None

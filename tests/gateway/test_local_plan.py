@@ -13,7 +13,13 @@ import pytest
 from gguf import GGMLQuantizationType
 from strata.cli import build_parser, main
 from strata.fit import DEFAULT_HEADROOM_FRACTION, KV_BUDGET_PERCENT
-from strata.gateway.local_plan import DEFAULT_CONTEXT_CAP, LocalFitError, plan_local, stage_devices
+from strata.gateway.local_plan import (
+    DEFAULT_CONTEXT_CAP,
+    LocalFitError,
+    plan_local,
+    process_groups,
+    stage_devices,
+)
 from strata.gguf import inspect_model
 from strata.gguf.model import CacheType, ModelInfo
 from strata.gguf.testmodels import write_header_only_model, write_test_model
@@ -197,6 +203,24 @@ def test_stages_are_placed_on_the_devices_asked_for(
     device: str, devices: str, stages: int, gpus: int, placed: tuple[str, ...]
 ) -> None:
     assert stage_devices(device=device, devices=devices, stages=stages, gpu_count=gpus) == placed
+
+
+@pytest.mark.parametrize(
+    ("devices", "one_each", "groups"),
+    [
+        pytest.param(("cpu",), False, ((0,),), id="one stage is one process"),
+        pytest.param(("cpu",) * 3, False, ((0, 1, 2),), id="stages on one device share one process"),
+        pytest.param(("cuda:0", "cuda:1", "cuda:0"), False, ((0,), (1,), (2,)), id="dealt over GPUs: one each"),
+        pytest.param(
+            ("cuda:0", "cuda:0", "cpu", "cpu"), False, ((0, 1), (2, 3)), id="each run of one device shares one"
+        ),
+        pytest.param(("cpu",) * 2, True, ((0,), (1,)), id="a process per stage when asked"),
+    ],
+)
+def test_consecutive_stages_on_one_device_share_a_process(
+    devices: tuple[str, ...], one_each: bool, groups: tuple[tuple[int, ...], ...]
+) -> None:
+    assert process_groups(devices, process_per_stage=one_each) == groups
 
 
 @pytest.mark.parametrize(

@@ -83,6 +83,7 @@ class Case:
     fault: str = ""  # STRATA_TEST_FAULT for the stage workers
     failing: int = 0  # the stage that fails
     message: str = ""
+    args: tuple[str, ...] = ()  # more flags for serve
 
 
 @pytest.mark.parametrize(
@@ -92,8 +93,12 @@ class Case:
             Case(keep=0.5, message="its tensor data is cut short"), id="a file whose tensor data is cut short"
         ),
         pytest.param(
-            Case(keep=0.75, stages=2, failing=1, message="inside tensor 'blk.3."),
+            Case(keep=0.75, stages=2, failing=1, message="inside tensor 'blk.3.", args=("--process-per-stage",)),
             id="the last stage's tensors cut short while the first stage starts",
+        ),
+        pytest.param(
+            Case(keep=0.75, stages=2, failing=1, message="inside tensor 'blk.3."),
+            id="the second of two stages in one process cut short: its own error, though the first loads",
         ),
         pytest.param(
             Case(fault="kv-pool-out-of-memory", message="OutOfMemoryError: CUDA out of memory. Tried to allocate"),
@@ -107,7 +112,7 @@ class Case:
 )
 def test_a_stage_that_fails_to_load_stops_serve_with_its_error(qwen2_model: Path, tmp_path: Path, case: Case) -> None:
     model = cut_tensor_data(qwen2_model, tmp_path / "cut.gguf", keep=case.keep) if case.keep < 1 else qwen2_model
-    with serve(model, "--stages", str(case.stages), env=fault_env(case.fault)) as (process, output):
+    with serve(model, "--stages", str(case.stages), *case.args, env=fault_env(case.fault)) as (process, output):
         # The failing stage starts listening before it loads: from this line on, its failure may happen any time.
         wait_for_line(output, f"stage {case.failing}: layers", timeout=START_TIMEOUT_S)
         listening = time.monotonic()
@@ -118,6 +123,8 @@ def test_a_stage_that_fails_to_load_stops_serve_with_its_error(qwen2_model: Path
     assert case.message in output.text()
     assert "ready" not in output.text().split()
     assert "restarting it" not in output.text(), "a failed load is not retried"
+    shared = case.stages > 1 and "--process-per-stage" not in case.args
+    assert ("stages 0 and 1 share one process on cpu" in output.text()) == shared, output.text()
     print(f"strata serve exited {exited:.1f} s after stage {case.failing} started")
 
 

@@ -1,9 +1,10 @@
 """`strata serve` brings a killed stage back, as a StatefulSet would, and gives up on one that keeps dying.
 
-A real `strata serve` of two stages on the generated four-layer model. A stage is killed with SIGKILL while a request
-runs through it: that request ends at once with a retryable error (503 with Retry-After, or the same error as the
-stream's last event once a stream has begun), no request waits on the dead stage, and within 30 s of the kill the
-stage is back on its port, claimed under a newer coordinator term, and requests get 200 again. A stage that dies
+A real `strata serve` of two stages, each a process of its own, on the generated four-layer model (stages that share
+a process die and come back together: tests/gateway/test_serve_co_located.py). A stage is killed with SIGKILL while
+a request runs through it: that request ends at once with a retryable error (503 with Retry-After, or the same error
+as the stream's last event once a stream has begun), no request waits on the dead stage, and within 30 s of the kill
+the stage is back on its port, claimed under a newer coordinator term, and requests get 200 again. A stage that dies
 more often than `--stage-restarts` allows makes serve exit non-zero with how it died and the end of its log.
 """
 
@@ -36,7 +37,8 @@ LONG = 900  # tokens: the request still runs when the stage is killed after its 
 
 @pytest.fixture(scope="module")
 def served(qwen2_model: Path) -> Iterator[Served]:
-    with strata_serve(str(qwen2_model), "--stages", "2", "--parallel", "2", "--context", "1024") as running:
+    args = ("--stages", "2", "--process-per-stage", "--parallel", "2", "--context", "1024")
+    with strata_serve(str(qwen2_model), *args) as running:
         yield running
 
 
@@ -207,7 +209,7 @@ def take_its_port(served: Served, index: int, port: int) -> None:
 def test_a_stage_that_keeps_dying_ends_serve_with_its_last_error(
     qwen2_model: Path, index: int, then: Callable[[Served, int, int], None], cause: str, in_log: str
 ) -> None:
-    args = ("--stages", "2", "--parallel", "1", "--context", "256", "--stage-restarts", "1")
+    args = ("--stages", "2", "--process-per-stage", "--parallel", "1", "--context", "256", "--stage-restarts", "1")
     with strata_serve(str(qwen2_model), *args) as served:
         tree = process_tree(served.process.pid)
         port = stage_port(served, index)

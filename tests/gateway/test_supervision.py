@@ -125,6 +125,14 @@ class FakeStage:
     exit_code: int | None = None
     stopped: bool = False
 
+    @property
+    def name(self) -> str:
+        return f"stage {self.port - 5000}"
+
+    @property
+    def ports(self) -> tuple[int, ...]:
+        return (self.port,)
+
     def running(self) -> bool:
         return self.exit_code is None
 

@@ -23,7 +23,8 @@ PROMPT = (3, 1, 4, 1, 5, 9, 2, 6)
 
 
 @contextmanager
-def stage_process(env: dict[str, str], *flags: str) -> Iterator[int]:
+def stage_ports(env: dict[str, str], *flags: str, stages: int = 1) -> Iterator[list[int]]:
+    """A `strata stage-worker` process; the port of each of its stages, first to last."""
     process = subprocess.Popen(
         [sys.executable, "-m", "strata.cli", "stage-worker", "--listen", "127.0.0.1:0", *flags],
         env={**os.environ, **env},
@@ -33,13 +34,22 @@ def stage_process(env: dict[str, str], *flags: str) -> Iterator[int]:
     )
     try:
         assert process.stdout is not None
-        line = process.stdout.readline()
-        match = re.search(r"listening on port (\d+)", line)
-        assert match, f"the stage printed {line!r}"
-        yield int(match.group(1))
+        ports = []
+        for index in range(stages):
+            line = process.stdout.readline()
+            match = re.search(r"listening on port (\d+)", line)
+            assert match, f"stage {index} of the process printed {line!r}"
+            ports.append(int(match.group(1)))
+        yield ports
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+@contextmanager
+def stage_process(env: dict[str, str], *flags: str) -> Iterator[int]:
+    with stage_ports(env, *flags) as ports:
+        yield ports[0]
 
 
 def test_two_stage_processes_configured_by_the_environment_serve_the_same_tokens(
@@ -70,6 +80,45 @@ def test_two_stage_processes_configured_by_the_environment_serve_the_same_tokens
     with local_pipeline(path, [(0, 3)]) as stages:
         reference = Pipeline(f"127.0.0.1:{stages[0].port}", fence=stage_pb2.Fence(term=1, holder="a"))
         assert tokens == reference.generate([Request(prompt=PROMPT, max_tokens=8)], slots=1)[0].tokens
+
+
+def test_one_process_split_into_two_stages_serves_the_same_tokens_and_hands_activations_over(
+    tiny_models: dict[str, Path],
+) -> None:
+    path = tiny_models["qwen3"]
+    env = {
+        "STRATA_CONTEXT": "64", "STRATA_PARALLEL": "2", "STRATA_CACHE_TYPE_K": "f32", "STRATA_CACHE_TYPE_V": "f32",
+        "STRATA_STAGE_INDEX": "0", "STRATA_LAYER_START": "0", "STRATA_LAYER_END": "3", "STRATA_SPLIT_AT": "2",
+        "STRATA_MODEL_URL": str(path),
+    }  # fmt: skip
+    with stage_ports(env, stages=2) as (first_port, last_port):
+        first, last = (wait_loaded(f"127.0.0.1:{port}", timeout_s=60) for port in (first_port, last_port))
+        pipeline = Pipeline(f"127.0.0.1:{first_port}", fence=stage_pb2.Fence(term=1, holder="a"))
+        pipeline.claim()
+        tokens = pipeline.generate([Request(prompt=PROMPT, max_tokens=8)], slots=2)[0].tokens
+        after = wait_loaded(f"127.0.0.1:{last_port}", timeout_s=10)
+    assert (first.stage_index, first.layer_start, first.layer_end) == (0, 0, 2)
+    assert (last.stage_index, last.layer_start, last.layer_end) == (1, 2, 3)
+    assert after.activations_in_process == 8
+    assert after.activations_shared == after.activations_inline == 0
+    with local_pipeline(path, [(0, 3)]) as stages:
+        reference = Pipeline(f"127.0.0.1:{stages[0].port}", fence=stage_pb2.Fence(term=1, holder="a"))
+        assert tokens == reference.generate([Request(prompt=PROMPT, max_tokens=8)], slots=1)[0].tokens
+
+
+def test_a_split_the_process_cannot_serve_is_refused_naming_it() -> None:
+    env = {"STRATA_LAYER_START": "0", "STRATA_LAYER_END": "2", "STRATA_MODEL_URL": "m.gguf", "STRATA_CONTEXT": "64"}
+    result = subprocess.run(
+        [sys.executable, "-m", "strata.cli", "stage-worker", "--listen", "127.0.0.1:7001", "--split-at", "1"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert "strata stage-worker: listen address 127.0.0.1:7001 serves one stage; 2 stages in one process" in (
+        result.stderr
+    ), result.stderr
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from strata.gguf.model import CacheType
 from strata.rpc.v1 import stage_pb2, stage_pb2_grpc
 from strata.stage_loading import LoadWatch, StageLoadError, StageLoadTimeoutError, WatchedStage, wait_all_loaded
-from strata.stage_worker import server
+from strata.stage_worker import server, stage_load
 from strata.stage_worker.engine import Engine
 from strata.stage_worker.server import RunningStage
 from strata.stage_worker.settings import StageSettings
@@ -79,7 +79,7 @@ def kv_pool_out_of_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     def allocate(**_: object) -> None:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
 
-    monkeypatch.setattr(server, "KVPool", allocate)
+    monkeypatch.setattr(stage_load, "KVPool", allocate)
 
 
 def decode_step_fails_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:

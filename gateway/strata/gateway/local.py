@@ -1,4 +1,5 @@
-"""Single-machine pipelines for `strata serve`: an even layer split, and stage workers as child processes.
+"""Single-machine pipelines for `strata serve`: an even layer split, and stage workers as child processes (one stage
+each, or several consecutive stages that share a device: STRATA_SPLIT_AT, strata.stage_worker.co_located).
 
 The planner (strata.operator.planner) places stages on a cluster's GPUs; on one machine there is one device kind and
 nothing to search, so the layers are split evenly into contiguous spans, earlier stages taking the remainder.
@@ -54,8 +55,15 @@ class StageStartError(RuntimeError):
         self.log_tail = log_tail
 
 
+def stage_count(env: Mapping[str, str]) -> int:
+    """How many stages a stage worker configured by `env` runs: one, and one more per STRATA_SPLIT_AT layer."""
+    split = env.get("STRATA_SPLIT_AT", "").strip()
+    return 1 + (split.count(",") + 1 if split else 0)
+
+
 class StageProcess:
-    """`strata stage-worker` as a child, configured through STRATA_* as the operator configures a stage pod.
+    """`strata stage-worker` as a child, configured through STRATA_* as the operator configures a stage pod; with
+    STRATA_SPLIT_AT, several stages in one process, each listening on a port of its own (`ports`, first to last).
 
     `cancel`, when set while the worker starts, cuts the start short (the supervisor stopping mid-restart, or
     `strata serve` stopping because a stage it started before this one failed to load).
@@ -69,30 +77,47 @@ class StageProcess:
         start_timeout_s: float = 60.0,
         cancel: threading.Event | None = None,
     ) -> None:
+        first = int(env.get("STRATA_STAGE_INDEX", "0"))
+        self.stages = tuple(range(first, first + stage_count(env)))
         self.log_path = log_path
         self._log = log_path.open("ab")
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "strata.cli", "stage-worker"],
             stdout=subprocess.PIPE,
+            bufsize=0,  # unbuffered: a second port line read ahead into a buffer would hide from select()
             stderr=self._log,
             stdin=subprocess.DEVNULL,
             env={**CO_LOCATED_STAGE_ENV, **os.environ, **env},
             start_new_session=True,
             preexec_fn=_die_with_parent,
         )
-        self.port = self._read_port(start_timeout_s, cancel or threading.Event())
+        self.ports = self._read_ports(start_timeout_s, cancel or threading.Event())
 
-    def _read_port(self, timeout_s: float, cancel: threading.Event) -> int:
-        """The port the worker prints once its server listens ("stage N listening on port P")."""
+    @property
+    def port(self) -> int:
+        """The first stage's port: where the stage before this process, or the gateway, sends."""
+        return self.ports[0]
+
+    @property
+    def name(self) -> str:
+        """How messages call it: 'stage 1', or 'the process of stages 0 and 1'."""
+        if len(self.stages) == 1:
+            return f"stage {self.stages[0]}"
+        return f"the process of stages {', '.join(map(str, self.stages[:-1]))} and {self.stages[-1]}"
+
+    def _read_ports(self, timeout_s: float, cancel: threading.Event) -> tuple[int, ...]:
+        """The ports the worker prints once its servers listen ("stage N listening on port P", one line a stage)."""
         assert self._proc.stdout is not None, "stdout is a pipe"
         deadline = time.monotonic() + timeout_s
-        line = b""
+        ports: list[int] = []
         while time.monotonic() < deadline and self._proc.poll() is None and not cancel.is_set():
             readable, _, _ = select.select([self._proc.stdout], [], [], 0.2)
             if readable:
                 line = self._proc.stdout.readline()
                 if b"listening on port" in line:
-                    return int(line.split()[-1])
+                    ports.append(int(line.split()[-1]))
+                    if len(ports) == len(self.stages):
+                        return tuple(ports)
         if cancel.is_set():
             reason = "cancelled"
         elif self._proc.poll() is not None:

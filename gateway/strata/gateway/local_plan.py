@@ -170,3 +170,16 @@ def available_memory_bytes(device: str) -> int | None:
             free, _total = torch.cuda.mem_get_info(torch.device(device))
             return int(free)
     return None
+
+
+def process_groups(devices: tuple[str, ...], *, process_per_stage: bool = False) -> tuple[tuple[int, ...], ...]:
+    """The stage processes `strata serve` starts, each as the indices of its stages: consecutive stages on the same
+    device share one process (they take turns on the device either way, and in one process the activations pass in
+    memory and the device keeps one context); `process_per_stage` gives every stage a process of its own."""
+    groups: list[list[int]] = []
+    for index, device in enumerate(devices):
+        if groups and not process_per_stage and devices[groups[-1][-1]] == device:
+            groups[-1].append(index)
+        else:
+            groups.append([index])
+    return tuple(tuple(group) for group in groups)

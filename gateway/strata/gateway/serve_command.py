@@ -4,17 +4,20 @@ The layers are split evenly over `--stages` stage workers (the cluster planner's
 has nothing to choose between) and fitted to the device's free memory by the planner's rules: the largest context that
 fits with a q8_0 KV cache unless `--cache-type` says otherwise, or a refusal saying what is missing
 (strata.gateway.local_plan). A model whose architecture the stages do not run is refused before any starts, with the
-reason `strata inspect` shows. Each stage is started as `strata stage-worker` with the STRATA_* environment the
-operator would give a stage pod, on loopback. The gateway runs in this process with a fixed fencing token and prints
+reason `strata inspect` shows. Each stage is started by `strata stage-worker` with the STRATA_* environment the
+operator would give a stage pod, on loopback; consecutive stages on one device share one process (each on a port of
+its own), where the activations pass in memory and the device keeps one context, unless `--process-per-stage`. The
+gateway runs in this process with a fixed fencing token and prints
 its endpoint, then "ready" once every stage has loaded. Ctrl-C (or SIGTERM) stops the gateway and every stage, and the
 stages die with this process even when it is killed outright. Without MODEL it generates a small demo model (random
 weights, a real tokenizer and chat template): the output is gibberish, but every part of the path is the real one.
 
 Failures end serve with exit status 1 and a message, in two ways. A stage that reports a failed load (a file cut
 short, memory that runs out, a decode step that runs on no path) stops serve at once with that stage's error: a
-restart would fail the same way (strata.gateway.serve_watch). A stage whose process dies is started again on its port
-after a backoff and claimed under a new coordinator term, as a StatefulSet would bring a stage pod back, and watched
-while it loads again; one that keeps dying ends serve with the end of its log (strata.gateway.supervision).
+restart would fail the same way (strata.gateway.serve_watch). A stage process that dies is started again, with all
+its stages, on its ports after a backoff and claimed under a new coordinator term, as a StatefulSet would bring a
+stage pod back, and watched while it loads again; one that keeps dying ends serve with the end of its log
+(strata.gateway.supervision).
 """
 
 from __future__ import annotations
@@ -58,7 +61,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("model", nargs="?", default="", help="GGUF path or URL; omitted: a generated demo model")
-    parser.add_argument("--stages", type=int, default=1, help="stage worker processes (default 1)")
+    parser.add_argument("--stages", type=int, default=1, help="pipeline stages (default 1)")
+    parser.add_argument(
+        "--process-per-stage",
+        action="store_true",
+        help="start every stage as a process of its own; by default consecutive stages on one device share one, "
+        "and their activations pass in memory",
+    )
     parser.add_argument("--parallel", type=int, default=4, help="lanes: requests generating at once (default 4)")
     parser.add_argument(
         "--context", type=int, default=0, help="KV cells the lanes share (default: the most that fit, up to 4096)"
@@ -106,7 +115,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--load-timeout-seconds",
         type=float,
         default=DEFAULT_LOAD_TIMEOUT_S,
-        help="give up when a stage has not loaded this long after it started (default %(default)g)",
+        help="give up when a stage has not loaded this long after its process started (stages that share a process "
+        "load one after another) (default %(default)g)",
     )
     parser.add_argument("--api-keys-file", default="", help="accepted API keys, one per line (or STRATA_API_KEYS)")
     _add_supervision_options(parser)
@@ -137,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     from strata.gateway.local import StageProcess, StageStartError
-    from strata.gateway.local_plan import available_memory_bytes, plan_local, stage_devices
+    from strata.gateway.local_plan import available_memory_bytes, plan_local, process_groups, stage_devices
     from strata.gateway.serve_watch import ServeWatch
     from strata.gateway.server import bind, build
     from strata.gateway.settings import GatewaySettings, api_keys
@@ -179,14 +189,16 @@ def run(args: argparse.Namespace) -> int:
     watch.start()
     stages: list[StageProcess] = []
     envs: list[dict[str, str]] = []
+    groups = process_groups(local.devices, process_per_stage=args.process_per_stage)
     try:
         next_stage = ""
-        for index in reversed(range(len(spans))):
-            start, end = spans[index]
+        for group in reversed(groups):
+            first, last = group[0], group[-1]
             env = {
-                "STRATA_STAGE_INDEX": str(index),
-                "STRATA_LAYER_START": str(start),
-                "STRATA_LAYER_END": str(end),
+                "STRATA_STAGE_INDEX": str(first),
+                "STRATA_LAYER_START": str(spans[first][0]),
+                "STRATA_LAYER_END": str(spans[last][1]),
+                "STRATA_SPLIT_AT": ",".join(str(spans[index][0]) for index in group[1:]),
                 "STRATA_MODEL_URL": model,
                 "STRATA_CONTEXT": str(context),
                 "STRATA_PARALLEL": str(args.parallel),
@@ -194,20 +206,28 @@ def run(args: argparse.Namespace) -> int:
                 "STRATA_CACHE_TYPE_V": args.cache_type,
                 "STRATA_NEXT_STAGE": next_stage,
                 "STRATA_LISTEN": "127.0.0.1:0",
-                "STRATA_DEVICE": local.devices[index],
+                "STRATA_DEVICE": local.devices[first],
                 "STRATA_PREFIX_CACHE_BYTES": str(args.prefix_cache_bytes),
             }
+            log_name = f"stage-{first}.log" if len(group) == 1 else f"stages-{first}-{last}.log"
             try:
-                stage = StageProcess(env=env, log_path=workdir / f"stage-{index}.log", cancel=watch.failed)
+                stage = StageProcess(env=env, log_path=workdir / log_name, cancel=watch.failed)
             except StageStartError as exc:
                 if watch.failed.is_set():  # cancelled: a stage started before failed, and the watch said so
                     return EXIT_STAGE_FAILED
-                raise SystemExit(f"strata serve: stage {index}: {exc}") from exc
+                raise SystemExit(f"strata serve: {'stage' if len(group) == 1 else 'stages'} {first}: {exc}") from exc
             stages.insert(0, stage)
             envs.insert(0, env)
             next_stage = f"127.0.0.1:{stage.port}"
-            watch.add(index=index, address=next_stage)
-            print(f"stage {index}: layers [{start}, {end}) on {local.devices[index]} at {next_stage}", flush=True)
+            if len(group) > 1:
+                named = ", ".join(map(str, group[:-1])) + f" and {last}"
+                print(f"stages {named} share one process on {local.devices[first]}: activations pass in memory")
+            for index, port in zip(group, stage.ports, strict=True):
+                start, end = spans[index]
+                watch.add(index=index, address=f"127.0.0.1:{port}")
+                print(
+                    f"stage {index}: layers [{start}, {end}) on {local.devices[index]} at 127.0.0.1:{port}", flush=True
+                )
         settings = GatewaySettings(
             model_url=model,
             model_name=args.model_name,
@@ -261,14 +281,14 @@ def _restart_policy(args: argparse.Namespace) -> RestartPolicy:
 def _restarter(
     stages: list[StageProcess], envs: list[dict[str, str]]
 ) -> Callable[[int, threading.Event], StageProcess]:
-    """Starts stage `index` again as it was first started, on the port it had: the previous stage (or the gateway)
-    still points there. Its log goes on in the same file."""
+    """Starts stage process `index` again as it was first started, on the ports it had: the previous stage (or the
+    gateway) still points there. Its log goes on in the same file."""
     from strata.gateway.local import StageProcess
 
-    ports = [stage.port for stage in stages]
+    ports = [stage.ports for stage in stages]
 
     def start(index: int, cancel: threading.Event) -> StageProcess:
-        env = {**envs[index], "STRATA_LISTEN": f"127.0.0.1:{ports[index]}"}
+        env = {**envs[index], "STRATA_LISTEN": ",".join(f"127.0.0.1:{port}" for port in ports[index])}
         return StageProcess(env=env, log_path=stages[index].log_path, cancel=cancel)
 
     return start
@@ -306,7 +326,8 @@ def _serve_supervised(
             server.should_exit = True
 
         def lost(index: int) -> None:
-            watch.restarted(index)
+            for stage in supervisor.stages[index].stages:
+                watch.restarted(stage)
             on_loop(lambda: _next_term(pipeline))
 
         watch.on_failure(lambda: on_loop(shut_down))

@@ -12,7 +12,8 @@ give-up rule are tested without processes or clocks. `StageSupervisor` is the th
 dead stage, asks the policy, waits out the backoff (on an event, so stopping never waits for it), starts the stage
 again, and tells its owner through callbacks. The owner (strata.gateway.serve_command) fences the dead stage's term
 off and re-claims every stage with a new one: the stages that lived still hold slots and prefix snapshots of the old
-run, the restarted one holds none.
+run, the restarted one holds none. The unit is a process: stages that share one (strata.gateway.local_plan's
+groups) die and come back together, on the ports they had.
 """
 
 from __future__ import annotations
@@ -84,12 +85,14 @@ class RestartPolicy:
 class StageKeepsDyingError(RuntimeError):
     """A stage died more often than the restart policy allows; carries how it last died and the end of its log."""
 
-    def __init__(self, *, stage: int, deaths: int, window_s: float, cause: str, log_path: Path, log_tail: str) -> None:
+    def __init__(
+        self, *, stage: int, name: str, deaths: int, window_s: float, cause: str, log_path: Path, log_tail: str
+    ) -> None:
         super().__init__(
-            f"stage {stage} died {deaths} times within {window_s:g} s, the last time {cause}; "
+            f"{name} died {deaths} times within {window_s:g} s, the last time {cause}; "
             f"giving up. The end of its log ({log_path}):\n{log_tail}"
         )
-        self.stage = stage
+        self.stage = stage  # the index of the process among those supervised
         self.cause = cause
         self.log_tail = log_tail
 
@@ -98,7 +101,11 @@ class SupervisedStage(Protocol):
     """What the supervisor needs of a stage process (strata.gateway.local.StageProcess)."""
 
     @property
-    def port(self) -> int: ...
+    def name(self) -> str:
+        """How messages call it: 'stage 1', or 'the process of stages 0 and 1'."""
+
+    @property
+    def ports(self) -> tuple[int, ...]: ...
 
     @property
     def log_path(self) -> Path: ...
@@ -116,6 +123,13 @@ class SupervisedStage(Protocol):
 S = TypeVar("S", bound=SupervisedStage)
 
 
+def on_ports(ports: tuple[int, ...]) -> str:
+    """'port 5001', 'ports 5000 and 5001'."""
+    if len(ports) == 1:
+        return f"port {ports[0]}"
+    return f"ports {', '.join(map(str, ports[:-1]))} and {ports[-1]}"
+
+
 def exit_cause(code: int | None) -> str:
     """How a process ended, in words: 'was killed by SIGKILL', 'exited with status 1'."""
     if code is None:
@@ -131,11 +145,11 @@ def exit_cause(code: int | None) -> str:
 class StageSupervisor(Generic[S]):
     """Watches `stages` from a thread of its own and starts a dead one again by the policy.
 
-    `start(index, cancel)` starts stage `index` again on its port; `cancel` is set when the supervisor stops, and
-    should cut a start under way short. `stages` is kept current in place: a restarted stage replaces the dead one at
-    its index, so whoever stops the stages after `stop()` stops the live ones. The thread that starts a stage must
-    outlive it (the stages get PR_SET_PDEATHSIG, which fires when the thread that forked them ends), so the thread
-    runs until `stop()` even after giving up.
+    `start(index, cancel)` starts stage process `index` again on its ports; `cancel` is set when the supervisor stops,
+    and should cut a start under way short. `stages` is kept current in place: a restarted stage replaces the dead
+    one at its index, so whoever stops the stages after `stop()` stops the live ones. The thread that starts a stage
+    must outlive it (the stages get PR_SET_PDEATHSIG, which fires when the thread that forked them ends), so the
+    thread runs until `stop()` even after giving up.
     """
 
     def __init__(
@@ -195,6 +209,7 @@ class StageSupervisor(Generic[S]):
             if isinstance(decision, GiveUp):
                 self.failure = StageKeepsDyingError(
                     stage=index,
+                    name=dead.name,
                     deaths=decision.deaths,
                     window_s=self.policy.window_s,
                     cause=cause,
@@ -204,7 +219,7 @@ class StageSupervisor(Generic[S]):
                 self._on_gave_up(self.failure)
                 return
             self._report(
-                f"stage {index} {cause}; restarting it on port {dead.port} in {decision.delay_s:g} s "
+                f"{dead.name} {cause}; restarting it on {on_ports(dead.ports)} in {decision.delay_s:g} s "
                 f"(restart {decision.attempt} of at most {self.policy.max_restarts} within {self.policy.window_s:g} s)"
             )
             if self._stopping.wait(decision.delay_s):
@@ -214,5 +229,6 @@ class StageSupervisor(Generic[S]):
             except StageStartError as exc:
                 cause, tail = f"did not start again ({exc.reason})", exc.log_tail
                 continue
-            self._report(f"stage {index} restarted on port {self.stages[index].port}; it loads, then serves again")
+            back = self.stages[index]
+            self._report(f"{back.name} restarted on {on_ports(back.ports)}; it loads, then serves again")
             return

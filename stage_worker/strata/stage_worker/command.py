@@ -1,24 +1,30 @@
-"""`strata stage-worker`: run one pipeline stage until SIGTERM.
+"""`strata stage-worker`: run one pipeline stage, or several consecutive ones that share a device, until SIGTERM.
 
 The operator configures a stage pod through these environment variables; each also has a flag, and a flag given on
 the command line wins over the environment.
 
     STRATA_STAGE_INDEX       position of this stage in the pipeline (0 is first)
-    STRATA_LAYER_START       first layer this stage holds
-    STRATA_LAYER_END         one past the last layer this stage holds
+    STRATA_LAYER_START       first layer this stage holds (this process's stages, with STRATA_SPLIT_AT)
+    STRATA_LAYER_END         one past the last layer this stage holds (this process's stages, with STRATA_SPLIT_AT)
+    STRATA_SPLIT_AT          layers where this process's span divides into stages of their own, comma-separated
+                             (default empty: one stage). Stage i+1 of the process is stage STRATA_STAGE_INDEX + i + 1,
+                             on a port of its own; it takes the activations of the stage before it as the tensor
+                             itself, in memory. For stages that share a device: `strata serve` groups them so.
     STRATA_MODEL_URL         GGUF file: a local path, file://, or http(s):// (read with Range requests)
     STRATA_CONTEXT           KV cells in the unified pool shared by the slots
     STRATA_PARALLEL          slots (lanes) sharing the pool
     STRATA_CACHE_TYPE_K      K cache type: f32, f16, bf16 or q8_0 (default q8_0)
     STRATA_CACHE_TYPE_V      V cache type: f32, f16, bf16 or q8_0 (default q8_0)
-    STRATA_NEXT_STAGE        host:port of the next stage; empty on the last stage
-    STRATA_LISTEN            address to serve gRPC on (default 0.0.0.0:50051)
+    STRATA_NEXT_STAGE        host:port of the stage after this process's stages; empty on the last stage
+    STRATA_LISTEN            address to serve gRPC on (default 0.0.0.0:50051); with STRATA_SPLIT_AT one address
+                             per stage, comma-separated, or one with port 0 for all
     STRATA_DEVICE            torch device: cpu, cuda, cuda:N (default cpu)
     STRATA_DTYPE             compute dtype: float32, float16, bfloat16 (default float32 on CPU, bfloat16 on GPUs)
     STRATA_PLAN_GENERATION   the plan generation this stage belongs to (default 0)
     STRATA_PREFIX_CACHE_BYTES  device bytes for prefix snapshots, reserved by the plan (default 0: keep none)
     STRATA_PIPELINE_CHUNK    the first stage sends a longer prefill on in pieces of this many positions, so the
-                             next stage starts on it at once (default 512; 0 sends each step whole)
+                             next stage starts on it at once (default 512; 0 sends each step whole). A prefill
+                             that stays in this process goes whole: its stages share a device, nothing overlaps
     STRATA_HOP_SLOTS         slots of the shared-memory ring through which a previous stage on this host sends
                              activations (default 4; 0: always over gRPC)
     STRATA_HOP_SLOT_POSITIONS  positions one slot holds; a larger step comes over gRPC (default 1024)
@@ -57,6 +63,7 @@ OPTIONS: tuple[Option, ...] = tuple(
         ("--pipeline-chunk", "STRATA_PIPELINE_CHUNK", int, 512),
         ("--hop-slots", "STRATA_HOP_SLOTS", int, 4),
         ("--hop-slot-positions", "STRATA_HOP_SLOT_POSITIONS", int, 1024),
+        ("--split-at", "STRATA_SPLIT_AT", str, ""),
     )
 )
 
@@ -64,7 +71,7 @@ OPTIONS: tuple[Option, ...] = tuple(
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "stage-worker",
-        help="serve one pipeline stage (a span of layers) over gRPC",
+        help="serve one pipeline stage (a span of layers), or several that share a device, over gRPC",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -78,22 +85,24 @@ def resolve(args: argparse.Namespace, environ: dict[str, str]) -> dict[str, obje
 
 def run(args: argparse.Namespace) -> int:
     from strata.gguf.model import CacheType
-    from strata.stage_worker.server import RunningStage
+    from strata.stage_worker.co_located import CoLocatedStages, co_located_settings, parse_split
     from strata.stage_worker.settings import StageSettings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     values = resolve(args, dict(os.environ))
     try:
+        split_at = parse_split(str(values.pop("split_at")))
         values["cache_type_k"] = CacheType(str(values["cache_type_k"]))
         values["cache_type_v"] = CacheType(str(values["cache_type_v"]))
-        settings = StageSettings(**values)  # type: ignore[arg-type]
+        settings = co_located_settings(StageSettings(**values), split_at=split_at)  # type: ignore[arg-type]
     except ValueError as exc:
         raise SystemExit(f"strata stage-worker: {exc}") from exc
-    stage = RunningStage(settings)
-    print(f"stage {settings.stage_index} listening on port {stage.port}", flush=True)
+    group = CoLocatedStages(settings)
+    for each, stage in zip(settings, group.stages, strict=True):
+        print(f"stage {each.stage_index} listening on port {stage.port}", flush=True)
     stopping = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopping.set())
     stopping.wait()
-    stage.stop(grace_s=5.0)
+    group.stop(grace_s=5.0)
     return 0

@@ -17,7 +17,9 @@ A long prefill is pipelined inside one step: the first stage cuts a chunk of mor
 (`split_prefill`), sends each piece on as soon as it is computed and computes the next meanwhile, so the stages after
 it work on piece i while this one works on piece i+1; the step's one reply is the last piece's. Without this, a
 4,096-token prompt crossed to the next stage as one 32 MiB message after the whole prefill, and two stages took three
-times as long to the first token as one.
+times as long to the first token as one. A next stage in this process (strata.stage_worker.in_process) computes each
+step as it is sent, on the same device: there the stage is given `split` 0 unless a stage in another process follows,
+since pieces would only make smaller matrix products for nothing to overlap with.
 """
 
 from __future__ import annotations
@@ -30,17 +32,17 @@ from dataclasses import dataclass
 import grpc
 from strata.rpc.v1 import stage_pb2
 from strata.stage_worker.errors import NextStageUnavailableError
-from strata.stage_worker.next_stage import PendingReply, StepStream
+from strata.stage_worker.next_stage import Carried, PendingReply, StepSender
 
 
 @dataclass(frozen=True)
 class Onward:
-    """A step computed here: its slots, the request for the next stage (activations in it, NextStage.carry), and
-    what frees the shared-memory slot they took once the step is answered or failed."""
+    """A step computed here: its slots, the request for the next stage, and how its activations travel (in the
+    request, through a shared-memory slot freed once the step is answered or failed, or handed over in process)."""
 
     slots: tuple[int, ...]
     request: stage_pb2.ForwardRequest
-    release: Callable[[], None]
+    carried: Carried
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,7 @@ class ForwardStream:
         self,
         *,
         requests: Iterator[stage_pb2.ForwardRequest],
-        downstream: StepStream,
+        downstream: StepSender,
         compute: Callable[[stage_pb2.ForwardRequest], Onward],
         reset: Callable[[Iterable[int]], None],
         split: int = 0,
@@ -138,10 +140,10 @@ class ForwardStream:
                     onward = self._compute(piece)
                     with self._lock:
                         if self._stopped:  # the stream failed while this step was being computed
-                            onward.release()
+                            onward.carried.release()
                             self._reset(onward.slots)
                             return
-                        sent.append(self._downstream.send(onward.request, release=onward.release))
+                        sent.append(self._downstream.send(onward.request, onward.carried))
                 with self._lock:
                     self._queue.put(Launched(slots=onward.slots, pending=tuple(sent)))
         except grpc.RpcError:

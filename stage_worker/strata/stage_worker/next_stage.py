@@ -14,6 +14,9 @@ step at a time on a stream shared by its callers that dials again after a failur
 `carry` puts a step's activations into its request: through the next stage's shared-memory region where the two
 share a host (strata.stage_worker.shared_hop; the region is asked for with GetLoadStatus), else inline. A slot of the
 region stays taken until the step is answered or fails.
+
+`Downstream` is what a stage needs of its next stage, wherever that runs: NextStage here for one in another process,
+strata.stage_worker.in_process for one in this process, which takes the activations as the tensor itself.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import grpc
 from strata.rpc.v1 import stage_pb2, stage_pb2_grpc
@@ -40,6 +44,16 @@ _CLOSE = object()
 
 def nothing_to_release() -> None:
     """The release of activations sent inline."""
+
+
+@dataclass(frozen=True)
+class Carried:
+    """How a step's activations travel on: `release` frees the shared-memory slot they took (once the step is
+    answered or failed); `handed` is the tensor itself when the next stage is in this process, None when the
+    activations are in the request."""
+
+    release: Callable[[], None] = nothing_to_release
+    handed: Tensor | None = None
 
 
 class RemoteStageError(StageError):
@@ -72,10 +86,7 @@ class PendingReply:
     """The next stage's reply to one step, once the reader thread hands it over (or the error that ended the
     stream it was sent on)."""
 
-    def __init__(
-        self, stream: StepStream, counter: StepsInFlight, release: Callable[[], None] = nothing_to_release
-    ) -> None:
-        self.stream = stream
+    def __init__(self, counter: StepsInFlight, release: Callable[[], None] = nothing_to_release) -> None:
         self._counter = counter
         self._release = release  # frees the shared-memory slot of the step's activations
         self._settled = threading.Event()
@@ -99,6 +110,46 @@ class PendingReply:
 
     def wait(self, timeout_s: float) -> bool:
         return self._settled.wait(timeout_s)
+
+
+class StepSender(Protocol):
+    """One caller's stream of steps to the next stage: `send` does not wait for the reply, `receive` does."""
+
+    def send(self, request: stage_pb2.ForwardRequest, carried: Carried) -> PendingReply: ...
+
+    def receive(self, pending: PendingReply) -> stage_pb2.ForwardReply: ...
+
+    def close(self) -> None: ...
+
+
+class Downstream(Protocol):
+    """The next stage, as a stage passes its calls on to it; a failure is a StageError."""
+
+    target: str  # how messages name it
+    in_flight: StepsInFlight
+
+    @property
+    def leaves_process(self) -> bool:
+        """Whether a step sent here reaches a stage in another process (so cutting a prefill into pieces lets that
+        stage work while this one computes)."""
+
+    def open_stream(self) -> StepSender: ...
+
+    def carry(self, request: stage_pb2.ForwardRequest, hidden: Tensor) -> Carried: ...
+
+    def reset_here(self, slots: Iterable[int]) -> None:
+        """Reset `slots` on the stages after this one that run in this process: a step this stage lost took cells
+        there too. A stage in another process frees its own when its stream fails."""
+
+    def claim(self, request: stage_pb2.ClaimRequest) -> None: ...
+
+    def reset_slot(self, request: stage_pb2.ResetSlotRequest) -> None: ...
+
+    def save_prefix(self, request: stage_pb2.SavePrefixRequest) -> stage_pb2.SavePrefixReply: ...
+
+    def restore_prefix(self, request: stage_pb2.RestorePrefixRequest) -> stage_pb2.RestorePrefixReply: ...
+
+    def close(self) -> None: ...
 
 
 class StepStream:
@@ -151,12 +202,12 @@ class StepStream:
         for pending in left:
             pending.fail(self._ended)
 
-    def send(
-        self, request: stage_pb2.ForwardRequest, *, release: Callable[[], None] = nothing_to_release
-    ) -> PendingReply:
+    def send(self, request: stage_pb2.ForwardRequest, carried: Carried = Carried()) -> PendingReply:
         """Send one step without waiting; on a stream that has ended, the step fails at once with its error.
-        `release` (from NextStage.carry) runs once the step is answered or has failed."""
-        pending = PendingReply(self, self._counter, release)
+        `carried` (from NextStage.carry) says how its activations travel: its release runs once the step is
+        answered or has failed."""
+        assert carried.handed is None, "NextStage.carry puts the activations into the request"
+        pending = PendingReply(self._counter, carried.release)
         with self._lock:
             if self._ended is not None:
                 pending.fail(self._ended)
@@ -186,6 +237,8 @@ class StepStream:
 
 
 class NextStage:
+    leaves_process = True
+
     def __init__(self, target: str, *, step_timeout_s: float) -> None:
         self.target = target
         self.step_timeout_s = step_timeout_s
@@ -214,7 +267,7 @@ class NextStage:
             stream = self._shared
             return stream.receive(stream.send(request))
 
-    def carry(self, request: stage_pb2.ForwardRequest, hidden: Tensor) -> Callable[[], None]:
+    def carry(self, request: stage_pb2.ForwardRequest, hidden: Tensor) -> Carried:
         """Put a step's activations into its request: into a slot of the next stage's shared region where this
         stage can open it and a slot comes free within the step timeout, else inline. Returns what frees the slot,
         for `send`."""
@@ -222,10 +275,13 @@ class NextStage:
         placed = writer.write(hidden, timeout_s=self.step_timeout_s) if writer is not None else None
         if placed is None:
             request.hidden.CopyFrom(tensor_to_proto(hidden))
-            return nothing_to_release
+            return Carried()
         reference, release = placed
         request.shared_hidden.CopyFrom(reference)
-        return release
+        return Carried(release=release)
+
+    def reset_here(self, slots: Iterable[int]) -> None:
+        """Nothing: the next stage is in another process, which resets its slots when its stream fails."""
 
     def _load_status(self) -> stage_pb2.LoadStatus | None:
         try:

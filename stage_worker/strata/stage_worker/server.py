@@ -14,8 +14,10 @@ slots it touched, and those of the steps behind it, and fails with UNAVAILABLE, 
 stream ends there. The load status counts the steps sent on and not yet answered, so overlap can be seen from outside.
 
 A stage after the first makes a shared-memory region once loaded and advertises it in the load status; a previous
-stage on the same host writes activations there and sends only a reference (strata.stage_worker.shared_hop). The
-load status counts the steps whose activations came each way.
+stage on the same host writes activations there and sends only a reference (strata.stage_worker.shared_hop). A
+previous stage in the same process hands the tensor over instead (strata.stage_worker.in_process): such a stage
+makes no region, and every call reaches it as a method call, its errors still StageErrors. The load status counts
+the steps whose activations came each way.
 """
 
 from __future__ import annotations
@@ -28,8 +30,7 @@ from typing import NoReturn, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from strata.gguf import GGUFError, read_header
-from strata.gguf.sources import open_source
+from strata.gguf import GGUFError
 from strata.rpc.v1 import stage_pb2, stage_pb2_grpc
 from strata.stage_worker.engine import Engine
 from strata.stage_worker.errors import (
@@ -43,13 +44,13 @@ from strata.stage_worker.errors import (
 )
 from strata.stage_worker.fencing import Holder, TermFence
 from strata.stage_worker.forward_stream import ForwardStream, Onward
-from strata.stage_worker.kv_pool import KVPool
-from strata.stage_worker.loader import LoadProgress, load_stage
-from strata.stage_worker.next_stage import CHANNEL_OPTIONS, NextStage, RemoteStageError
+from strata.stage_worker.in_process import HandedStage, InProcessNextStage
+from strata.stage_worker.loader import LoadProgress
+from strata.stage_worker.next_stage import CHANNEL_OPTIONS, Downstream, NextStage, RemoteStageError
 from strata.stage_worker.prefix_cache import PrefixCache
 from strata.stage_worker.settings import StageSettings
 from strata.stage_worker.shared_hop import HopRegion
-from strata.stage_worker.warm_up import warm_engine
+from strata.stage_worker.stage_load import build_engine
 from strata.stage_worker.wire import (
     chunk_from_proto,
     reply_from_result,
@@ -97,8 +98,21 @@ def exc_message(error: Exception) -> str:
 
 
 class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # generated code is untyped
-    def __init__(self, settings: StageSettings, *, health_servicer: health.HealthServicer) -> None:
+    """One stage. `then` is the next stage when it runs in this process (settings.next_stage is empty then);
+    `after_in_process` says the previous stage does, so no shared region is made for it."""
+
+    def __init__(
+        self,
+        settings: StageSettings,
+        *,
+        health_servicer: health.HealthServicer,
+        then: HandedStage | None = None,
+        after_in_process: bool = False,
+    ) -> None:
+        if then is not None and settings.next_stage:
+            raise ValueError(f"stage {settings.stage_index}: a next stage in this process and at {settings.next_stage}")
         self.settings = settings
+        self.after_in_process = after_in_process
         self.progress = LoadProgress()
         self.fence = TermFence(stage=settings.stage_index)
         self.prefix_cache = PrefixCache(budget_bytes=settings.prefix_cache_bytes)
@@ -108,10 +122,12 @@ class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # gener
         self._cancel = threading.Event()
         self.hop_region: HopRegion | None = None
         self._received_lock = threading.Lock()
-        self.received = {"hidden": 0, "shared_hidden": 0}  # steps by how their activations came
-        self.next_stage = (
-            NextStage(settings.next_stage, step_timeout_s=settings.step_timeout_s) if settings.next_stage else None
-        )
+        self.received = {"hidden": 0, "shared_hidden": 0, "in_process": 0}  # steps by how their activations came
+        self.next_stage: Downstream | None = None
+        if then is not None:
+            self.next_stage = InProcessNextStage(then)
+        elif settings.next_stage:
+            self.next_stage = NextStage(settings.next_stage, step_timeout_s=settings.step_timeout_s)
         for service in ("", SERVICE_NAME):
             health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
 
@@ -126,58 +142,20 @@ class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # gener
         """
         s = self.settings
         try:
-            engine = self._load_engine()
+            engine = build_engine(
+                s, has_next=self.next_stage is not None, progress=self.progress, cancelled=self._cancel
+            )
         except Exception as exc:
             self.progress.error = exc_message(exc)
             log.exception("stage %d failed to load layers [%d, %d)", s.stage_index, s.layer_start, s.layer_end)
             return
-        if s.layer_start > 0 and s.hop_slots > 0:
+        if s.layer_start > 0 and s.hop_slots > 0 and not self.after_in_process:
             self.hop_region = self._make_region(engine)
         self._engine = engine
         for service in ("", SERVICE_NAME):
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info(
             "stage %d loaded layers [%d, %d): %d bytes", s.stage_index, s.layer_start, s.layer_end, engine.pool.nbytes
-        )
-
-    def _load_engine(self) -> Engine:
-        s = self.settings
-        source = open_source(s.model_url)
-        try:
-            header = read_header(source)
-            model = load_stage(
-                source=source,
-                header=header,
-                layer_start=s.layer_start,
-                layer_end=s.layer_end,
-                dtype=s.compute_dtype,
-                device=s.torch_device,
-                progress=self.progress,
-                cancelled=self._cancel,
-            )
-        finally:
-            source.close()
-        c = model.config
-        if model.is_last == bool(s.next_stage):
-            raise InvalidRequestError(
-                f"layers [{s.layer_start}, {s.layer_end}) of {c.n_layer} "
-                + ("end the model, yet a next stage is set" if model.is_last else "need a next stage")
-            )
-        pool = KVPool(
-            n_layers=s.layer_end - s.layer_start,
-            context=s.context,
-            parallel=s.parallel,
-            key_width=c.kv_dim,
-            value_width=c.kv_dim,
-            type_k=s.cache_type_k,
-            type_v=s.cache_type_v,
-            dtype=s.compute_dtype,
-            device=s.torch_device,
-            window=c.sliding_window,
-            sliding=tuple(c.is_sliding(il) for il in range(s.layer_start, s.layer_end)),
-        )
-        return warm_engine(
-            model=model, pool=pool, device=s.torch_device, dtype=s.compute_dtype, stage_index=s.stage_index
         )
 
     def _make_region(self, engine: Engine) -> HopRegion | None:
@@ -200,6 +178,10 @@ class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # gener
             self.hop_region.close()
         if self.next_stage is not None:
             self.next_stage.close()
+
+    @property
+    def name(self) -> str:
+        return f"stage {self.settings.stage_index}"
 
     @property
     def engine(self) -> Engine:
@@ -239,55 +221,58 @@ class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # gener
             hop_region=self.hop_region.advert() if self.hop_region is not None else None,
             activations_inline=self.received["hidden"],
             activations_shared=self.received["shared_hidden"],
+            activations_in_process=self.received["in_process"],
         )
 
     def Claim(self, request: stage_pb2.ClaimRequest, context: grpc.ServicerContext) -> stage_pb2.ClaimReply:
-        def claim() -> stage_pb2.ClaimReply:
-            self._admit(request.fence, request.plan_generation)
-            if self.next_stage is not None:
-                self.next_stage.claim(request)
-            return stage_pb2.ClaimReply(accepted_term=self.fence.accepted_term)
-
-        return self._guard(context, claim)
+        return self._guard(context, lambda: self.claim(request))
 
     def ResetSlot(self, request: stage_pb2.ResetSlotRequest, context: grpc.ServicerContext) -> stage_pb2.ResetSlotReply:
-        def reset() -> stage_pb2.ResetSlotReply:
-            self._admit(request.fence)
-            with self._engine_lock:
-                self.engine.pool.reset(request.slot)
-            if self.next_stage is not None:
-                self.next_stage.reset_slot(request)
-            return stage_pb2.ResetSlotReply()
-
-        return self._guard(context, reset)
+        return self._guard(context, lambda: self.reset_slot(request))
 
     def SavePrefix(
         self, request: stage_pb2.SavePrefixRequest, context: grpc.ServicerContext
     ) -> stage_pb2.SavePrefixReply:
-        def save() -> stage_pb2.SavePrefixReply:
-            kept, own = self._on_prefix(request, self.prefix_cache.save)
-            if self.next_stage is None:
-                return stage_pb2.SavePrefixReply(kept=kept, stats=own)
-            onward = self.next_stage.save_prefix(request)
-            return stage_pb2.SavePrefixReply(kept=kept and onward.kept, stats=summed_stats(own, onward.stats))
-
-        return self._guard(context, save)
+        return self._guard(context, lambda: self.save_prefix(request))
 
     def RestorePrefix(
         self, request: stage_pb2.RestorePrefixRequest, context: grpc.ServicerContext
     ) -> stage_pb2.RestorePrefixReply:
-        def restore() -> stage_pb2.RestorePrefixReply:
-            restored, own = self._on_prefix(request, self.prefix_cache.restore)
-            if self.next_stage is None:
-                return stage_pb2.RestorePrefixReply(restored=restored, stats=own)
-            # Passed on even after a miss here, so every stage's figures come back; the coordinator then resets
-            # the slot everywhere and prefills from position 0.
-            onward = self.next_stage.restore_prefix(request)
-            return stage_pb2.RestorePrefixReply(
-                restored=restored and onward.restored, stats=summed_stats(own, onward.stats)
-            )
+        return self._guard(context, lambda: self.restore_prefix(request))
 
-        return self._guard(context, restore)
+    # The calls as methods (raising StageError): the gRPC methods above, and a previous stage in this process.
+
+    def claim(self, request: stage_pb2.ClaimRequest) -> stage_pb2.ClaimReply:
+        self._admit(request.fence, request.plan_generation)
+        if self.next_stage is not None:
+            self.next_stage.claim(request)
+        return stage_pb2.ClaimReply(accepted_term=self.fence.accepted_term)
+
+    def reset_slot(self, request: stage_pb2.ResetSlotRequest) -> stage_pb2.ResetSlotReply:
+        self._admit(request.fence)
+        with self._engine_lock:
+            self.engine.pool.reset(request.slot)
+        if self.next_stage is not None:
+            self.next_stage.reset_slot(request)
+        return stage_pb2.ResetSlotReply()
+
+    def save_prefix(self, request: stage_pb2.SavePrefixRequest) -> stage_pb2.SavePrefixReply:
+        kept, own = self._on_prefix(request, self.prefix_cache.save)
+        if self.next_stage is None:
+            return stage_pb2.SavePrefixReply(kept=kept, stats=own)
+        onward = self.next_stage.save_prefix(request)
+        return stage_pb2.SavePrefixReply(kept=kept and onward.kept, stats=summed_stats(own, onward.stats))
+
+    def restore_prefix(self, request: stage_pb2.RestorePrefixRequest) -> stage_pb2.RestorePrefixReply:
+        restored, own = self._on_prefix(request, self.prefix_cache.restore)
+        if self.next_stage is None:
+            return stage_pb2.RestorePrefixReply(restored=restored, stats=own)
+        # Passed on even after a miss here, so every stage's figures come back; the coordinator then resets the
+        # slot everywhere and prefills from position 0.
+        onward = self.next_stage.restore_prefix(request)
+        return stage_pb2.RestorePrefixReply(
+            restored=restored and onward.restored, stats=summed_stats(own, onward.stats)
+        )
 
     def _on_prefix(
         self, request: stage_pb2.SavePrefixRequest | stage_pb2.RestorePrefixRequest, act: Callable[..., bool]
@@ -316,26 +301,29 @@ class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # gener
     ) -> Iterator[stage_pb2.ForwardReply]:
         if self.next_stage is None:  # the last stage: nothing downstream to overlap with
             for request in request_iterator:
-                yield self._guard(context, lambda request=request: self._last_step(request))  # type: ignore[misc]
+                yield self._guard(context, lambda request=request: self.last_step(request))  # type: ignore[misc]
             return
         stream = ForwardStream(
             requests=request_iterator,
             downstream=self.next_stage.open_stream(),
-            compute=self._step,
-            reset=self._reset_slots,
-            split=self.settings.pipeline_chunk,
+            compute=self.step,
+            reset=self.reset_slots,
+            split=self.settings.pipeline_chunk if self.next_stage.leaves_process else 0,
         )
         try:
             yield from stream.replies()
         except StageError as error:
             abort(context, error)
 
-    def _activations(self, request: stage_pb2.ForwardRequest) -> Tensor | None:
-        """The hidden states a step came with, inline or through this stage's shared region; None on the first."""
-        way = request.WhichOneof("activations")
+    def _activations(self, request: stage_pb2.ForwardRequest, handed: Tensor | None) -> Tensor | None:
+        """The hidden states a step came with: handed over by a previous stage in this process, inline, or through
+        this stage's shared region; None on the first stage."""
+        way = "in_process" if handed is not None else request.WhichOneof("activations")
         if way is None:
             return None
-        if way == "hidden":
+        if handed is not None:
+            hidden = handed
+        elif way == "hidden":
             hidden = tensor_from_proto(request.hidden)
         elif self.hop_region is None:
             raise InvalidRequestError(f"stage {self.settings.stage_index} has no shared region to read activations")
@@ -345,33 +333,38 @@ class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # gener
             self.received[way] += 1
         return hidden
 
-    def _last_step(self, request: stage_pb2.ForwardRequest) -> stage_pb2.ForwardReply:
+    def last_step(self, request: stage_pb2.ForwardRequest, handed: Tensor | None = None) -> stage_pb2.ForwardReply:
+        """Compute a step on the last stage and answer it; `handed`: activations from a stage in this process."""
         self._admit(request.fence, request.plan_generation)
         chunks = [chunk_from_proto(c) for c in request.chunks]
-        hidden = self._activations(request)
+        hidden = self._activations(request, handed)
         with self._engine_lock:
             result = self.engine.step(chunks, hidden)
         return reply_from_result(request.step_id, result)
 
-    def _step(self, request: stage_pb2.ForwardRequest) -> Onward:
+    def step(self, request: stage_pb2.ForwardRequest, handed: Tensor | None = None) -> Onward:
         """Compute a step on a stage with a next stage: its slots, and the request to send on."""
         assert self.next_stage is not None, "only a stage with a next stage sends steps on"
         self._admit(request.fence, request.plan_generation)
         chunks = [chunk_from_proto(c) for c in request.chunks]
-        hidden = self._activations(request)
+        hidden = self._activations(request, handed)
         with self._engine_lock:
             result = self.engine.step(chunks, hidden)
         assert result.hidden is not None, "load() refuses a stage that ends the model yet has a next stage"
         onward = stage_pb2.ForwardRequest(
             fence=request.fence, plan_generation=request.plan_generation, step_id=request.step_id, chunks=request.chunks
         )
-        release = self.next_stage.carry(onward, result.hidden)  # outside the engine lock: it may wait for a slot
-        return Onward(slots=tuple(chunk.slot for chunk in chunks), request=onward, release=release)
+        carried = self.next_stage.carry(onward, result.hidden)  # outside the engine lock: it may wait for a slot
+        return Onward(slots=tuple(chunk.slot for chunk in chunks), request=onward, carried=carried)
 
-    def _reset_slots(self, slots: Iterable[int]) -> None:
+    def reset_slots(self, slots: Iterable[int]) -> None:
+        """Free `slots` here and on the stages after this one in this process (a step lost on its way on)."""
+        slots = tuple(slots)
         with self._engine_lock:
             for slot in slots:
                 self.engine.pool.reset(slot)
+        if self.next_stage is not None:
+            self.next_stage.reset_here(slots)
 
     def _guard(self, context: grpc.ServicerContext, call: Callable[[], T]) -> T:
         try:
@@ -381,11 +374,21 @@ class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # gener
 
 
 class RunningStage:
-    """A started server: the service, the bound port, and the background load."""
+    """A started server: the service, the bound port, and the background load. `then` and `after_in_process` place
+    it among stages of one process (StageService says how); `loader`, a thread not started yet, loads it instead of
+    a thread of its own (strata.stage_worker.co_located loads such stages one after the other)."""
 
-    def __init__(self, settings: StageSettings, *, max_workers: int = 16) -> None:
+    def __init__(
+        self,
+        settings: StageSettings,
+        *,
+        max_workers: int = 16,
+        then: StageService | None = None,
+        after_in_process: bool = False,
+        loader: threading.Thread | None = None,
+    ) -> None:
         self.health = health.HealthServicer()
-        self.service = StageService(settings, health_servicer=self.health)
+        self.service = StageService(settings, health_servicer=self.health, then=then, after_in_process=after_in_process)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
         stage_pb2_grpc.add_StageServicer_to_server(self.service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -393,8 +396,10 @@ class RunningStage:
         if self.port == 0:
             raise OSError(f"cannot listen on {settings.listen}")
         self.server.start()
-        self.loader = threading.Thread(target=self.service.load, daemon=True, name="stage-loader")
-        self.loader.start()
+        if loader is None:
+            loader = threading.Thread(target=self.service.load, daemon=True, name="stage-loader")
+            loader.start()
+        self.loader = loader
 
     def stop(self, grace_s: float | None = None) -> None:
         self.service.close()

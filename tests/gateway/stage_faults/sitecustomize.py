@@ -17,7 +17,7 @@ import time
 
 def _inject(fault: str) -> None:
     import torch
-    from strata.stage_worker import server
+    from strata.stage_worker import stage_load
     from strata.stage_worker.engine import Engine
 
     def out_of_memory(**_: object) -> None:
@@ -33,11 +33,11 @@ def _inject(fault: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     if fault == "kv-pool-out-of-memory":
-        setattr(server, "KVPool", out_of_memory)  # noqa: B010  # a module attribute mypy would not let us assign
+        setattr(stage_load, "KVPool", out_of_memory)  # noqa: B010  # a module attribute mypy would not let us assign
     elif fault == "decode-step-fails":
         setattr(Engine, "warm_up", capture_fails)  # noqa: B010
     elif fault == "killed-while-loading":
-        setattr(server, "load_stage", killed)  # noqa: B010
+        setattr(stage_load, "load_stage", killed)  # noqa: B010
     else:
         raise SystemExit(f"sitecustomize: unknown STRATA_TEST_FAULT {fault!r}")
 

@@ -1,0 +1,60 @@
+"""Building a stage's engine from its settings: its tensors read from the file, its KV pool, its warmed decode step.
+
+strata.stage_worker.server runs this on the stage's loader thread and turns whatever it raises into the stage's
+load status; here every step may fail (a file cut short, memory that runs out, a decode step that runs on no path).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from strata.gguf import read_header
+from strata.gguf.sources import open_source
+from strata.stage_worker.engine import Engine
+from strata.stage_worker.errors import InvalidRequestError
+from strata.stage_worker.kv_pool import KVPool
+from strata.stage_worker.loader import LoadProgress, load_stage
+from strata.stage_worker.settings import StageSettings
+from strata.stage_worker.warm_up import warm_engine
+
+
+def build_engine(
+    settings: StageSettings, *, has_next: bool, progress: LoadProgress, cancelled: threading.Event
+) -> Engine:
+    """The stage's engine, ready to serve; `has_next`: a next stage follows it (in this process or another)."""
+    s = settings
+    source = open_source(s.model_url)
+    try:
+        header = read_header(source)
+        model = load_stage(
+            source=source,
+            header=header,
+            layer_start=s.layer_start,
+            layer_end=s.layer_end,
+            dtype=s.compute_dtype,
+            device=s.torch_device,
+            progress=progress,
+            cancelled=cancelled,
+        )
+    finally:
+        source.close()
+    c = model.config
+    if model.is_last == has_next:
+        raise InvalidRequestError(
+            f"layers [{s.layer_start}, {s.layer_end}) of {c.n_layer} "
+            + ("end the model, yet a next stage is set" if model.is_last else "need a next stage")
+        )
+    pool = KVPool(
+        n_layers=s.layer_end - s.layer_start,
+        context=s.context,
+        parallel=s.parallel,
+        key_width=c.kv_dim,
+        value_width=c.kv_dim,
+        type_k=s.cache_type_k,
+        type_v=s.cache_type_v,
+        dtype=s.compute_dtype,
+        device=s.torch_device,
+        window=c.sliding_window,
+        sliding=tuple(c.is_sliding(il) for il in range(s.layer_start, s.layer_end)),
+    )
+    return warm_engine(model=model, pool=pool, device=s.torch_device, dtype=s.compute_dtype, stage_index=s.stage_index)

@@ -23,6 +23,7 @@ FENCE = FencingToken(lease_uid="lease", term=1, holder="speculation-test")
 # lookup finds drafts in the prompt and in the output alike.
 PROMPT = (*range(30, 50), *range(30, 45), 7, 8, *range(30, 40))
 NEW_TOKENS = 24
+GREEDY = Sampling()
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ class Outcome:
 
 async def generate(
     port: int, *, speculation: Speculation | None, sampled_beside: bool, metrics: GatewayMetrics,
-    stop_ids: frozenset[int] = frozenset(), max_tokens: int = NEW_TOKENS,
+    stop_ids: frozenset[int] = frozenset(), max_tokens: int = NEW_TOKENS, sampling: Sampling = GREEDY,
 ) -> Outcome:  # fmt: skip
     ready = asyncio.Event()
     pipeline = Pipeline(
@@ -53,7 +54,7 @@ async def generate(
         await asyncio.wait_for(ready.wait(), timeout=30)
         freed = asyncio.Event()
         greedy = pipeline.submit(
-            slot=0, prompt=PROMPT, max_tokens=max_tokens, sampling=Sampling(), stop_ids=stop_ids, on_freed=freed.set
+            slot=0, prompt=PROMPT, max_tokens=max_tokens, sampling=sampling, stop_ids=stop_ids, on_freed=freed.set
         )
         if sampled_beside:  # a request that is never drafted, decoding in the same steps
             pipeline.submit(
@@ -79,23 +80,29 @@ def counted(metrics: GatewayMetrics, name: str) -> float:
     return value
 
 
+# A generated model's logits are nearly flat: at a low temperature its sampled text repeats itself, as real text does.
+SAMPLED = Sampling(temperature=0.05, seed=3)
+
+
 @pytest.mark.parametrize(
-    ("stage_count", "cache_type", "sampled_beside"),
+    ("stage_count", "cache_type", "sampling", "sampled_beside"),
     [
-        pytest.param(1, CacheType.F32, False, id="one stage"),
-        pytest.param(2, CacheType.F32, False, id="two stages"),
-        pytest.param(3, CacheType.F32, False, id="three stages"),
-        pytest.param(2, CacheType.Q8_0, True, id="two stages, q8_0 cache, a sampled request beside"),
+        pytest.param(1, CacheType.F32, GREEDY, False, id="one stage"),
+        pytest.param(2, CacheType.F32, GREEDY, False, id="two stages"),
+        pytest.param(3, CacheType.F32, GREEDY, False, id="three stages"),
+        pytest.param(2, CacheType.Q8_0, GREEDY, True, id="two stages, q8_0 cache, a sampled request beside"),
+        pytest.param(2, CacheType.F32, SAMPLED, False, id="two stages, sampled with a seed"),
     ],
 )
-def test_greedy_tokens_are_the_same_with_speculation_on_and_off(
-    model: Path, stage_count: int, cache_type: CacheType, sampled_beside: bool
+def test_tokens_are_the_same_with_speculation_on_and_off(
+    model: Path, stage_count: int, cache_type: CacheType, sampling: Sampling, sampled_beside: bool
 ) -> None:
+    shape = {"sampled_beside": sampled_beside, "sampling": sampling}
     with local_pipeline(model, SPANS[stage_count], context=256, cache_type=cache_type) as stages:
         port = stages[0].port
-        off = asyncio.run(generate(port, speculation=None, sampled_beside=sampled_beside, metrics=GatewayMetrics()))
+        off = asyncio.run(generate(port, speculation=None, metrics=GatewayMetrics(), **shape))  # type: ignore[arg-type]
         metrics = GatewayMetrics()
-        on = asyncio.run(generate(port, speculation=Speculation(), sampled_beside=sampled_beside, metrics=metrics))
+        on = asyncio.run(generate(port, speculation=Speculation(), metrics=metrics, **shape))  # type: ignore[arg-type]
     assert on.tokens == off.tokens
     assert on.logprobs == pytest.approx(off.logprobs, abs=1e-4), "the target's own log-probabilities"
     assert on.finish == off.finish == "length"

@@ -40,42 +40,56 @@ def through(stages: list[Engine], chunks: list[Chunk]) -> StepResult:
     return result
 
 
-def one_at_a_time(stages: list[Engine], *, slot: int, steps: int) -> list[int]:
-    """The greedy tokens after PROMPT, one position a step."""
-    picked = [through(stages, [Chunk(slot, 0, len(PROMPT), PROMPT, sample=True)]).tokens[slot].token_id]
+def one_at_a_time(stages: list[Engine], *, slot: int, steps: int, sampling: Sampling) -> list[int]:
+    """The tokens after PROMPT, one position a step."""
+    first = Chunk(slot, 0, len(PROMPT), PROMPT, sample=True, sampling=sampling)
+    picked = [through(stages, [first]).tokens[slot].token_id]
     for _ in range(steps - 1):
         position = len(PROMPT) + len(picked) - 1
-        step = through(stages, [Chunk(slot, position, 1, (picked[-1],), sample=True)])
+        step = through(stages, [Chunk(slot, position, 1, (picked[-1],), sample=True, sampling=sampling)])
         picked.append(step.tokens[slot].token_id)
     return picked
 
 
-def speculating(stages: list[Engine], *, slot: int, guess: list[int], other: int) -> list[list[int]]:
-    """The greedy tokens after PROMPT when every step drafts 3 tokens from `guess` (the true continuation with
-    every third token replaced by `other`, so some drafts are accepted and some rejected), beside a plain decode
-    row of the other slot in the same step; the runs of each step."""
+def speculating(
+    stages: list[Engine], *, slot: int, guess: list[int], other: int, sampling: Sampling
+) -> list[list[int]]:
+    """The tokens after PROMPT when every step drafts 3 tokens from `guess` (the true continuation with every third
+    token replaced by `other`, so some drafts are accepted and some rejected), beside a plain decode row of the
+    other slot in the same step; the runs of each step."""
     runs: list[list[int]] = []
-    picked = [through(stages, [Chunk(slot, 0, len(PROMPT), PROMPT, sample=True)]).tokens[slot].token_id]
+    first = Chunk(slot, 0, len(PROMPT), PROMPT, sample=True, sampling=sampling)
+    picked = [through(stages, [first]).tokens[slot].token_id]
     beside = 1 - slot
     through(stages, [Chunk(beside, 0, 3, PROMPT[:3], sample=True)])
     while len(picked) < STEPS:
         start = len(PROMPT) + len(picked) - 1
         draft = tuple(other if (len(picked) + i) % 3 == 0 else t for i, t in enumerate(guess[len(picked) :][:3]))
-        chunk = Chunk(slot, start, 1 + len(draft), (picked[-1], *draft), sample=True, drafted=len(draft))
+        chunk = Chunk(
+            slot, start, 1 + len(draft), (picked[-1], *draft), sample=True, sampling=sampling, drafted=len(draft)
+        )
         result = through(stages, [chunk, Chunk(beside, 3, 1, (5,), sample=True)])  # beside: position 3 again
         runs.append([s.token_id for s in result.runs[slot]])
         picked.extend(runs[-1])
     return runs
 
 
+SAMPLINGS = {"greedy": Sampling(), "sampled at temperature 1, seeded": Sampling(temperature=1.0, seed=7)}
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS.values(), ids=SAMPLINGS.keys())
 @pytest.mark.parametrize("cache_type", [CacheType.F32, CacheType.Q8_0], ids=["f32 cache", "q8_0 cache"])
 @pytest.mark.parametrize("spans", SPANS.values(), ids=SPANS.keys())
 def test_verified_drafts_give_the_tokens_of_one_position_a_step(
-    tiny_models: dict[str, Path], spans: list[tuple[int, int]], cache_type: CacheType
+    tiny_models: dict[str, Path], spans: list[tuple[int, int]], cache_type: CacheType, sampling: Sampling
 ) -> None:
-    reference = one_at_a_time(engines(tiny_models["llama"], spans, cache_type), slot=0, steps=STEPS + 3)
+    """Sampled picks are the same seeded draws as one position a step makes: the same text, so the same
+    distribution, and a draft counts exactly when the draw is the draft."""
+    plain = engines(tiny_models["llama"], spans, cache_type)
+    reference = one_at_a_time(plain, slot=0, steps=STEPS + 3, sampling=sampling)
     other = next(t for t in range(1, 300) if t not in reference)
-    runs = speculating(engines(tiny_models["llama"], spans, cache_type), slot=1, guess=reference, other=other)
+    drafting = engines(tiny_models["llama"], spans, cache_type)
+    runs = speculating(drafting, slot=1, guess=reference, other=other, sampling=sampling)
     assert [t for run in runs for t in run][: STEPS - 1] == reference[1:STEPS]
     assert any(len(run) > 1 for run in runs), "some drafts were accepted"
     assert any(len(run) < 4 for run in runs), "some drafts were rejected and later steps went on after them"
@@ -86,7 +100,6 @@ BAD_CHUNKS = {
     "token ids missing": Chunk(0, 0, 3, (3,), sample=True, drafted=2),
     "no sampling": Chunk(0, 0, 3, (3, 4, 5), drafted=2),
     "logits asked for": Chunk(0, 0, 3, (3, 4, 5), sample=True, return_logits=True, drafted=2),
-    "a temperature": Chunk(0, 0, 3, (3, 4, 5), sample=True, sampling=Sampling(temperature=0.5), drafted=2),
     "a grammar's mask": Chunk(0, 0, 3, (3, 4, 5), sample=True, sampling=Sampling(allowed=b"\xff"), drafted=2),
     "a repetition penalty": Chunk(
         0, 0, 3, (3, 4, 5), sample=True, sampling=Sampling(repetition_penalty=1.2, penalized=(3,)), drafted=2

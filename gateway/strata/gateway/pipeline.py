@@ -37,7 +37,7 @@ chunk-aligned prefix (SavePrefix). Both calls run in the driver between steps, i
 stages: a snapshot is taken before anything can reset or reuse the slot, and a restore lands before the slot's first
 step. They cost one unary call through the stages each, small beside the prefill they save.
 
-With a Speculation, a greedy generation's decode chunk carries its last token and the tokens that n-gram lookup over
+With a Speculation, a generation's decode chunk carries its last token and the tokens that n-gram lookup over
 its context proposes after it (strata.gateway.speculation); the reply then holds one to all of those tokens plus one,
 dispatched in order as if each had come from a step of its own, and the slot's next chunk starts after them.
 """
@@ -332,9 +332,7 @@ class Pipeline:
             constraint=constraint,
         )
         s = self.speculation
-        if s is not None and drafts_for(
-            temperature=sampling.temperature, penalised=sampling.penalised, constrained=constraint is not None
-        ):
+        if s is not None and drafts_for(penalised=sampling.penalised, constrained=constraint is not None):
             generation.drafter = NgramDrafter(prompt, speculation=s)
         self._active[slot] = generation
         self._wake.set()

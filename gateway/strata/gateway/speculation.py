@@ -2,18 +2,19 @@
 
 A decode step costs about the same for one position as for a few (it reads every weight once either way), and over
 S stages it pays S hops besides. So when the text can be guessed, the driver sends a slot's last token followed by
-up to `max_draft` guessed ones as one chunk; every stage computes them together, the last stage keeps its greedy
+up to `max_draft` guessed ones as one chunk; every stage computes them together, the last stage keeps its own
 picks up to the first that differs from the guess (strata.stage_worker.engine.accept), and one step yields between
 one and max_draft + 1 tokens. The tokens are exactly those that decoding one position at a time would have picked,
-so speculation changes speed, never text (up to the rounding of a different batch shape, as any batching does).
+so speculation changes speed, never text (up to the rounding of a different batch shape, as any batching does);
+a sampled pick is the same seeded draw as without speculation, and a draft counts only where the draw is the draft.
 
 The guess is prompt lookup (as llama.cpp's lookup decoding and vLLM's n-gram proposer do): find the last place where
 the generation's latest n tokens occurred before, for n from `ngram_max` down to `ngram_min`, and propose what
 followed them there. Agents and editors repeat their context (code being edited, tool results quoted back,
 structured output), which is where it pays; on text that does not repeat it proposes nothing and costs nothing.
 
-What it applies to: greedy requests (temperature 0) without a grammar or repetition penalties, whose picks depend
-only on the logits of their own position. Other requests decode one position a step beside them. A step drafts
+What it applies to: requests without a grammar or penalties, whose picks depend only on their own position's
+logits and seed. Requests under a grammar or with penalties decode one position a step beside them. A step drafts
 only while at most `max_slots` slots decode in it: with a full batch a step is no longer bound by reading the
 weights, and extra positions would cost what they save.
 """
@@ -77,7 +78,7 @@ class NgramDrafter:
         return ()
 
 
-def drafts_for(*, temperature: float, penalised: bool, constrained: bool) -> bool:
+def drafts_for(*, penalised: bool, constrained: bool) -> bool:
     """Whether a request's tokens may be verified from drafts: its pick at a position depends on nothing but that
-    position's logits (greedy, no penalty counting earlier picks, no grammar whose mask follows them)."""
-    return temperature <= 0.0 and not penalised and not constrained
+    position's logits and seed (no penalty counting earlier picks, no grammar whose mask follows them)."""
+    return not penalised and not constrained

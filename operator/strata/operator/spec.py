@@ -273,8 +273,8 @@ class Speculative(_Spec):
         description=(
             "ngram: the gateway proposes the tokens that followed the latest earlier occurrence of a request's last "
             "tokens in its own prompt and output (code edits, quoted tool results, structured output repeat "
-            "themselves); the stages verify them in one step. Applies to greedy requests without a grammar or "
-            "penalties; the text is the same as without it."
+            "themselves); the stages verify them in one step. Applies to requests without a grammar or penalties; the "
+            "text is the same as without it, sampled text included."
         )
     )
     max_draft: int = Field(default=4, alias="maxDraft", ge=1, le=16, description="Tokens proposed a step, at most.")
@@ -350,9 +350,7 @@ class ModelDeploymentSpec(_Spec):
     coordination: Coordination = Field(
         default_factory=Coordination, description="The Lease the gateway replicas elect a coordinator on."
     )
-    speculative: Speculative | None = Field(
-        default=None, description="Speculative decoding of greedy requests; off if unset."
-    )
+    speculative: Speculative | None = Field(default=None, description="Speculative decoding; off if unset.")
 
     @classmethod
     def from_manifest(cls, spec: dict[str, Any]) -> ModelDeploymentSpec:

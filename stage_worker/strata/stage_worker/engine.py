@@ -9,8 +9,11 @@ position per slot) takes the batched path in strata.stage_worker.decode, capture
 Speculative decoding: a chunk may end in `drafted` positions whose tokens the coordinator guessed. Every stage
 computes them like any other positions; the last picks a token after each of the chunk's last drafted + 1 positions
 and keeps its picks up to the first that differs from the draft (`accept`), so the tokens are exactly those that one
-position a step would have produced. The KV of the rejected positions stays behind in the slot until the next step,
-which starts after the accepted ones and truncates the slot there, as every step does.
+position a step would have produced. That holds for sampled picks too: a pick is drawn from its position's
+distribution with the uniform number seeded by (seed, position), as a step of one position draws it, and the draft
+counts only where that draw is the draft (which happens with the draft's probability: this is speculative sampling
+with a proposal certain of its token, coupled to the plain draw). The KV of the rejected positions stays behind in
+the slot until the next step, which starts after the accepted ones and truncates the slot there, as every step does.
 """
 
 from __future__ import annotations
@@ -182,11 +185,11 @@ class Engine:
                 f"with a position before them and all {chunk.length} token ids (got {len(chunk.token_ids)})"
             )
         s = chunk.sampling
-        if not chunk.sample or chunk.return_logits or s.temperature > 0.0 or s.allowed or s.penalized:
+        if not chunk.sample or chunk.return_logits or s.allowed or s.penalized:
             raise InvalidRequestError(
-                f"slot {chunk.slot}: drafted positions are verified by greedy picks alone: a drafted chunk samples, "
-                f"returns no logits and has temperature 0 (got {s.temperature}), no allowed-token mask and no "
-                "repetition penalty"
+                f"slot {chunk.slot}: drafted positions are verified by the picks after them alone: a drafted chunk "
+                "samples and returns no logits, with no allowed-token mask and no repetition penalty (both depend on "
+                "the tokens picked before each position)"
             )
 
     @torch.inference_mode()

@@ -108,6 +108,10 @@ def test_tokens_are_the_same_with_speculation_on_and_off(
     assert on.finish == off.finish == "length"
     drafted, accepted = counted(metrics, "drafted"), counted(metrics, "accepted")
     assert 0 < accepted <= drafted
+    runs = metrics.registry.get_sample_value("strata_gateway_speculative_run_tokens_count")
+    run_tokens = metrics.registry.get_sample_value("strata_gateway_speculative_run_tokens_sum")
+    assert runs is not None
+    assert run_tokens == runs + accepted, "each run: its accepted drafts and one pick"
     if not sampled_beside:  # with another request beside, the step count is both requests'
         assert on.steps <= off.steps - accepted, "each accepted draft saved a step"
 

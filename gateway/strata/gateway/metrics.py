@@ -59,6 +59,12 @@ class GatewayMetrics:
             "strata_gateway_speculative_accepted_tokens", "Proposed tokens the last stage's own picks matched",
             registry=r,
         )  # fmt: skip
+        self.speculative_run = Histogram(
+            "strata_gateway_speculative_run_tokens",
+            "Tokens a step with a proposal yielded for its request: the accepted drafts plus the stage's own pick",
+            buckets=tuple(range(1, 18)),
+            registry=r,
+        )
         by = ["pipeline"]
         self._steps_in_flight = Gauge(
             "strata_gateway_steps_in_flight",

@@ -470,6 +470,7 @@ class Pipeline:
             g.held_cells = chunk.start_position + chunk.length
             if chunk.drafted:
                 self.metrics.speculative_accepted.inc(len(run) - 1)
+                self.metrics.speculative_run.observe(len(run))
             for token in run:
                 if not self._deliver(g, token):
                     break

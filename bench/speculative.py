@@ -5,7 +5,7 @@ whose answer repeats its context, over 1 and 2 stages; and several streams at on
                                           [--model FILE]
 
 Runs real `strata serve` process trees on loopback with the real Gemma 3 270M (Q4_K_M, the test extra's file): one
-with `--speculative ngram`, one without, side by side, rounds alternating. The workload is what n-gram lookup is for:
+with `--speculative ngram`, one without, one after the other in one run. The workload is what n-gram lookup is for:
 a completion that continues a file by restating a function it already holds (greedy, so both servers write the same
 text, which the bench checks). Reports tokens/s, the ratio, the drafted and accepted tokens from the gateway's
 /metrics, and the streams' aggregate with `--streams` greedy completions at once. Prints one table naming the

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 from kubernetes import client
+from strata.gateway.settings import from_environment
+from strata.gateway.speculation import Speculation
 from strata.lease import LeaseElector, LeaseTiming
 from strata.operator.children import Owner, coordinator_lease, gateway_access, gateway_deployment, stage_statefulset
 from strata.operator.cluster_cache import ClusterCache
@@ -21,7 +23,7 @@ from strata.operator.kube import Cluster
 from strata.operator.models import ModelCache
 from strata.operator.names import Names
 from strata.operator.reconcile import Outcome, Reconciler
-from strata.operator.spec import GROUP, PLURAL, ModelDeploymentSpec
+from strata.operator.spec import GROUP, PLURAL, ModelDeploymentSpec, Speculative, SpeculativeMethod
 from strata.operator.status import Coordinator, EventReason, ModelDeploymentStatus, PlanSummary, StageSummary
 from strata.plan import Backend, Plan
 from strata.plan import Stage as StagePlan
@@ -60,6 +62,22 @@ def test_the_gateway_pod_gets_the_token_the_lease_and_the_timing_from_the_spec()
     assert (env["STRATA_DEPLOYMENT_NAME"], env["STRATA_DEPLOYMENT_UID"]) == ("tiny", "u"), "the object Events name"
     timing = [env[f"STRATA_{k}_SECONDS"] for k in ("LEASE_DURATION", "RENEW_DEADLINE", "RETRY_PERIOD")]
     assert timing == ["9", "6", "1"]
+
+
+def test_the_gateway_reads_the_specs_speculative_decoding_from_the_environment_the_operator_sets() -> None:
+    owner = Owner(name="tiny", namespace="models", uid="u")
+    spec = SPEC.model_copy(update={"speculative": Speculative(method=SpeculativeMethod.NGRAM, maxDraft=6)})
+    values = {e["name"]: e["value"] for e in _containers(spec, owner)[0]["env"] if "value" in e}
+    assert from_environment({}, values).speculation() == Speculation(max_draft=6, min_draft=1)
+    plain = {e["name"]: e["value"] for e in _containers(SPEC, owner)[0]["env"] if "value" in e}
+    assert "STRATA_SPECULATIVE" not in plain
+    assert from_environment({}, plain).speculation() is None
+
+
+def _containers(spec: ModelDeploymentSpec, owner: Owner) -> list[dict[str, Any]]:
+    deployment = gateway_deployment(owner, spec, serving=SERVING, image="strata:dev", model_name="tiny")
+    containers: list[dict[str, Any]] = deployment["spec"]["template"]["spec"]["containers"]
+    return containers
 
 
 def test_stage_pods_still_get_no_token() -> None:

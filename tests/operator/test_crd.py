@@ -43,6 +43,12 @@ def test_the_valid_example_parses_with_the_handlers_model() -> None:
     assert spec.placement.headroom_percent == 10
 
 
+def test_the_handlers_refuse_speculative_draft_bounds_the_api_server_would() -> None:
+    manifest = _with("spec.speculative", {"method": "ngram", "minDraft": 5, "maxDraft": 2})["spec"]
+    with pytest.raises(ValueError, match="minDraft <= maxDraft"):
+        ModelDeploymentSpec.from_manifest(manifest)
+
+
 @pytest.fixture(scope="module")
 def crd_installed(control_plane: Any) -> None:
     from kubernetes import config
@@ -99,6 +105,14 @@ INVALID = [
     pytest.param(_with("spec.replicas", 0), "spec.replicas", id="zero pipelines are refused until scaling from zero"),
     pytest.param(_with("spec.rollout.maxUnavailable", 0), "spec.rollout.maxUnavailable", id="a rollout must move"),
     pytest.param({**VALID, "spec": {"parallel": 2}}, "spec.model", id="a manifest without a model is refused"),
+    pytest.param(
+        _with("spec.speculative", {"method": "draft"}), "spec.speculative.method", id="a drafter not built is refused"
+    ),
+    pytest.param(
+        _with("spec.speculative", {"method": "ngram", "minDraft": 5, "maxDraft": 2}),
+        "minDraft must not exceed maxDraft",
+        id="a minimum draft above the maximum is refused",
+    ),
 ]
 
 

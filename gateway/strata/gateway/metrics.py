@@ -51,6 +51,20 @@ class GatewayMetrics:
         self.tokens_generated = Counter("strata_gateway_tokens_generated", "Tokens sampled for clients", registry=r)
         self.prompt_tokens = Counter("strata_gateway_prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.ready = Gauge("strata_gateway_ready", "1 while the pipeline accepts requests", registry=r)
+        self.speculative_drafted = Counter(
+            "strata_gateway_speculative_drafted_tokens", "Tokens proposed by speculation for the stages to verify",
+            registry=r,
+        )  # fmt: skip
+        self.speculative_accepted = Counter(
+            "strata_gateway_speculative_accepted_tokens", "Proposed tokens the last stage's own picks matched",
+            registry=r,
+        )  # fmt: skip
+        self.speculative_run = Histogram(
+            "strata_gateway_speculative_run_tokens",
+            "Tokens a step with a proposal yielded for its request: the accepted drafts plus the stage's own pick",
+            buckets=tuple(range(1, 18)),
+            registry=r,
+        )
         by = ["pipeline"]
         self._steps_in_flight = Gauge(
             "strata_gateway_steps_in_flight",

@@ -36,6 +36,10 @@ never changes the output. After a prompt's prefill completes it asks every stage
 chunk-aligned prefix (SavePrefix). Both calls run in the driver between steps, in order with the steps on the same
 stages: a snapshot is taken before anything can reset or reuse the slot, and a restore lands before the slot's first
 step. They cost one unary call through the stages each, small beside the prefill they save.
+
+With a Speculation, a generation's decode chunk carries its last token and the tokens that n-gram lookup over
+its context proposes after it (strata.gateway.speculation); the reply then holds one to all of those tokens plus one,
+dispatched in order as if each had come from a step of its own, and the slot's next chunk starts after them.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ import contextlib
 import logging
 import math
 import time
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +60,7 @@ from strata.gateway.errors import GatewayError, NotReadyError, PipelineError
 from strata.gateway.grammar import Constraint, ConstraintViolationError
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.prefix_index import PrefixIndex, boundary_hashes
+from strata.gateway.speculation import NgramDrafter, Speculation, drafts_for
 from strata.lease import FencingToken
 from strata.rpc.v1 import stage_pb2, stage_pb2_grpc
 from strata.settings import GRPC_OPTIONS
@@ -157,10 +162,12 @@ class Generation:
     cancelled: bool = False
     finished: bool = False
     in_flight: int = 0  # positions of its chunk in a step not yet answered; 0: its slot is free to step or reset
+    held_cells: int = 0  # positions the stages hold for it: past `fed` after rejected drafts, until its next step
     landed: int = 0  # the step whose reply last carried it: the longest waiting go first when steps are split
     generated: Counter[int] = field(default_factory=Counter)  # token -> times generated, for the penalties
     # The prompt's distinct tokens, which a repetition penalty applies to (empty without one).
     prompt_tokens: frozenset[int] = field(init=False, default=frozenset())
+    drafter: NgramDrafter | None = None  # proposes tokens to verify, when speculation applies to this request
 
     def __post_init__(self) -> None:
         if self.sampling.repetition_penalty != 1.0:
@@ -195,6 +202,7 @@ class Pipeline:
         prefill_chunk: int = 256,
         prefix_chunk: int = 0,  # tokens per prefix-cache chunk; 0: no prefix cache
         micro_batches: int = 1,  # steps in flight at once, of disjoint slots; used only with two stages or more
+        speculation: Speculation | None = None,  # None: one position a decode step
         metrics: GatewayMetrics | None = None,  # None: figures of its own, unread
         step_timeout_s: float = 120.0,
         probe_interval_s: float = 0.5,
@@ -211,6 +219,7 @@ class Pipeline:
             raise ValueError(f"micro_batches must be at least 1, not {micro_batches}")
         self.micro_batches = micro_batches
         self._groups = 1  # micro_batches once the first stage says a next stage follows it
+        self.speculation = speculation
         self.prefixes = PrefixIndex(chunk=prefix_chunk) if prefix_chunk > 0 else None
         self.metrics = metrics or GatewayMetrics()
         self.step_timeout_s = step_timeout_s
@@ -322,6 +331,9 @@ class Pipeline:
             on_freed=on_freed,
             constraint=constraint,
         )
+        s = self.speculation
+        if s is not None and drafts_for(penalised=sampling.penalised, constrained=constraint is not None):
+            generation.drafter = NgramDrafter(prompt, speculation=s)
         self._active[slot] = generation
         self._wake.set()
         return generation
@@ -369,12 +381,14 @@ class Pipeline:
         """The next step: a chunk for each generation that may step now, in slot order. With micro-batches it takes
         the longest waiting first, no more than an even share of the stepping slots (so uneven groups even out
         as they land) and no more than leaves a slot for each step still to write (so G groups fill up)."""
-        used = sum(g.fed + g.in_flight for g in self._active.values())
+        used = sum(max(g.fed + g.in_flight, g.held_cells) for g in self._active.values())
         waiting = [g for g in self._active.values() if not g.cancelled and not g.in_flight and not g.held]
         stepping = len(waiting) + sum(1 for g in self._active.values() if g.in_flight)
         even = math.ceil(stepping / self._groups)
         share = min(even, math.ceil(len(waiting) / (self._groups - len(self._in_flight))))
         chosen = sorted(waiting, key=lambda g: (g.landed, g.slot))[:share]
+        decoding = sum(1 for g in chosen if g.fed >= len(g.prompt))
+        drafting = self.speculation is not None and decoding <= self.speculation.max_slots
         chunks = []
         for g in sorted(chosen, key=lambda g: g.slot):
             slot = g.slot
@@ -392,13 +406,15 @@ class Pipeline:
                     sampling=g.sampling.to_proto(g.generated, g.prompt_tokens),
                 )
             else:
+                draft = self._draft(g, used=used) if drafting else ()
                 chunk = stage_pb2.SlotChunk(
                     slot=slot,
                     start_position=g.fed,
-                    length=1,
-                    token_ids=[g.last_token],
+                    length=1 + len(draft),
+                    token_ids=[g.last_token, *draft],
                     sample=True,
                     sampling=g.sampling.to_proto(g.generated, g.prompt_tokens),
+                    drafted=len(draft),
                 )
             if used + chunk.length > self.context or chunk.start_position + chunk.length > self.context:
                 self._finish(g, Finished("length"))
@@ -406,6 +422,17 @@ class Pipeline:
             used += chunk.length
             chunks.append(chunk)
         return self._with_masks(chunks)
+
+    def _draft(self, g: Generation, *, used: int) -> tuple[int, ...]:
+        """The tokens g's drafter proposes after its last one: no more than g may still produce after the one this
+        step picks anyway, nor than the pool and the context have room for."""
+        if g.drafter is None:
+            return ()
+        room = min(g.max_tokens - g.produced, self.context - used, self.context - g.fed) - 1
+        draft = g.drafter.propose(room)
+        if draft:
+            self.metrics.speculative_drafted.inc(len(draft))
+        return draft
 
     def _with_masks(self, chunks: list[stage_pb2.SlotChunk]) -> list[stage_pb2.SlotChunk]:
         """Each sampling chunk of a constrained generation gets its mask, all of the step's computed together; a
@@ -425,7 +452,9 @@ class Pipeline:
         return [c for c in chunks if c.slot not in failed]
 
     def _dispatch(self, step: _Step, reply: stage_pb2.ForwardReply) -> None:
-        sampled = {t.slot: t for t in reply.tokens}
+        sampled: defaultdict[int, list[stage_pb2.SampledToken]] = defaultdict(list)
+        for token in reply.tokens:  # a drafted chunk's slot has its run of tokens, in order
+            sampled[token.slot].append(token)
         for chunk in step.chunks:
             slot = chunk.slot
             g = self._active.get(slot)
@@ -435,32 +464,44 @@ class Pipeline:
             g.landed = step.step_id
             if g.finished:
                 continue
-            g.fed = chunk.start_position + chunk.length
-            token = sampled.get(slot)
-            if token is None:
-                continue
-            g.last_token = token.token_id
-            g.produced += 1
-            if g.sampling.penalised:
-                g.generated[token.token_id] += 1
-            if g.constraint is not None:
-                try:
-                    g.constraint.advance(token.token_id)
-                except ConstraintViolationError as exc:
-                    self._finish(g, PipelineError(f"the output constraint failed: {exc}"))
-                    continue
-            if not g.cancelled:
-                g.events.put_nowait(
-                    Token(
-                        token_id=token.token_id,
-                        logprob=token.logprob,
-                        top_logprobs=tuple((t.token_id, t.logprob) for t in token.top_logprobs),
-                    )
+            run = sampled.get(slot, [])
+            # A drafted chunk's positions hold what the model picked only up to the last accepted draft.
+            g.fed = chunk.start_position + (len(run) if chunk.drafted else chunk.length)
+            g.held_cells = chunk.start_position + chunk.length
+            if chunk.drafted:
+                self.metrics.speculative_accepted.inc(len(run) - 1)
+                self.metrics.speculative_run.observe(len(run))
+            for token in run:
+                if not self._deliver(g, token):
+                    break
+
+    def _deliver(self, g: Generation, token: stage_pb2.SampledToken) -> bool:
+        """Hand g one picked token; False once g has finished (a stop, its length, a grammar's end or failure)."""
+        g.last_token = token.token_id
+        g.produced += 1
+        if g.drafter is not None:
+            g.drafter.extend((token.token_id,))
+        if g.sampling.penalised:
+            g.generated[token.token_id] += 1
+        if g.constraint is not None:
+            try:
+                g.constraint.advance(token.token_id)
+            except ConstraintViolationError as exc:
+                self._finish(g, PipelineError(f"the output constraint failed: {exc}"))
+                return False
+        if not g.cancelled:
+            g.events.put_nowait(
+                Token(
+                    token_id=token.token_id,
+                    logprob=token.logprob,
+                    top_logprobs=tuple((t.token_id, t.logprob) for t in token.top_logprobs),
                 )
-            if token.token_id in g.stop_ids or (g.constraint is not None and g.constraint.complete):
-                self._finish(g, Finished("stop"))
-            elif g.produced >= g.max_tokens:
-                self._finish(g, Finished("length"))
+            )
+        if token.token_id in g.stop_ids or (g.constraint is not None and g.constraint.complete):
+            self._finish(g, Finished("stop"))
+        elif g.produced >= g.max_tokens:
+            self._finish(g, Finished("length"))
+        return not g.finished
 
     async def _restore_prefixes(self) -> None:
         """Restore the longest known prefix into each new generation's slot, on every stage or not at all."""

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from strata.fit import DEFAULT_CACHE_TYPE
 from strata.gateway.settings import DEFAULT_MICRO_BATCHES
+from strata.gateway.speculation import Speculation
 from strata.gateway.supervision import RestartPolicy
 from strata.gguf.model import CacheType
 
@@ -111,6 +112,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="steps of disjoint lanes in flight at once, so two stages or more compute at the same time "
         f"(default {DEFAULT_MICRO_BATCHES}: one step at a time; a single stage always steps whole)",
     )
+    parser.add_argument(
+        "--speculative",
+        choices=("ngram",),
+        default="",
+        help="speculative decoding: greedy requests send tokens that n-gram lookup over their context proposes, and "
+        "the stages verify them in one step (default: off)",
+    )
+    default = Speculation()
+    parser.add_argument("--max-draft", type=int, default=default.max_draft, help="tokens proposed a step, at most")
+    parser.add_argument("--min-draft", type=int, default=default.min_draft, help="shorter proposals are not sent")
     parser.add_argument(
         "--load-timeout-seconds",
         type=float,
@@ -240,6 +251,9 @@ def run(args: argparse.Namespace) -> int:
             listen=f"{args.host}:{args.port}",
             prefix_cache_chunk=args.prefix_cache_chunk if args.prefix_cache_bytes > 0 else 0,
             micro_batches=args.micro_batches,
+            speculative=args.speculative,
+            max_draft=args.max_draft,
+            min_draft=args.min_draft,
             api_keys=api_keys(environ=os.environ, keys_file=args.api_keys_file),
         )
         app, serving = build(settings, header=header)

@@ -69,6 +69,7 @@ def build(settings: GatewaySettings, *, header: GGUFHeader | None = None) -> tup
             plan_generation=entry.generation,
             prefix_chunk=settings.prefix_cache_chunk,
             micro_batches=settings.micro_batches,
+            speculation=settings.speculation(),
             metrics=metrics.for_pipeline(entry.index),
             on_ready_change=on_ready_change,
             on_fenced=events.fenced if events is not None else lambda _fence, _details: None,

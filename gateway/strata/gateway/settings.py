@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from strata.gateway.speculation import Speculation
 from strata.lease import FencingToken, LeaseTiming
 from strata.settings import Option, resolve_options
 
@@ -30,6 +31,9 @@ from strata.settings import Option, resolve_options
 # prefill-heavy (240-token prompts) 1.08-1.10x. Set 2 (STRATA_MICRO_BATCHES, --micro-batches) where a measurement on
 # the target GPUs says it pays; a pipeline of one stage ignores it.
 DEFAULT_MICRO_BATCHES = 1
+
+# Speculative decoding's methods: n-gram lookup over the request's own context. A draft model is not built yet.
+SPECULATIVE_METHODS = ("", "ngram")
 
 # Flag, environment variable, type, default (None: required).
 OPTIONS: tuple[Option, ...] = tuple(
@@ -57,6 +61,9 @@ OPTIONS: tuple[Option, ...] = tuple(
         ("--prefix-cache-chunk", "STRATA_PREFIX_CACHE_CHUNK", int, 256),
         ("--micro-batches", "STRATA_MICRO_BATCHES", int, DEFAULT_MICRO_BATCHES),
         ("--pipelines-poll-seconds", "STRATA_PIPELINES_POLL_SECONDS", float, 0.0),
+        ("--speculative", "STRATA_SPECULATIVE", str, ""),
+        ("--max-draft", "STRATA_MAX_DRAFT", int, Speculation().max_draft),
+        ("--min-draft", "STRATA_MIN_DRAFT", int, Speculation().min_draft),
     )
 )
 
@@ -90,6 +97,9 @@ class GatewaySettings:
     prefix_cache_chunk: int = 256  # tokens per prefix-cache chunk (snapshots are taken at multiples); 0: off
     micro_batches: int = DEFAULT_MICRO_BATCHES  # steps of disjoint slots in flight at once (with 2+ stages)
     pipelines_poll_seconds: float = 0.0  # how often the deployment's serving pipelines are read; 0: one pipeline
+    speculative: str = ""  # "ngram": greedy requests decode from n-gram lookup drafts (strata.gateway.speculation)
+    max_draft: int = Speculation().max_draft
+    min_draft: int = Speculation().min_draft
     api_keys: frozenset[str] = field(default=frozenset(), repr=False)
     model_token: str | None = field(default=None, repr=False)
     fence: FencingToken = field(default_factory=local_fence)
@@ -106,8 +116,19 @@ class GatewaySettings:
                 f"a pipelines poll period ({self.pipelines_poll_seconds} s) must not be negative and needs the "
                 "deployment name whose status lists the pipelines"
             )
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative decoding method {self.speculative!r} is not one of: ngram, or empty for off")
+        default = Speculation()
+        if not self.speculative and (self.max_draft, self.min_draft) != (default.max_draft, default.min_draft):
+            raise ValueError("draft bounds (max draft, min draft) apply to speculative decoding, which is off")
+        self.speculation()  # refuses draft bounds out of range at start-up
         if self.lease_name:
             self.lease_timing()  # refuses unsafe timings at start-up, not at the first election
+
+    def speculation(self) -> Speculation | None:
+        if not self.speculative:
+            return None
+        return Speculation(max_draft=self.max_draft, min_draft=self.min_draft)
 
     def lease_timing(self) -> LeaseTiming:
         return LeaseTiming(

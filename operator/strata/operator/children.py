@@ -327,6 +327,14 @@ def gateway_deployment(
             "STRATA_PIPELINES_POLL_SECONDS": spec.coordination.retry_period_seconds,
         }
     )
+    if spec.speculative is not None:
+        env += _env(
+            {
+                "STRATA_SPECULATIVE": spec.speculative.method.value,
+                "STRATA_MAX_DRAFT": spec.speculative.max_draft,
+                "STRATA_MIN_DRAFT": spec.speculative.min_draft,
+            }
+        )
     if spec.gateway.api_key_secret_ref is not None:
         ref = spec.gateway.api_key_secret_ref
         env.append({"name": "STRATA_API_KEYS", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})

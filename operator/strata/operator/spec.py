@@ -256,6 +256,38 @@ class Rollout(_Spec):
     )
 
 
+class SpeculativeMethod(StrEnum):
+    NGRAM = "ngram"
+
+
+class Speculative(_Spec):
+    model_config = ConfigDict(
+        extra="forbid",
+        populate_by_name=True,
+        json_schema_extra={
+            "x-kubernetes-validations": [cel("self.minDraft <= self.maxDraft", "minDraft must not exceed maxDraft")]
+        },
+    )
+
+    method: SpeculativeMethod = Field(
+        description=(
+            "ngram: the gateway proposes the tokens that followed the latest earlier occurrence of a request's last "
+            "tokens in its own prompt and output (code edits, quoted tool results, structured output repeat "
+            "themselves); the stages verify them in one step. Applies to requests without a grammar or penalties; the "
+            "text is the same as without it, sampled text included."
+        )
+    )
+    max_draft: int = Field(default=4, alias="maxDraft", ge=1, le=16, description="Tokens proposed a step, at most.")
+    min_draft: int = Field(default=1, alias="minDraft", ge=1, le=16, description="Shorter proposals are not sent.")
+
+    @model_validator(mode="after")
+    def _draft_bounds(self) -> Speculative:
+        """The CEL rule again, for manifests that reach the handlers without the API server's check."""
+        if self.min_draft > self.max_draft:
+            raise ValueError("speculative needs minDraft <= maxDraft")
+        return self
+
+
 class Stage(_Spec):
     image: str | None = Field(default=None, max_length=512, description="Defaults to the operator's image.")
     resources: Resources = Field(
@@ -318,6 +350,7 @@ class ModelDeploymentSpec(_Spec):
     coordination: Coordination = Field(
         default_factory=Coordination, description="The Lease the gateway replicas elect a coordinator on."
     )
+    speculative: Speculative | None = Field(default=None, description="Speculative decoding; off if unset.")
 
     @classmethod
     def from_manifest(cls, spec: dict[str, Any]) -> ModelDeploymentSpec:

@@ -5,6 +5,15 @@ position, a prefill chunk many), the projections and feed-forwards run once over
 slot over that slot's cells of the KV pool. The first stage embeds token ids; the last applies the head and samples.
 A step is validated whole before it touches the pool, so a bad chunk changes nothing. A step of decode chunks only (one
 position per slot) takes the batched path in strata.stage_worker.decode, captured in CUDA graphs on GPUs.
+
+Speculative decoding: a chunk may end in `drafted` positions whose tokens the coordinator guessed. Every stage
+computes them like any other positions; the last picks a token after each of the chunk's last drafted + 1 positions
+and keeps its picks up to the first that differs from the draft (`accept`), so the tokens are exactly those that one
+position a step would have produced. That holds for sampled picks too: a pick is drawn from its position's
+distribution with the uniform number seeded by (seed, position), as a step of one position draws it, and the draft
+counts only where that draw is the draft (which happens with the draft's probability: this is speculative sampling
+with a proposal certain of its token, coupled to the plain draw). The KV of the rejected positions stays behind in
+the slot until the next step, which starts after the accepted ones and truncates the slot there, as every step does.
 """
 
 from __future__ import annotations
@@ -40,13 +49,25 @@ class Chunk:
     sample: bool = False
     sampling: Sampling = field(default_factory=Sampling)
     return_logits: bool = False
+    drafted: int = 0  # the last `drafted` token ids are a draft to verify (speculative decoding)
 
 
 @dataclass(frozen=True)
 class StepResult:
     hidden: Tensor | None  # [N, D] for the next stage; None on the last stage
-    tokens: dict[int, Sampled]  # slot -> sampled token (last stage)
+    tokens: dict[int, Sampled]  # slot -> sampled token (last stage), for chunks without drafted positions
     logits: dict[int, Tensor]  # slot -> [length, vocab] (last stage, when asked)
+    runs: dict[int, tuple[Sampled, ...]] = field(default_factory=dict)  # slot -> accepted drafts + one pick (last)
+
+
+def accept(picks: list[Sampled], draft: tuple[int, ...]) -> tuple[Sampled, ...]:
+    """The picks after a drafted chunk's last len(draft) + 1 positions, up to and including the first that differs
+    from the draft: pick j follows the position that holds draft[j - 1] (pick 0 the last undrafted one), so a pick
+    counts only while every draft token before it was the model's own pick."""
+    taken = 0
+    while taken < len(draft) and picks[taken].token_id == draft[taken]:
+        taken += 1
+    return tuple(picks[: taken + 1])
 
 
 class Engine:
@@ -132,6 +153,7 @@ class Engine:
                     f"slot {chunk.slot}: a repetition penalty is positive and over tokens of the vocabulary, not "
                     f"{chunk.sampling.repetition_penalty} over {strange[:5]}"
                 )
+            self._validate_draft(chunk)
             mask_words = (self.model.config.vocab_size + 31) // 32
             if len(chunk.sampling.allowed) > 4 * mask_words:
                 raise InvalidRequestError(
@@ -152,6 +174,23 @@ class Engine:
         if hidden is None or hidden.dim() != 2 or hidden.shape[1] != dim or hidden.shape[0] != total:
             shape = None if hidden is None else tuple(hidden.shape)
             raise InvalidRequestError(f"hidden states must be [{total}, {dim}] for this step, got {shape}")
+
+    @staticmethod
+    def _validate_draft(chunk: Chunk) -> None:
+        if not chunk.drafted:
+            return
+        if not 0 < chunk.drafted < chunk.length or len(chunk.token_ids) != chunk.length:
+            raise InvalidRequestError(
+                f"slot {chunk.slot}: a chunk of {chunk.length} positions ends in {chunk.drafted} drafted ones only "
+                f"with a position before them and all {chunk.length} token ids (got {len(chunk.token_ids)})"
+            )
+        s = chunk.sampling
+        if not chunk.sample or chunk.return_logits or s.allowed or s.penalized:
+            raise InvalidRequestError(
+                f"slot {chunk.slot}: drafted positions are verified by the picks after them alone: a drafted chunk "
+                "samples and returns no logits, with no allowed-token mask and no repetition penalty (both depend on "
+                "the tokens picked before each position)"
+            )
 
     @torch.inference_mode()
     def step(self, chunks: list[Chunk], hidden: Tensor | None) -> StepResult:
@@ -179,18 +218,28 @@ class Engine:
             ends.append(row)
             if chunk.return_logits:
                 logits[chunk.slot] = self.model.head(x[row - chunk.length : row]).float()  # [length, vocab]
-        picking = [i for i, chunk in enumerate(chunks) if chunk.sample]
+        picking = [chunk for chunk in chunks if chunk.sample]
         if not picking:
             return StepResult(hidden=None, tokens={}, logits=logits)
-        last = self.model.head(x[[ends[i] - 1 for i in picking]])  # [B, vocab]: each sampled chunk's last row
-        picks = sample_rows(
-            last,
-            params=[chunks[i].sampling for i in picking],
-            positions=[chunks[i].start_position + chunks[i].length for i in picking],
-        )
-        return StepResult(
-            hidden=None, tokens={chunks[i].slot: s for i, s in zip(picking, picks, strict=True)}, logits=logits
-        )
+        # Each sampled chunk's last row, or its last drafted + 1 rows: row r of a chunk picks position start + r + 1.
+        rows, params, positions = [], [], []
+        for chunk, end in zip(chunks, ends, strict=True):
+            if chunk.sample:
+                for r in range(chunk.length - 1 - chunk.drafted, chunk.length):
+                    rows.append(end - chunk.length + r)
+                    params.append(chunk.sampling)
+                    positions.append(chunk.start_position + r + 1)
+        picks = sample_rows(self.model.head(x[rows]), params=params, positions=positions)  # [rows, vocab] logits
+        single: dict[int, Sampled] = {}
+        runs: dict[int, tuple[Sampled, ...]] = {}
+        at = 0
+        for chunk in picking:
+            mine, at = picks[at : at + chunk.drafted + 1], at + chunk.drafted + 1
+            if chunk.drafted:
+                runs[chunk.slot] = accept(mine, chunk.token_ids[chunk.length - chunk.drafted :])
+            else:
+                single[chunk.slot] = mine[0]
+        return StepResult(hidden=None, tokens=single, logits=logits, runs=runs)
 
     def _forward_in_parts(self, pieces: list[Piece], x: Tensor) -> Tensor:
         """The step's rows through the layers, in as many parts as the sliding-window cells need: each part takes

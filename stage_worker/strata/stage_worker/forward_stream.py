@@ -56,11 +56,12 @@ class Launched:
 
 def split_prefill(request: stage_pb2.ForwardRequest, *, split: int) -> list[stage_pb2.ForwardRequest]:
     """The request as pieces of at most `split` positions, in order, when it is one slot's chunk of token ids (the
-    first stage's prefill) and asks for no logits; otherwise the request itself. Only the last piece samples."""
+    first stage's prefill) and asks for no logits and no draft check; otherwise the request itself. Only the last
+    piece samples."""
     if split < 1 or len(request.chunks) != 1 or request.WhichOneof("activations") is not None:
         return [request]
     chunk = request.chunks[0]
-    if chunk.length <= split or chunk.return_logits or len(chunk.token_ids) != chunk.length:
+    if chunk.length <= split or chunk.return_logits or chunk.drafted or len(chunk.token_ids) != chunk.length:
         return [request]
     pieces = []
     for offset in range(0, chunk.length, split):

@@ -62,10 +62,13 @@ def chunk_from_proto(message: stage_pb2.SlotChunk) -> Chunk:
             penalized=tuple(s.penalized),
         ),
         return_logits=message.return_logits,
+        drafted=message.drafted,
     )
 
 
 def reply_from_result(step_id: int, result: StepResult) -> stage_pb2.ForwardReply:
+    """The step's picks: one per sampled chunk, and a drafted chunk's run in order (each a token of its slot)."""
+    picked = [*result.tokens.items(), *((slot, s) for slot, run in result.runs.items() for s in run)]
     tokens = [
         stage_pb2.SampledToken(
             slot=slot,
@@ -73,7 +76,7 @@ def reply_from_result(step_id: int, result: StepResult) -> stage_pb2.ForwardRepl
             logprob=sampled.logprob,
             top_logprobs=[stage_pb2.TokenLogprob(token_id=t, logprob=p) for t, p in sampled.top_logprobs],
         )
-        for slot, sampled in result.tokens.items()
+        for slot, sampled in picked
     ]
     logits = [stage_pb2.ChunkLogits(slot=slot, logits=tensor_to_proto(v)) for slot, v in result.logits.items()]
     return stage_pb2.ForwardReply(step_id=step_id, tokens=tokens, logits=logits)

@@ -1,0 +1,84 @@
+"""Speculative decoding's coordinator side: n-gram prompt lookup proposes the next tokens, the stages verify them.
+
+A decode step costs about the same for one position as for a few (it reads every weight once either way), and over
+S stages it pays S hops besides. So when the text can be guessed, the driver sends a slot's last token followed by
+up to `max_draft` guessed ones as one chunk; every stage computes them together, the last stage keeps its own
+picks up to the first that differs from the guess (strata.stage_worker.engine.accept), and one step yields between
+one and max_draft + 1 tokens. The tokens are exactly those that decoding one position at a time would have picked,
+so speculation changes speed, never text (up to the rounding of a different batch shape, as any batching does);
+a sampled pick is the same seeded draw as without speculation, and a draft counts only where the draw is the draft.
+
+The guess is prompt lookup (as llama.cpp's lookup decoding and vLLM's n-gram proposer do): find the last place where
+the generation's latest n tokens occurred before, for n from `ngram_max` down to `ngram_min`, and propose what
+followed them there. Agents and editors repeat their context (code being edited, tool results quoted back,
+structured output), which is where it pays; on text that does not repeat it proposes nothing and costs nothing.
+
+What it applies to: requests without a grammar or penalties, whose picks depend only on their own position's
+logits and seed. Requests under a grammar or with penalties decode one position a step beside them. A step drafts
+only while at most `max_slots` slots decode in it: with a full batch a step is no longer bound by reading the
+weights, and extra positions would cost what they save.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class Speculation:
+    max_draft: int = 4  # tokens proposed after a slot's last one, at most
+    min_draft: int = 1  # a shorter proposal is not sent: one position a step, as without speculation
+    ngram_max: int = 4  # longest suffix of the generation looked up
+    ngram_min: int = 1  # shortest
+    max_slots: int = 4  # steps with more decoding slots than this draft nothing
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_draft <= self.max_draft:
+            raise ValueError(f"speculation needs 1 <= min draft ({self.min_draft}) <= max draft ({self.max_draft})")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"speculation needs 1 <= n-gram min ({self.ngram_min}) <= max ({self.ngram_max})")
+        if self.max_slots < 1:
+            raise ValueError(f"speculation needs max slots of at least 1, not {self.max_slots}")
+
+
+class NgramDrafter:
+    """The tokens of one generation so far (prompt, then output), indexed so that a proposal costs a few dictionary
+    lookups however long the context: for each n-gram size, where the token after its latest earlier occurrence is."""
+
+    def __init__(self, tokens: Iterable[int], *, speculation: Speculation) -> None:
+        self.speculation = speculation
+        self.tokens: list[int] = []
+        # (n-gram) -> index of the token that followed its latest occurrence whose follower is known. The current
+        # suffix's own occurrence has no follower yet, so a lookup of the suffix finds the one before it.
+        self._follower: dict[tuple[int, ...], int] = {}
+        self.extend(tokens)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        s = self.speculation
+        for token in tokens:
+            end = len(self.tokens)  # the new token's index: it follows the n-grams ending just before it
+            for n in range(s.ngram_min, min(s.ngram_max, end) + 1):
+                self._follower[tuple(self.tokens[end - n : end])] = end
+            self.tokens.append(token)
+
+    def propose(self, limit: int) -> tuple[int, ...]:
+        """`limit` tokens (at most max draft) that followed the longest suffix seen before; () when none was, or
+        when limit is under the minimum draft. Where what followed runs into the end of the context, the text is
+        repeating itself with the period from there to the end, and the proposal goes on repeating it."""
+        s = self.speculation
+        limit = min(limit, s.max_draft)
+        if limit < s.min_draft:
+            return ()
+        for n in range(min(s.ngram_max, len(self.tokens)), s.ngram_min - 1, -1):
+            start = self._follower.get(tuple(self.tokens[-n:]))
+            if start is not None:
+                period = len(self.tokens) - start
+                return tuple(self.tokens[start + i % period] for i in range(limit))
+        return ()
+
+
+def drafts_for(*, penalised: bool, constrained: bool) -> bool:
+    """Whether a request's tokens may be verified from drafts: its pick at a position depends on nothing but that
+    position's logits and seed (no penalty counting earlier picks, no grammar whose mask follows them)."""
+    return not penalised and not constrained

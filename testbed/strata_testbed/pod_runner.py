@@ -23,7 +23,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -119,8 +119,10 @@ class PodRunner:
         ca: Path,
         namespaces: Sequence[str] = (),
         poll_seconds: float = 0.5,
+        node_env: Mapping[str, str] | None = None,
     ) -> None:
-        """`namespaces`: where to look for pods; every namespace when empty."""
+        """`namespaces`: where to look for pods; every namespace when empty. `node_env`: variables every container
+        gets beneath its own, as a node's runtime may add them (a test injects stage faults this way)."""
         check_sandbox()
         self._core = core
         self._namespaces = list(namespaces)
@@ -128,6 +130,7 @@ class PodRunner:
         self._api = urlsplit(api_server)
         self._ca = ca
         self._poll = poll_seconds
+        self._node_env = dict(node_env or {})
         self._running: dict[str, _Running] = {}
         log_dir.mkdir(parents=True, exist_ok=True)
         self._hosts = HostsFile(log_dir / "hosts")
@@ -236,6 +239,7 @@ class PodRunner:
         # The image's Python packages are this environment's; a checkout run with PYTHONPATH passes it on.
         if "PYTHONPATH" in os.environ:
             env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+        env |= self._node_env
         env |= container_env(pod, container, self._core)
         if "STRATA_DEVICE" in env:
             env["STRATA_DEVICE"] = "cpu"

@@ -4,7 +4,7 @@ is never retried, not even in a stage started again after its process died; a st
 loads is the supervisor's: started again at once, and given up on when it keeps dying.
 
 Failures come from real files (tensor data cut short) and from faults injected into the stage worker processes
-(tests/gateway/stage_faults): memory that runs out, a decode step that runs on no path, a stage killed mid-load.
+(tests/stage_faults): memory that runs out, a decode step that runs on no path, a stage killed mid-load.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from strata_testbed.broken_models import cut_tensor_data
 from strata_testbed.processes import OutputLines
 from strata_testbed.serve import stage_pid
 
-FAULTS = Path(__file__).parent / "stage_faults"
+FAULTS = Path(__file__).parents[1] / "stage_faults"
 FAIL_WITHIN_S = 10.0
 START_TIMEOUT_S = 120.0
 GIVES_UP_WITHIN_S = 60.0  # a stage killed twice: a backoff, a start and a second death

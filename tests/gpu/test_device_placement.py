@@ -94,20 +94,28 @@ def test_a_cpu_stage_beside_a_gpu_stage_writes_the_all_gpu_text(model_path: Path
 
 
 def test_capture_and_every_allocation_name_the_stages_device(model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last GPU (cuda:0 on one): the graph is captured with that device current, on a stream of that device that
+    the stage made (torch.cuda.graph's default capture stream is one per process, on whichever device captured first),
+    and every tensor the stage holds lives there."""
     device = torch.device("cuda", torch.cuda.device_count() - 1)
     stage = engine(model_path, (0, 4), device)
-    captured_on: list[int] = []
+    captures: list[tuple[int, torch.device | None]] = []  # (current device, capture stream's device) per capture
     real_graph = torch.cuda.graph
 
     def recording_graph(*args: object, **kwargs: object) -> object:
-        captured_on.append(torch.cuda.current_device())
+        stream = kwargs.get("stream")
+        captures.append((torch.cuda.current_device(), stream.device if isinstance(stream, torch.cuda.Stream) else None))
         return real_graph(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(torch.cuda, "graph", recording_graph)
     stage.warm_up()
     greedy([stage])
-    assert captured_on
-    assert set(captured_on) == {device.index}
-    tensors = [*stage.model.parameters(), *stage.model.buffers(), stage.pool.table, stage.decoder.inputs]
+    assert captures, "the decode step was captured"
+    assert set(captures) == {(device.index, device)}, captures
+    d = stage.decoder
+    tensors = [*stage.model.parameters(), *stage.model.buffers(), stage.pool.table, stage.rope.inv_freq]
+    tensors += [d.inputs, d.hidden, d._rows]
     tensors += [t for layer in stage.pool.layers for t in (layer.keys.values, layer.values.values)]
+    outputs = [t for captured in d._captured.values() for t in (captured.output.logits, captured.output.greedy)]
+    tensors += [t for t in outputs if t is not None]
     assert {t.device for t in tensors} == {device}

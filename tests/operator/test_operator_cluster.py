@@ -7,6 +7,7 @@ with real large shapes; kwok runs the stage pods, so scheduling and GPU accounti
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,14 +41,23 @@ pytestmark = pytest.mark.cluster
 T = TypeVar("T")
 
 
-def pod_runner(control_plane: ControlPlane, *, core: client.CoreV1Api, namespace: str, folder: Path) -> PodRunner:
-    """Runs the pods of `namespace` as local processes (the real stage and gateway code), logs under `folder`/pods."""
+STAGE_FAULTS = Path(__file__).parents[1] / "stage_faults"  # a sitecustomize that breaks stage workers on request
+REPORTED_WITHIN_S = 10.0  # a stage's failed load is in the condition by then
+
+
+def pod_runner(
+    control_plane: ControlPlane, *, core: client.CoreV1Api, namespace: str, folder: Path, fault: str = ""
+) -> PodRunner:
+    """Runs the pods of `namespace` as local processes (the real stage and gateway code), logs under `folder`/pods;
+    `fault` names one of tests/stage_faults for every stage worker."""
+    path = os.pathsep.join(p for p in (str(STAGE_FAULTS), os.environ.get("PYTHONPATH", "")) if p)
     return PodRunner(
         core=core,
         namespaces=[namespace],
         log_dir=folder / "pods",
         api_server=control_plane.server,
         ca=control_plane.pki.ca.cert,
+        node_env={"PYTHONPATH": path, "STRATA_TEST_FAULT": fault} if fault else None,
     )
 
 
@@ -101,9 +111,14 @@ def test_status_shows_each_stage_loading_its_bytes_from_the_real_stage_process(
     assert sum(p["bytesTotal"] for p in progress) == sum(t.nbytes for t in header.tensors)
 
 
+def tiny(folder: Path) -> Path:
+    """A tiny model that loads whole, unless a fault breaks its stage."""
+    return write_test_model(folder / "tiny.gguf", architecture="llama").path
+
+
 def cut_tiny(folder: Path) -> Path:
     """A tiny model whose tensor data stops halfway: it plans, its stage pods start, and their load fails."""
-    return cut_tensor_data(write_test_model(folder / "tiny.gguf", architecture="llama").path, folder / "cut.gguf")
+    return cut_tensor_data(tiny(folder), folder / "cut.gguf")
 
 
 def falcon(folder: Path) -> Path:
@@ -112,71 +127,111 @@ def falcon(folder: Path) -> Path:
     return write_header_only_model(folder / "falcon.gguf", shape=shape).path
 
 
+def failed_in_a_stage_log(folder: Path) -> float | None:
+    """When a stage pod's log first says its load failed (this clock), or None while none has."""
+    for log in (folder / "pods").glob("*.log"):
+        if "failed to load layers" in log.read_text(errors="replace"):
+            return time.monotonic()
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Broken:
+    model: Callable[[Path], Path]
+    kind: str  # the condition that says why
+    reason: str
+    message: str
+    fault: str = ""  # one of tests/stage_faults, for every stage worker
+    stage_starts: bool = True  # a stage starts and fails to load; else the model is refused before any starts
+    phase: str = "Failed"
+
+
 @pytest.mark.usefixtures("operator")
 @pytest.mark.parametrize(
-    ("model", "kind", "reason", "message", "phase"),
+    "case",
     [
         pytest.param(
-            cut_tiny,
-            "StagesReady",
-            "LoadFailed",
-            "stage 0 failed to load: the file ends at byte",
-            "Failed",
+            Broken(cut_tiny, "StagesReady", "LoadFailed", "stage 0 failed to load: the file ends at byte"),
             id="a stage whose tensor data is cut short reports LoadFailed with its message",
         ),
         pytest.param(
-            falcon,
-            "Planned",
-            "ModelNotExecutable",
-            "architecture 'falcon' is not one the stage worker runs",
-            "Failed",
+            Broken(
+                tiny,
+                "StagesReady",
+                "LoadFailed",
+                "stage 0 failed to load: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+                fault="kv-pool-out-of-memory",
+            ),
+            id="a stage that runs out of memory for its KV pool reports LoadFailed with its message",
+        ),
+        pytest.param(
+            Broken(
+                tiny,
+                "StagesReady",
+                "LoadFailed",
+                "stage 0 failed to load: the decode step runs on no path: eager: RuntimeError: CUDA error: operation "
+                "not permitted when stream is capturing",
+                fault="decode-step-fails",
+            ),
+            id="a stage whose decode step fails to capture on every path reports LoadFailed with its message",
+        ),
+        pytest.param(
+            Broken(
+                falcon,
+                "Planned",
+                "ModelNotExecutable",
+                "architecture 'falcon' is not one the stage worker runs",
+                stage_starts=False,
+            ),
             id="a model the stages cannot run is refused before any stage starts",
         ),
     ],
 )
 def test_a_model_that_cannot_load_says_why_in_a_condition_and_an_event(
-    control_plane: ControlPlane,
-    cluster: client.ApiClient,
-    namespace: str,
-    tmp_path: Path,
-    model: Callable[[Path], Path],
-    kind: str,
-    reason: str,
-    message: str,
-    phase: str,
+    control_plane: ControlPlane, cluster: client.ApiClient, namespace: str, tmp_path: Path, case: Broken
 ) -> None:
     core = client.CoreV1Api(cluster)
-    create(cluster, namespace, deployment("broken", model(tmp_path), context=512, parallel=2))
-    with pod_runner(control_plane, core=core, namespace=namespace, folder=tmp_path) as runner:
+    create(cluster, namespace, deployment("broken", case.model(tmp_path), context=512, parallel=2))
+    with pod_runner(control_plane, core=core, namespace=namespace, folder=tmp_path, fault=case.fault) as runner:
 
-        def reported() -> tuple[dict[str, Any], str] | None:
+        def reported() -> tuple[dict[str, Any], str, float] | None:
             status = read(cluster, namespace, "broken")
-            found = condition(status, kind)
-            return (found, status["status"]["phase"]) if found and found["reason"] == reason else None
+            found = condition(status, case.kind)
+            if not found or found["reason"] != case.reason:
+                return None
+            return found, status["status"]["phase"], time.monotonic()
 
-        # The stage pod's process starts (about 10 s here), fails to load in well under a second, and the operator
-        # asks every 5 s: two minutes leaves room on a busy two-core machine. The phase is read with the condition:
-        # the operator writes both in one status.
-        found, seen_phase = eventually(
-            reported, timeout=120, what=f"{kind} with reason {reason}; pod runner: {runner.errors}"
+        failed_at = None
+        if case.stage_starts:
+            # The stage pod's process starts (about 10 s here) and fails to load in well under a second; two minutes
+            # leaves room on a busy two-core machine. From its log's line on, the operator has 10 s to say so.
+            failed_at = eventually(
+                lambda: failed_in_a_stage_log(tmp_path), timeout=120, what=f"a failed load; {runner.errors}"
+            )
+        # The phase is read with the condition: the operator writes both in one status.
+        found, seen_phase, seen_at = eventually(
+            reported, timeout=120, what=f"{case.kind} with reason {case.reason}; pod runner: {runner.errors}"
         )
 
         def recorded() -> list[client.CoreV1Event]:
             return [
                 e
                 for e in core.list_namespaced_event(namespace=namespace).items
-                if e.reason == reason and e.involved_object.name == "broken"
+                if e.reason == case.reason and e.involved_object.name == "broken"
             ]
 
-        eventually(recorded, timeout=30, what=f"a {reason} Event")
+        eventually(recorded, timeout=30, what=f"a {case.reason} Event")
         time.sleep(2 * 5.0)  # two more looks by the operator's monitor at the same failure
         events = recorded()
     assert found["status"] == "False"
-    assert message in found["message"], found
-    assert seen_phase == phase
+    assert case.message in found["message"], found
+    assert seen_phase == case.phase
+    if failed_at is not None:
+        print(f"{case.kind}={case.reason} {seen_at - failed_at:.1f} s after the stage's log said its load failed")
+        assert seen_at - failed_at < REPORTED_WITHIN_S, f"reported {seen_at - failed_at:.1f} s after the failure"
     assert len(events) == 1, "one Event for one failure, not one per look"
     assert events[0].type == "Warning"
-    assert message in events[0].message
+    assert case.message in events[0].message
 
 
 @pytest.mark.usefixtures("operator")

@@ -71,6 +71,10 @@ class Decoder:
         self._captured: dict[int, _Captured] = {}
         self._rows = torch.arange(n, dtype=torch.long, device=self.device)
         self._memory = torch.cuda.graph_pool_handle() if graphs else None
+        # Warm-up and capture run on a stream of the stage's own device. torch.cuda.graph's default capture stream
+        # is one per process, made on whichever device was current at the first capture: a second stage on another
+        # GPU of the same process would capture on a stream of the first one's device.
+        self._capture_stream = torch.cuda.Stream(self.device) if graphs else None  # type: ignore[no-untyped-call]
 
     @property
     def captured(self) -> int:
@@ -98,18 +102,20 @@ class Decoder:
         return captured.output
 
     def _capture(self, b: int) -> _Captured:
-        # Warm up on a side stream (the step's real work; the replay repeats it exactly), then capture. Both under the
-        # stage's device: torch.cuda.graph captures on the current device's stream, and a stage on cuda:1 driven from
-        # a thread whose current device is cuda:0 would otherwise capture on the wrong one.
+        # Warm up on the capture stream (the step's real work; the replay repeats it exactly), then capture on it.
+        # Both under the stage's device too: the kernels' launches and the graph's pool follow the current device, and
+        # a stage on cuda:1 driven from a thread whose current device is cuda:0 would otherwise mix the two.
+        stream = self._capture_stream
+        if stream is None:
+            raise RuntimeError("a decoder without CUDA graphs captured a decode step")
         with torch.cuda.device(self.device):
             current = torch.cuda.current_stream(self.device)
-            side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-            side.wait_stream(current)
-            with torch.cuda.stream(side):
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
                 self._body(b)
-            current.wait_stream(side)
+            current.wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._memory):
+            with torch.cuda.graph(graph, pool=self._memory, stream=stream):
                 output = self._body(b)
         captured = _Captured(graph=graph, output=output)
         self._captured[b] = captured

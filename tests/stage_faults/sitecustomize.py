@@ -1,4 +1,5 @@
-"""Faults a test injects into the `strata stage-worker` processes that `strata serve` starts.
+"""Faults a test injects into `strata stage-worker` processes: those `strata serve` starts, and the test bed's stage
+pods (tests/operator/test_operator_cluster.py passes the variables to the pod runner).
 
 The test puts this folder on PYTHONPATH and names a fault in STRATA_TEST_FAULT. Python imports this module at start-up
 in every process; it changes stage workers only, at the one point the fault names, so a real stage fails the way a

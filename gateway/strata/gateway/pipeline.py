@@ -465,6 +465,9 @@ class Pipeline:
             if g.finished:
                 continue
             run = sampled.get(slot, [])
+            if chunk.sample and not run:  # a stage that broke the protocol: never step the slot again as if it had
+                self._finish(g, PipelineError(f"the last stage answered step {step.step_id} with no token for {slot}"))
+                continue
             # A drafted chunk's positions hold what the model picked only up to the last accepted draft.
             g.fed = chunk.start_position + (len(run) if chunk.drafted else chunk.length)
             g.held_cells = chunk.start_position + chunk.length

@@ -9,12 +9,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from strata.gateway.errors import PipelineError
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.pipeline import Finished, Pipeline, Sampling, Token
 from strata.gateway.speculation import Speculation
 from strata.gguf.model import CacheType
 from strata.gguf.testmodels import write_test_model
 from strata.lease import FencingToken
+from strata.rpc.v1 import stage_pb2
+from strata.stage_worker.server import StageService
 from strata_testbed.pipelines import local_pipeline
 
 SPANS = {1: [(0, 4)], 2: [(0, 2), (2, 4)], 3: [(0, 1), (1, 3), (3, 4)]}
@@ -132,3 +135,36 @@ def test_a_stop_or_the_length_ends_a_speculative_generation_where_it_ends_withou
     first = full.tokens.index(full.tokens[at])
     assert (stopped.tokens, stopped.finish) == (full.tokens[: first + 1], "stop")
     assert (short.tokens, short.finish) == (full.tokens[:at], "length")
+
+
+@pytest.mark.parametrize("speculation", [None, Speculation()], ids=["one position a step", "speculating"])
+def test_a_last_stage_that_answers_a_sampled_chunk_with_no_token_ends_the_generation_with_an_error(
+    model: Path, speculation: Speculation | None
+) -> None:
+    async def broken(port: int, service: StageService) -> BaseException:
+        ready = asyncio.Event()
+        pipeline = Pipeline(
+            first_stage=f"127.0.0.1:{port}", slots=2, context=256, fence=FENCE, speculation=speculation,
+            probe_interval_s=0.05, on_ready_change=lambda now: ready.set() if now else None,
+        )  # fmt: skip
+        await pipeline.start()
+        try:
+            await asyncio.wait_for(ready.wait(), timeout=30)
+            service.last_step = lambda request, handed=None: stage_pb2.ForwardReply(step_id=request.step_id)  # type: ignore[method-assign]
+            generation = pipeline.submit(
+                slot=0, prompt=PROMPT, max_tokens=8, sampling=GREEDY, stop_ids=frozenset(), on_freed=lambda: None
+            )
+
+            async def drain() -> None:
+                async for _ in generation.stream():
+                    pass
+
+            with pytest.raises(PipelineError) as failed:
+                await asyncio.wait_for(drain(), timeout=30)
+            return failed.value
+        finally:
+            await pipeline.close()
+
+    with local_pipeline(model, SPANS[1], context=256) as stages:
+        error = asyncio.run(broken(stages[0].port, stages[0].service))
+    assert "with no token for 0" in str(error)

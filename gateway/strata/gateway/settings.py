@@ -57,6 +57,7 @@ OPTIONS: tuple[Option, ...] = tuple(
         ("--prefix-cache-chunk", "STRATA_PREFIX_CACHE_CHUNK", int, 256),
         ("--micro-batches", "STRATA_MICRO_BATCHES", int, DEFAULT_MICRO_BATCHES),
         ("--pipelines-poll-seconds", "STRATA_PIPELINES_POLL_SECONDS", float, 0.0),
+        ("--cold-start-seconds", "STRATA_COLD_START_SECONDS", float, 0.0),
     )
 )
 
@@ -90,6 +91,9 @@ class GatewaySettings:
     prefix_cache_chunk: int = 256  # tokens per prefix-cache chunk (snapshots are taken at multiples); 0: off
     micro_batches: int = DEFAULT_MICRO_BATCHES  # steps of disjoint slots in flight at once (with 2+ stages)
     pipelines_poll_seconds: float = 0.0  # how often the deployment's serving pipelines are read; 0: one pipeline
+    # While no pipeline serves, a request is held this long for one to load (the operator scales up on the demand
+    # this gateway reports); 0: answered 503 at once, and the gateway is not ready without a pipeline.
+    cold_start_seconds: float = 0.0
     api_keys: frozenset[str] = field(default=frozenset(), repr=False)
     model_token: str | None = field(default=None, repr=False)
     fence: FencingToken = field(default_factory=local_fence)
@@ -105,6 +109,11 @@ class GatewaySettings:
             raise ValueError(
                 f"a pipelines poll period ({self.pipelines_poll_seconds} s) must not be negative and needs the "
                 "deployment name whose status lists the pipelines"
+            )
+        if self.cold_start_seconds < 0 or (self.cold_start_seconds and not self.pipelines_poll_seconds):
+            raise ValueError(
+                f"a cold-start wait ({self.cold_start_seconds} s) must not be negative and needs the pipelines "
+                "followed (a pipelines poll period): only a deployment's pipelines come and go"
             )
         if self.lease_name:
             self.lease_timing()  # refuses unsafe timings at start-up, not at the first election

@@ -10,6 +10,7 @@ for the others, so two holders never act at once.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,9 +56,19 @@ class LeaseElector:
     """Call `try_acquire_or_renew()` every retry period; it returns the token while this identity holds the Lease."""
 
     def __init__(
-        self, *, api: client.CoordinationV1Api, namespace: str, name: str, identity: str, timing: LeaseTiming
+        self,
+        *,
+        api: client.CoordinationV1Api,
+        namespace: str,
+        name: str,
+        identity: str,
+        timing: LeaseTiming,
     ) -> None:
         self._api = api
+        # Written on the Lease with every renewal or takeover by this holder (the gateway's demand, strata.demand):
+        # a renewal already writes the whole object, so they cost no request of their own. The caller replaces the
+        # mapping between rounds; a round runs in a worker thread and reads only the mapping it finds.
+        self.annotations: Mapping[str, str] = {}
         self._namespace = namespace
         self._name = name
         self.identity = identity
@@ -87,6 +98,8 @@ class LeaseElector:
             self._last_renewed = None
             return None
         spec.lease_duration_seconds = self.timing.duration_seconds
+        if self.annotations:
+            lease.metadata.annotations = {**(lease.metadata.annotations or {}), **self.annotations}
         try:
             # The body carries the resourceVersion we read: a concurrent writer makes this a 409, not a overwrite.
             updated = self._api.replace_namespaced_lease(name=self._name, namespace=self._namespace, body=lease)

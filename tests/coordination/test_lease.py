@@ -56,6 +56,23 @@ def test_releasing_hands_over_at_once(api_client: client.ApiClient) -> None:
     assert second.term == first.term + 1
 
 
+@pytest.mark.cluster
+def test_the_holder_writes_its_annotations_with_each_renewal_and_a_standby_writes_none(
+    api_client: client.ApiClient,
+) -> None:
+    api = client.CoordinationV1Api(api_client)
+    name = f"lease-{uuid.uuid4().hex[:6]}"
+    a, b = (LeaseElector(api=api, namespace="default", name=name, identity=who, timing=FAST) for who in ("a", "b"))
+    a.annotations = {"strata.dev/demand": "first"}
+    b.annotations = {"strata.dev/demand": "standby"}
+    assert a.try_acquire_or_renew() is not None
+    assert b.try_acquire_or_renew() is None
+    a.annotations = {"strata.dev/demand": "second"}
+    assert a.try_acquire_or_renew() is not None
+    lease = api.read_namespaced_lease(name=name, namespace="default")
+    assert lease.metadata.annotations == {"strata.dev/demand": "second"}
+
+
 @pytest.mark.parametrize(
     ("retry", "deadline", "duration"),
     [

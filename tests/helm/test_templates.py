@@ -282,3 +282,32 @@ def test_images_follow_the_values(helm: Helm, values: Manifest, operator_image: 
     container = _operator_container(helm.manifests(values))
     assert container["image"] == operator_image
     assert f"--image={workload_image}" in container["args"]
+
+
+KEDA = {"kedaExample": {"enabled": True, "deployment": "llama", "namespace": "models", "lanesPerPipeline": 2}}
+
+
+def test_the_keda_example_is_off_by_default(helm: Helm) -> None:
+    assert not find(helm.manifests(), "ScaledObject")
+
+
+def test_the_keda_example_scales_the_modeldeployment_on_its_gateways_busy_and_queued_lanes(helm: Helm) -> None:
+    (scaled,) = find(helm.manifests(KEDA), "ScaledObject")
+    assert scaled["metadata"]["namespace"] == "models"
+    assert scaled["spec"]["scaleTargetRef"] == {
+        "apiVersion": "strata.dev/v1alpha1",
+        "kind": "ModelDeployment",
+        "name": "llama",
+    }
+    assert (scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"]) == (1, 4)
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["type"] == "prometheus"
+    assert trigger["metadata"]["threshold"] == "2"
+    query = trigger["metadata"]["query"]
+    assert 'strata_gateway_pipeline_lanes_busy{namespace="models",pod=~"llama-gateway-.*"}' in query
+    assert 'strata_gateway_queue_depth{namespace="models",pod=~"llama-gateway-.*"}' in query
+
+
+def test_the_keda_example_needs_a_deployment_name(helm: Helm) -> None:
+    with pytest.raises(HelmFailed, match=r"kedaExample\.deployment must name the ModelDeployment"):
+        helm.manifests({"kedaExample": {"enabled": True}})

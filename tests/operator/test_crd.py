@@ -37,6 +37,25 @@ def test_the_readmes_configuration_reference_is_what_the_spec_generates() -> Non
     assert README.read_text() == with_reference(README.read_text()), "README.md is stale: run `make crds`"
 
 
+@pytest.mark.parametrize(
+    ("autoscaling", "problem"),
+    [
+        pytest.param({"minReplicas": 3, "maxReplicas": 2}, "minReplicas <= maxReplicas", id="bounds out of order"),
+        pytest.param({"maxReplicas": 2, "targetQueue": 1}, "targetQueue", id="an unknown field, by name"),
+        pytest.param({"maxReplicas": 2, "coldStartWaitSeconds": 0}, "coldStartWaitSeconds", id="no cold-start bound"),
+    ],
+)
+def test_the_handlers_model_refuses_autoscaling_the_api_server_would(autoscaling: dict[str, Any], problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        ModelDeploymentSpec.from_manifest({**VALID["spec"], "autoscaling": autoscaling})
+
+
+def test_autoscaling_defaults_to_a_five_minute_idle_delay_and_a_minute_of_cold_start() -> None:
+    spec = ModelDeploymentSpec.from_manifest({**VALID["spec"], "autoscaling": {"minReplicas": 0, "maxReplicas": 2}})
+    assert spec.autoscaling is not None
+    assert (spec.autoscaling.scale_down_delay_seconds, spec.autoscaling.cold_start_wait_seconds) == (300, 60.0)
+
+
 def test_the_valid_example_parses_with_the_handlers_model() -> None:
     spec = ModelDeploymentSpec.from_manifest(VALID["spec"])
     assert spec.parallel == 4
@@ -102,7 +121,18 @@ INVALID = [
         id="an unknown toleration operator is refused",
     ),
     pytest.param(_with("spec.pipelines", 3), "pipelines", id="an unknown field is refused"),
-    pytest.param(_with("spec.replicas", 0), "spec.replicas", id="zero pipelines are refused until scaling from zero"),
+    pytest.param(_with("spec.replicas", -1), "spec.replicas", id="negative pipelines are refused"),
+    pytest.param(
+        _with("spec.autoscaling", {"minReplicas": 3, "maxReplicas": 2}),
+        "minReplicas <= maxReplicas",
+        id="autoscaling bounds out of order are refused",
+    ),
+    pytest.param(_with("spec.autoscaling", {"minReplicas": 0}), "maxReplicas", id="autoscaling needs a maximum"),
+    pytest.param(
+        _with("spec.autoscaling", {"maxReplicas": 2, "targetQueue": 1}),
+        "targetQueue",
+        id="an unknown autoscaling field is refused",
+    ),
     pytest.param(_with("spec.rollout.maxUnavailable", 0), "spec.rollout.maxUnavailable", id="a rollout must move"),
     pytest.param({**VALID, "spec": {"parallel": 2}}, "spec.model", id="a manifest without a model is refused"),
     pytest.param(

@@ -73,6 +73,33 @@ def test_a_node_change_counts_only_when_the_planner_would_see_it(after: dict[str
     assert (projections.node(BASE) != projections.node(after)) is changed
 
 
+def _lease(*, holder: str = "gw-a", renewed: str = "2026-01-01T00:00:00Z", demand: str | None = None) -> dict[str, Any]:
+    annotations = {"other": "x"} | ({"strata.dev/demand": demand} if demand is not None else {})
+    return {
+        "metadata": {"name": "m-coordinator", "namespace": "ns", "labels": {}, "annotations": annotations},
+        "spec": {"holderIdentity": holder, "leaseTransitions": 1, "renewTime": renewed},
+    }
+
+
+LEASE = _lease(demand='{"busy":0,"held":0,"lanes":4,"queue":0}')
+
+
+@pytest.mark.parametrize(
+    ("after", "changed"),
+    [
+        pytest.param(_lease(renewed="2026-01-01T00:00:02Z", demand='{"busy":0,"held":0,"lanes":4,"queue":0}'), False,
+                     id="a renewal with the same demand is not a change"),
+        pytest.param(_lease(demand='{"busy":0,"held":1,"lanes":0,"queue":0}'), True,
+                     id="a request held at zero is a change: it wakes the autoscaler"),
+        pytest.param(_lease(holder="gw-b", demand='{"busy":0,"held":0,"lanes":4,"queue":0}'), True,
+                     id="a new holder is a change"),
+    ],
+)  # fmt: skip
+def test_a_lease_change_counts_when_its_holder_or_its_demand_moves(after: dict[str, Any], changed: bool) -> None:
+    assert (projections.lease(LEASE) != projections.lease(after)) is changed
+    assert "other" not in projections.lease(after)["metadata"].get("annotations", {})
+
+
 @pytest.mark.parametrize(
     ("pod", "kept"),
     [

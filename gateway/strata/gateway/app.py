@@ -176,9 +176,9 @@ def create_app(
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
-        if not serving.pipelines.ready:
+        if not serving.accepting:
             raise NotReadyError(f"no pipeline serves: {serving.pipelines.not_ready_reason}", retry_after_s=1)
-        return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "ready" if serving.pipelines.ready else "holding requests for a cold start"})
 
     @app.get("/metrics")
     async def metrics() -> Response:

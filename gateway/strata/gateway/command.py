@@ -20,6 +20,9 @@
     STRATA_PIPELINES_POLL_SECONDS  read that ModelDeployment's status this often and drive every pipeline it lists
                                  as serving, routing each request by its prompt's prefix (default 0: the one
                                  pipeline at STRATA_FIRST_STAGE)
+    STRATA_COLD_START_SECONDS    while no pipeline serves, hold a request this long for one to load, reporting it as
+                                 demand on the Lease (the operator scales up on it), then answer 503 with the load
+                                 progress (default 0: 503 at once; needs STRATA_PIPELINES_POLL_SECONDS)
 
 Flags of the same names win over the environment. With a Lease, the replica holding it drives the pipeline with the
 fencing token (Lease uid, term) and the others stand by, not ready (/readyz 503); the API server is reached with the

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from kubernetes import client, config
@@ -57,10 +57,19 @@ class Coordinated(Protocol):
 
 class Coordinator:
     def __init__(
-        self, *, elector: LeaseElector, pipeline: Coordinated, clock: Callable[[], float] = time.monotonic
+        self,
+        *,
+        elector: LeaseElector,
+        pipeline: Coordinated,
+        annotate: Callable[[], Mapping[str, str]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`annotate`: what to write on the Lease with each round (the demand the operator scales on), taken on the
+        event loop, where the figures it reads change, before the round goes to its worker thread."""
         self.elector = elector
         self.pipeline = pipeline
+        self.annotate = annotate
+        self._wake = asyncio.Event()
         self._clock = clock
         self._token: FencingToken | None = None
         self._task: asyncio.Task[None] | None = None
@@ -84,11 +93,18 @@ class Coordinator:
             await asyncio.to_thread(self.elector.release)
             log.info("released the coordinator Lease")
 
+    def wake(self) -> None:
+        """Run the next round now rather than at the end of the retry period: what `annotate` says has just changed
+        in a way the operator should hear at once (a request held with no pipeline serving)."""
+        self._wake.set()
+
     async def _run(self) -> None:
         timing = self.elector.timing
         while True:
+            self._wake.clear()
             await self.round()
-            await asyncio.sleep(timing.retry_period_seconds)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=timing.retry_period_seconds)
 
     async def round(self) -> None:
         """One election round; public so a test can drive rounds without waiting for the period."""
@@ -99,6 +115,8 @@ class Coordinator:
             await asyncio.to_thread(self.elector.release)
             return
         started = self._clock()
+        if self.annotate is not None:
+            self.elector.annotations = self.annotate()
         token = await asyncio.to_thread(self.elector.try_acquire_or_renew)
         valid_until = started + self.elector.timing.renew_deadline_seconds
         if token is None:

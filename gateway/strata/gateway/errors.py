@@ -93,3 +93,16 @@ class PipelineError(GatewayError):
 
     status = 500
     code = "pipeline_error"
+
+
+class ColdStartTimeoutError(NotReadyError):
+    """No pipeline came to serve within the cold-start wait: 503 with Retry-After and how far the load has got."""
+
+    code = "cold_start"
+
+    def __init__(self, message: str, *, retry_after_s: int, progress: dict[str, object]) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.progress = progress
+
+    def body(self) -> dict[str, object]:
+        return super().body() | {"progress": self.progress}

@@ -24,6 +24,7 @@ from typing import Any
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from strata.gateway.cold_start import load_report
 from strata.gateway.pipelines import PipelineEntry
 from strata.modeldeployment import GROUP, PLURAL, VERSION, stage_address
 from urllib3.exceptions import HTTPError
@@ -81,6 +82,7 @@ class DeploymentPipelines:
         self._api = api
         self.namespace = namespace
         self.name = name
+        self.report: dict[str, object] | None = None  # the load under way, from the last read (cold starts tell it)
 
     def read(self) -> list[PipelineEntry] | None:
         body = self._api.get_namespaced_custom_object(
@@ -91,7 +93,9 @@ class DeploymentPipelines:
             name=self.name,
             _request_timeout=REQUEST_TIMEOUT_S,
         )
-        return serving_pipelines(body.get("status") or {}, deployment=self.name, namespace=self.namespace)
+        status = body.get("status") or {}
+        self.report = load_report(status)
+        return serving_pipelines(status, deployment=self.name, namespace=self.namespace)
 
 
 class PipelineFollower:

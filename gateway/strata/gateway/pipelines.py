@@ -106,6 +106,7 @@ class Pipelines:
         self._turn = 0
         self._started = False
         self._capacity = -1
+        self._serving = asyncio.Event()  # set while some pipeline serves: what a held request waits on
         metrics.registry.register(PipelineCollector(self.figures))
 
     # Lifecycle and the list.
@@ -201,6 +202,24 @@ class Pipelines:
         if self._started and capacity != self._capacity:
             self._capacity = capacity
             self.on_capacity(capacity)
+        # After on_capacity: a held request that wakes finds the lanes already in admission.
+        if self.ready:
+            self._serving.set()
+        else:
+            self._serving.clear()
+
+    async def wait_ready(self, within_s: float) -> bool:
+        """Wait up to `within_s` seconds for some pipeline to serve; whether one does."""
+        try:
+            await asyncio.wait_for(self._serving.wait(), timeout=within_s)
+        except TimeoutError:
+            return False
+        return True
+
+    @property
+    def coordinating(self) -> bool:
+        """This gateway may drive pipelines now: the only coordinator, or the holder of an unexpired term."""
+        return self._static or (self._fence is not None and self._clock() < self._valid_until)
 
     # Fencing: one term for every pipeline.
 

@@ -16,9 +16,11 @@ from urllib.parse import urlsplit
 
 import uvicorn
 from fastapi import FastAPI
+from strata.demand import DEMAND_ANNOTATION, Demand
 from strata.gateway.admission import Admission, AdmissionPolicy
 from strata.gateway.app import create_app
 from strata.gateway.chat_template import ChatTemplate
+from strata.gateway.cold_start import ColdStart
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.pipeline import Pipeline
 from strata.gateway.pipelines import PipelineEntry, Pipelines
@@ -31,7 +33,7 @@ from strata.lease import FencingToken
 
 if TYPE_CHECKING:
     from strata.gateway.events import EventRecorder
-    from strata.gateway.pipeline_list import PipelineFollower
+    from strata.gateway.pipeline_list import DeploymentPipelines, PipelineFollower
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +91,16 @@ def build(settings: GatewaySettings, *, header: GGUFHeader | None = None) -> tup
         prefix_chunk=settings.prefix_cache_chunk,
         on_capacity=admission.resize,
     )
+    source = deployment_source(settings)
+    cold_start = (
+        ColdStart(
+            wait_s=settings.cold_start_seconds,
+            retry_after_s=settings.retry_after_seconds,
+            progress=lambda: source.report if source is not None else None,
+        )
+        if settings.cold_start_seconds
+        else None
+    )
     serving = Serving(
         model_name=settings.model_name or model_name(header, settings.model_url),
         tokenizer=tokenizer,
@@ -97,10 +109,12 @@ def build(settings: GatewaySettings, *, header: GGUFHeader | None = None) -> tup
         admission=admission,
         metrics=metrics,
         context=settings.context,
+        cold_start=cold_start,
     )
-    app = create_app(
-        serving, api_keys=settings.api_keys, lifespan_hooks=lifespan_hooks(settings, pipelines, events=events)
+    hooks = lifespan_hooks(
+        settings, pipelines, events=events, source=source, demand=serving.demand, cold_start=cold_start
     )
+    app = create_app(serving, api_keys=settings.api_keys, lifespan_hooks=hooks)
     return app, serving
 
 
@@ -130,11 +144,17 @@ def event_recorder(settings: GatewaySettings) -> EventRecorder | None:
 
 
 def lifespan_hooks(
-    settings: GatewaySettings, pipelines: Pipelines, *, events: EventRecorder | None = None
+    settings: GatewaySettings,
+    pipelines: Pipelines,
+    *,
+    events: EventRecorder | None = None,
+    source: DeploymentPipelines | None = None,
+    demand: Callable[[], Demand] | None = None,
+    cold_start: ColdStart | None = None,
 ) -> tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]]:
     """Start the drivers and the follower of the pipelines list, then the election; on the way out release the
-    Lease before closing the drivers."""
-    follower = pipeline_follower(settings, pipelines)
+    Lease before closing the drivers. The coordinator writes `demand` on the Lease with each renewal."""
+    follower = pipeline_follower(settings, pipelines, source) if source is not None else None
 
     async def start_pipelines() -> None:
         await pipelines.start([first_pipeline(settings)])
@@ -156,7 +176,13 @@ def lifespan_hooks(
         identity=settings.identity(),
         timing=settings.lease_timing(),
     )
-    coordinator = Coordinator(elector=elector, pipeline=pipelines)
+    coordinator = Coordinator(
+        elector=elector,
+        pipeline=pipelines,
+        annotate=(lambda: {DEMAND_ANNOTATION: demand().encode()}) if demand is not None else None,
+    )
+    if cold_start is not None:
+        cold_start.listeners.append(coordinator.wake)
     log.info(
         "electing a coordinator on Lease %s/%s as %s", settings.lease_namespace, settings.lease_name, elector.identity
     )
@@ -174,17 +200,24 @@ def lifespan_hooks(
     return start, stop
 
 
-def pipeline_follower(settings: GatewaySettings, pipelines: Pipelines) -> PipelineFollower | None:
-    """Follows the deployment's serving pipelines when the settings ask for it (the operator does)."""
+def deployment_source(settings: GatewaySettings) -> DeploymentPipelines | None:
+    """The deployment whose status lists the serving pipelines, when the settings ask to follow it (the operator
+    does)."""
     if not settings.pipelines_poll_seconds:
         return None
     from kubernetes import client
     from strata.gateway.coordination import kube_client
-    from strata.gateway.pipeline_list import DeploymentPipelines, PipelineFollower
+    from strata.gateway.pipeline_list import DeploymentPipelines
 
-    source = DeploymentPipelines(
+    return DeploymentPipelines(
         api=client.CustomObjectsApi(kube_client()), namespace=settings.lease_namespace, name=settings.deployment_name
     )
+
+
+def pipeline_follower(settings: GatewaySettings, pipelines: Pipelines, source: DeploymentPipelines) -> PipelineFollower:
+    """Follows the deployment's serving pipelines."""
+    from strata.gateway.pipeline_list import PipelineFollower
+
     return PipelineFollower(
         read=source.read,
         apply=pipelines.update,

@@ -18,10 +18,12 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from functools import cached_property
 
 from pydantic import BaseModel
+from strata.demand import Demand
 from strata.gateway import chat_tools
 from strata.gateway import protocol as p
 from strata.gateway.admission import Admission
 from strata.gateway.chat_template import ChatTemplate
+from strata.gateway.cold_start import ColdStart
 from strata.gateway.errors import (
     ContextLengthExceededError,
     GatewayError,
@@ -66,8 +68,10 @@ class Serving:
         admission: Admission,
         metrics: GatewayMetrics,
         context: int,
+        cold_start: ColdStart | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`cold_start`: hold a request while no pipeline serves (a deployment that scales from zero)."""
         self.model_name = canonical_model_id(model_name)
         self.tokenizer = tokenizer
         self.template = template
@@ -75,9 +79,24 @@ class Serving:
         self.admission = admission
         self.metrics = metrics
         self.context = context
+        self.cold_start = cold_start
         self.grammars = Grammars(tokenizer)
         self.created = int(time.time())
         self._clock = clock
+
+    @property
+    def accepting(self) -> bool:
+        """Ready for traffic: a pipeline serves, or this coordinator holds requests while one comes up."""
+        return self.pipelines.ready or (self.cold_start is not None and self.pipelines.coordinating)
+
+    def demand(self) -> Demand:
+        """What this gateway reports to the operator's autoscaler (strata.demand)."""
+        return Demand(
+            lanes=self.pipelines.capacity,
+            busy=max(self.admission.busy, 0),
+            queue=self.admission.waiting,
+            held=self.cold_start.held if self.cold_start is not None else 0,
+        )
 
     # Models.
 
@@ -288,7 +307,7 @@ class Serving:
     ) -> list[Run]:
         """One run per choice (n of them, `constraints` holds each one's grammar), on lanes taken all at once."""
         n = len(constraints)
-        if n > max(self.pipelines.lanes, 1):
+        if self.pipelines.lanes and n > self.pipelines.lanes:  # with no pipeline driven the lanes are not known
             raise InvalidRequestError(
                 f"n={n} asks for more choices than the {self.pipelines.lanes} lanes that run at once", param="n"
             )
@@ -323,6 +342,8 @@ class Serving:
             frequency_penalty=request.frequency_penalty,
             repetition_penalty=request.repetition_penalty,
         )
+        if not self.pipelines.ready and self.cold_start is not None and self.pipelines.coordinating:
+            await self.cold_start.hold(self.pipelines)
         if not self.pipelines.ready:
             raise NotReadyError(f"no pipeline serves: {self.pipelines.not_ready_reason}", retry_after_s=1)
         if n > self.admission.lanes:  # a pipeline is down: fewer lanes serve now than the deployment has

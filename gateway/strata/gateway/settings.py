@@ -64,6 +64,7 @@ OPTIONS: tuple[Option, ...] = tuple(
         ("--speculative", "STRATA_SPECULATIVE", str, ""),
         ("--max-draft", "STRATA_MAX_DRAFT", int, Speculation().max_draft),
         ("--min-draft", "STRATA_MIN_DRAFT", int, Speculation().min_draft),
+        ("--cold-start-seconds", "STRATA_COLD_START_SECONDS", float, 0.0),
     )
 )
 
@@ -100,6 +101,9 @@ class GatewaySettings:
     speculative: str = ""  # "ngram": greedy requests decode from n-gram lookup drafts (strata.gateway.speculation)
     max_draft: int = Speculation().max_draft
     min_draft: int = Speculation().min_draft
+    # While no pipeline serves, a request is held this long for one to load (the operator scales up on the demand
+    # this gateway reports); 0: answered 503 at once, and the gateway is not ready without a pipeline.
+    cold_start_seconds: float = 0.0
     api_keys: frozenset[str] = field(default=frozenset(), repr=False)
     model_token: str | None = field(default=None, repr=False)
     fence: FencingToken = field(default_factory=local_fence)
@@ -122,6 +126,11 @@ class GatewaySettings:
         if not self.speculative and (self.max_draft, self.min_draft) != (default.max_draft, default.min_draft):
             raise ValueError("draft bounds (max draft, min draft) apply to speculative decoding, which is off")
         self.speculation()  # refuses draft bounds out of range at start-up
+        if self.cold_start_seconds < 0 or (self.cold_start_seconds and not self.pipelines_poll_seconds):
+            raise ValueError(
+                f"a cold-start wait ({self.cold_start_seconds} s) must not be negative and needs the pipelines "
+                "followed (a pipelines poll period): only a deployment's pipelines come and go"
+            )
         if self.lease_name:
             self.lease_timing()  # refuses unsafe timings at start-up, not at the first election
 

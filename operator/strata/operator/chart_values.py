@@ -109,6 +109,52 @@ class PodDisruptionBudget(_Values):
     min_available: int = Field(default=1, alias="minAvailable", ge=0, description="Replicas kept through a drain.")
 
 
+class KedaExample(_Values):
+    """An example KEDA ScaledObject for one ModelDeployment, on its gateway's per-pipeline gauges through Prometheus.
+
+    Off by default: it needs KEDA and a Prometheus that scrapes the gateway. KEDA sets spec.replicas through the
+    ModelDeployment's scale subresource, so leave that deployment's spec.autoscaling out (two scalers would fight).
+    """
+
+    enabled: bool = Field(default=False, description="Render the ScaledObject (needs KEDA's CRDs in the cluster).")
+    deployment: str = Field(
+        default="",
+        pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$",
+        max_length=63,
+        description="ModelDeployment to scale.",
+    )
+    namespace: str = Field(
+        default="",
+        pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$",
+        max_length=63,
+        description="Its namespace; the release's when empty.",
+    )
+    min_replicas: int = Field(
+        default=1,
+        alias="minReplicas",
+        ge=0,
+        le=64,
+        description="Fewest pipelines. 0 leaves the gateway unready at zero: use spec.autoscaling to scale from zero.",
+    )
+    max_replicas: int = Field(default=4, alias="maxReplicas", ge=1, le=64, description="Most pipelines.")
+    prometheus: str = Field(
+        default="http://prometheus-operated.monitoring.svc:9090",
+        min_length=1,
+        description="Address of the Prometheus that scrapes the gateway's /metrics.",
+    )
+    lanes_per_pipeline: int = Field(
+        default=3,
+        alias="lanesPerPipeline",
+        ge=1,
+        le=256,
+        description="Busy or queued lanes one pipeline should carry (KEDA asks for their sum over this, rounded up).",
+    )
+    polling_interval: int = Field(default=15, alias="pollingInterval", ge=1, description="Seconds between queries.")
+    cooldown_period: int = Field(
+        default=300, alias="cooldownPeriod", ge=0, description="Seconds of low load before KEDA scales down."
+    )
+
+
 class ChartValues(_Values):
     """The root of values.yaml."""
 
@@ -127,6 +173,7 @@ class ChartValues(_Values):
     operator: Operator = Field(default_factory=Operator)
     metrics: Metrics = Field(default_factory=Metrics)
     pod_disruption_budget: PodDisruptionBudget = Field(default_factory=PodDisruptionBudget, alias="podDisruptionBudget")
+    keda_example: KedaExample = Field(default_factory=KedaExample, alias="kedaExample")
 
 
 def _names(pattern: str, max_length: int) -> dict[str, Any]:

@@ -335,6 +335,10 @@ def gateway_deployment(
                 "STRATA_MIN_DRAFT": spec.speculative.min_draft,
             }
         )
+    if spec.autoscaling is not None:
+        # With no pipeline serving (scaled to zero, or all loading) the gateway stays ready and holds a request this
+        # long, reporting it as demand on the coordinator Lease so that the operator brings a pipeline up.
+        env += _env({"STRATA_COLD_START_SECONDS": spec.autoscaling.cold_start_wait_seconds})
     if spec.gateway.api_key_secret_ref is not None:
         ref = spec.gateway.api_key_secret_ref
         env.append({"name": "STRATA_API_KEYS", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})

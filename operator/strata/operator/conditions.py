@@ -80,6 +80,8 @@ def phase_of(status: ModelDeploymentStatus) -> Phase:
         return Phase.CHANGE_REFUSED if older_serves else Phase.FAILED  # an older one keeps Ready true
     if ready is not None and ready.status == "True":
         return Phase.READY
+    if ready is not None and ready.reason == Reason.SCALED_TO_ZERO:
+        return Phase.SCALED_TO_ZERO
     return Phase.LOADING
 
 

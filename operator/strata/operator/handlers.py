@@ -18,18 +18,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import kopf
 from kubernetes.client.exceptions import ApiException
+from strata.operator.autoscaler import autoscale
 from strata.operator.children import Owner
 from strata.operator.conditions import settle
 from strata.operator.doorbells import DeploymentKey, Doorbells
 from strata.operator.events import EventRecorder
 from strata.operator.planning import placement_problem
-from strata.operator.reconcile import Outcome, Reconciler
+from strata.operator.reconcile import Event, Outcome, Reconciler
 from strata.operator.replicas import rollout_waits
 from strata.operator.spec import GROUP, PLURAL, VERSION, ModelDeploymentSpec
 from strata.operator.status import EventReason, ModelDeploymentStatus, Phase
@@ -37,9 +39,12 @@ from strata.operator.status_writer import StatusWriter, plain
 
 SETTLING_SECONDS = 5.0  # while a generation loads: its stages' load progress is asked this often
 SAFETY_NET_SECONDS = 60.0  # a steady deployment looks this often even when no watch rang
+# An autoscaled deployment looks this often too: its delays run out without any watch ringing. A change in the
+# gateway's demand rings at once (the coordinator Lease's annotation is in the watch's projection).
+AUTOSCALE_SECONDS = 5.0
 DEBOUNCE_SECONDS = 0.2
 # Nothing more happens on its own in these phases once the newest generation serves (or none can be applied).
-_STEADY_PHASES = (Phase.READY, Phase.FAILED, Phase.CHANGE_REFUSED)
+_STEADY_PHASES = (Phase.READY, Phase.FAILED, Phase.CHANGE_REFUSED, Phase.SCALED_TO_ZERO)
 
 
 @dataclass(frozen=True)
@@ -171,6 +176,8 @@ async def monitor_deployment(
                 last_look = loop.time()
             steady = await asyncio.to_thread(_monitor_pass, key, body, logger, look)
             wait = SAFETY_NET_SECONDS if steady else SETTLING_SECONDS
+            if (body.get("spec") or {}).get("autoscaling") is not None:
+                wait = min(wait, AUTOSCALE_SECONDS)
     finally:
         installed.doorbells.unregister(key)
         installed.writer.forget(key)
@@ -233,8 +240,23 @@ def _observe(
         return False
     outcome = reconciler.advance(body)
     owner = Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
-    reconciler.observe(owner, outcome=outcome, generation=int(meta.get("generation", 1)))
+    reconciler.observe(owner, outcome=outcome, generation=int(meta.get("generation", 1)), replicas=spec.replicas)
     reconciler.observe_coordinator(namespace=meta["namespace"], name=meta["name"], outcome=outcome)
+    if spec.autoscaling is not None:
+        applied = autoscale(
+            reconciler.cluster,
+            namespace=meta["namespace"],
+            name=meta["name"],
+            autoscaling=spec.autoscaling,
+            replicas=spec.replicas,
+            status=outcome.status,
+            now=time.time(),
+        )
+        if applied.scaled_from is not None:
+            said = f"{applied.scaled_from} -> {applied.decision.replicas} pipeline(s): {applied.decision.message}"
+            outcome.events.append(Event("Normal", EventReason.SCALED, said))
+    else:
+        outcome.status.autoscaling = None
     _publish(outcome, key=key, body=body)
     settled = outcome.status
     return bool(

@@ -135,6 +135,26 @@ class Cluster:
             return None
         return lease["spec"]["holderIdentity"], lease["spec"].get("leaseTransitions") or 0
 
+    def lease_annotation(self, *, namespace: str, name: str, key: str) -> str | None:
+        """One annotation of a watched Lease (only those its projection keeps), None when it or the Lease is absent."""
+        lease = self.cache.lease(namespace=namespace, name=name)
+        if lease is None:
+            return None
+        value = (lease["metadata"].get("annotations") or {}).get(key)
+        return None if value is None else str(value)
+
+    def scale(self, *, namespace: str, name: str, replicas: int) -> None:
+        """Set a ModelDeployment's spec.replicas, as `kubectl scale` does; the spec handler reconciles the change."""
+        self._custom.patch_namespaced_custom_object(
+            group=GROUP,
+            version=VERSION,
+            namespace=namespace,
+            plural=PLURAL,
+            name=name,
+            body={"spec": {"replicas": replicas}},
+            _content_type="application/merge-patch+json",
+        )
+
     def gateway_rolled_out(self, *, namespace: str, name: str) -> bool:
         """The gateway Deployment's current spec is what runs: every replica updated and one available."""
         deployment = self.cache.gateway(namespace=namespace, name=name)

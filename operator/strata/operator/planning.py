@@ -103,7 +103,10 @@ def plan_replicas(
     spec: ModelDeploymentSpec,
 ) -> tuple[tuple[PipelinePlan, ...], tuple[Excluded, ...]]:
     """spec.replicas pipelines for the model (each placed or short) and the nodes left out, or PlanRefused; a model
-    the stages cannot run is refused before placing it, by the check `strata inspect` and `strata serve` make."""
+    the stages cannot run is refused before placing it, by the check `strata inspect` and `strata serve` make.
+
+    At replicas 0 pipeline 0 is planned all the same and not placed: the status says whether a cold start fits,
+    and the gateway, which stays up, is configured from that plan."""
     options = options_for(spec)
     try:
         check_executable(model.architecture, unsupported=model.unsupported)
@@ -114,7 +117,7 @@ def plan_replicas(
             tolerations=options.tolerations,
             gpu_memory_bytes=options.gpu_memory_bytes,
         )
-        pipelines = plan_pipelines(model=model, inventory=inventory, options=options, replicas=spec.replicas)
+        pipelines = plan_pipelines(model=model, inventory=inventory, options=options, replicas=max(spec.replicas, 1))
     except NotExecutableError as e:
         raise ModelNotExecutable(str(e)) from e
     except PlanningError as e:
@@ -134,6 +137,8 @@ def placement_problem(
     for, always look again (the pool may have grown)."""
     if status.plan is None:
         return "no placement yet: planning again"
+    if spec.replicas == 0:
+        return None  # nothing is placed to lose; a cold start plans on the pool as it is then
     plans = [p.plan for p in status.pipelines if p.plan is not None] or [status.plan]
     if len(plans) < spec.replicas:
         return f"{len(plans)} of {spec.replicas} pipelines placed: planning again"

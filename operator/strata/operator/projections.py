@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from strata.demand import DEMAND_ANNOTATION
 from strata.operator.planner.errors import InvalidInventoryError
 from strata.operator.planner.requests import FINISHED_PHASES, pod_request
 from strata.operator.planner.vendors import GPU_RESOURCES
@@ -97,9 +98,14 @@ def gateway(body: Mapping[str, Any]) -> Manifest:
 
 
 def lease(body: Mapping[str, Any]) -> Manifest:
-    """Holder and transitions only: a renewal moves renewTime, which must not wake anything."""
+    """Holder, transitions and the gateway's demand (strata.demand) only: a renewal moves renewTime, which must not
+    wake anything, while a change in demand must wake the autoscaler."""
     spec = body.get("spec") or {}
+    annotations = (body.get("metadata") or {}).get("annotations") or {}
+    meta = _meta(body)
+    if DEMAND_ANNOTATION in annotations:
+        meta["annotations"] = {DEMAND_ANNOTATION: annotations[DEMAND_ANNOTATION]}
     return {
-        "metadata": _meta(body),
+        "metadata": meta,
         "spec": {"holderIdentity": spec.get("holderIdentity"), "leaseTransitions": spec.get("leaseTransitions")},
     }

@@ -38,6 +38,7 @@ class Reason(StrEnum):
     UNAVAILABLE = "Unavailable"
     READY = "Ready"  # StagesReady's and Ready's
     NOT_READY = "NotReady"
+    SCALED_TO_ZERO = "ScaledToZero"  # StagesReady's and Ready's while replicas is 0
 
 
 _P, _C, _S, _G, _R = (
@@ -72,10 +73,13 @@ REASONS: Mapping[tuple[ConditionType, Reason], str] = {
     (_S, Reason.READY): "Every stage of the newest plan is ready (True).",
     (_S, Reason.LOADING): "Stages are starting or loading their layers; `status.loadProgress` shows the bytes.",
     (_S, Reason.LOAD_FAILED): "A stage reported that its load failed; the message names the stage and its error.",
+    (_S, Reason.SCALED_TO_ZERO): "`replicas` is 0: no stage runs; a request to the gateway brings one back.",
     (_G, Reason.AVAILABLE): "The gateway has an available replica (True).",
     (_G, Reason.UNAVAILABLE): "No gateway replica is available yet.",
     (_R, Reason.READY): "The serving generation and its gateway answer requests (True).",
     (_R, Reason.NOT_READY): "Not serving yet, or no longer; the message says which generation serves.",
+    (_R, Reason.SCALED_TO_ZERO): "No pipeline runs (phase `ScaledToZero`); the gateway holds the next request "
+    "while one loads.",
 }
 
 # A model that cannot be read now may be readable later (a server back up, a Secret created): these are retried

@@ -44,6 +44,7 @@ from strata.operator.status import (
     Excluded,
     ModelDeploymentStatus,
 )
+from strata.operator.zero import observed_at_zero, park
 
 Manifest = dict[str, Any]
 
@@ -137,6 +138,8 @@ class Reconciler:
 
         status.shortfall = None
         owner = Owner(name=name, namespace=namespace, uid=meta["uid"])
+        if spec.replicas == 0:
+            return self._at_zero(owner, status, spec, first, generation=generation, outcome=outcome)
         rendered = self._place(owner, status, pipelines, spec=spec, spec_generation=generation, outcome=outcome)
         zero = status.pipelines[0]
         # Pipeline 0 is placed (checked above): its plan is the new one, or the one it serves while it waits.
@@ -184,8 +187,39 @@ class Reconciler:
             generation=generation,
         )
         status.endpoint = Names(name, namespace).gateway_url()
-        self.observe(owner, outcome=outcome, generation=generation)
+        self.observe(owner, outcome=outcome, generation=generation, replicas=spec.replicas)
         self.observe_coordinator(namespace=namespace, name=name, outcome=outcome)
+        return outcome
+
+    def _at_zero(
+        self,
+        owner: Owner,
+        status: ModelDeploymentStatus,
+        spec: ModelDeploymentSpec,
+        first: PipelinePlan,
+        *,
+        generation: int,
+        outcome: Outcome,
+    ) -> Outcome:
+        """replicas 0: every pipeline's stages go; the gateway and everything else stay (strata.operator.zero)."""
+        assert first.plan is not None  # a shortfall of pipeline 0 returned before
+        kept = park(status, first.plan, spec_generation=generation)
+        model = status.model_name or model_name(spec)
+        for child in render_children(
+            owner,
+            spec,
+            [],
+            serving=kept,
+            served=[],
+            image=self.image,
+            model_name=model,
+            operator_namespace=self.operator_namespace,
+        ):
+            self.cluster.apply(child)
+        self.cluster.delete_other_generations(namespace=owner.namespace, deployment=owner.name, keep=set())
+        status.endpoint = Names(owner.name, owner.namespace).gateway_url()
+        self.observe(owner, outcome=outcome, generation=generation, replicas=0)
+        self.observe_coordinator(namespace=owner.namespace, name=owner.name, outcome=outcome)
         return outcome
 
     def _place(
@@ -269,12 +303,15 @@ class Reconciler:
             )
         return outcome
 
-    def observe(self, owner: Owner, *, outcome: Outcome, generation: int) -> None:
+    def observe(self, owner: Owner, *, outcome: Outcome, generation: int, replicas: int) -> None:
         """Fold the children's readiness, and the load failures the stages report, into the status; a LoadFailed
-        Event each time the failure says something new."""
+        Event each time the failure says something new. `replicas` is spec.replicas."""
         name, namespace = owner.name, owner.namespace
         status = outcome.status
         if status.plan is None:
+            return
+        if replicas == 0:
+            self._observe_zero(owner, status=status, generation=generation)
             return
         stages = self.cluster.stage_readiness(namespace=namespace, deployment=name, generation=status.plan.generation)
         pods = self.cluster.stage_pods(namespace=namespace, deployment=name, generation=status.plan.generation)
@@ -328,6 +365,13 @@ class Reconciler:
             message=note if gateway_ok else f"{note}; no gateway replica available",
             generation=generation,
         )
+
+    def _observe_zero(self, owner: Owner, *, status: ModelDeploymentStatus, generation: int) -> None:
+        gateway = Names(owner.name, owner.namespace).gateway
+        gateway_ok = self.cluster.gateway_available(namespace=owner.namespace, name=gateway)
+        observed_at_zero(status, generation=generation, gateway_ok=gateway_ok)
+        status.selector = stage_selector(owner.name)
+        self.cluster.apply(pipelines_configmap(owner, []))
 
     def _count_pipelines(self, owner: Owner, *, status: ModelDeploymentStatus) -> None:
         """Each pipeline's readiness into status, and the serving ones into the pipelines ConfigMap."""

@@ -34,6 +34,7 @@ class EventReason(StrEnum):
     MODEL_UNREADABLE = "ModelUnreadable"
     MODEL_NOT_EXECUTABLE = "ModelNotExecutable"  # also Planned's reason: Strata's stages do not run the model
     COORDINATOR_CHANGED = "CoordinatorChanged"
+    SCALED = "Scaled"  # the autoscaler changed spec.replicas
     COORDINATOR_FENCED = COORDINATOR_FENCED  # recorded by the gateway, listed here with the others
 
 
@@ -44,6 +45,7 @@ class Phase(StrEnum):
     SHORTFALL = "Shortfall"
     FAILED = "Failed"
     CHANGE_REFUSED = "ChangeRefused"  # the newest spec cannot be planned or loaded; an older generation serves
+    SCALED_TO_ZERO = "ScaledToZero"  # replicas 0: no stage runs, the gateway waits for a request
 
 
 class _Status(BaseModel):
@@ -114,6 +116,35 @@ class PipelineStatus(_Status):
         return {key: value for key, value in handler(self).items() if value is not None}
 
 
+class ObservedDemand(_Status):
+    """What the coordinator gateway last reported (strata.demand), as the autoscaler read it."""
+
+    lanes: int = Field(ge=0, description="Lanes of the pipelines that serve.")
+    busy: int = Field(ge=0, description="Lanes held by requests.")
+    queue: int = Field(ge=0, description="Requests waiting for a lane.")
+    held: int = Field(ge=0, description="Requests held while no pipeline serves.")
+
+
+class AutoscalingStatus(_Status):
+    """The autoscaler's last decision and the timers it keeps across passes (and across operator failovers)."""
+
+    desired_replicas: int = Field(alias="desiredReplicas", ge=0, description="Pipelines it asks for.")
+    reason: str = Field(description="A constant: BelowMinimum, ColdStart, QueueAboveTarget, Idle, Steady, ...")
+    message: str = Field(default="", max_length=1024)
+    demand: ObservedDemand | None = Field(default=None, description="The gateway's figures it decided on.")
+    pressure_since: str | None = Field(
+        default=None, alias="pressureSince", description="Since when requests queue above the target."
+    )
+    idle_since: str | None = Field(default=None, alias="idleSince", description="Since when nothing waits.")
+    last_scale_time: str | None = Field(default=None, alias="lastScaleTime", description="When it last scaled.")
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Unset fields are left out: a merge patch drops a nested null, so a status that sent one would differ from
+        the stored status on every pass and be written again."""
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
 class ModelDeploymentStatus(_Status):
     observed_generation: int = Field(default=0, alias="observedGeneration", ge=0)
     phase: Phase = Phase.PENDING
@@ -140,4 +171,5 @@ class ModelDeploymentStatus(_Status):
     excluded: list[Excluded] = Field(default_factory=list)
     load_progress: list[LoadProgress] = Field(default_factory=list, alias="loadProgress")
     coordinator: Coordinator | None = None
+    autoscaling: AutoscalingStatus | None = Field(default=None, description="Set while spec.autoscaling is.")
     endpoint: str | None = None

@@ -36,6 +36,8 @@ LOOKUPS = {
     "n-grams shorter than the minimum are not looked up": Lookup((1, 2, 9, 2), 2, (), Speculation(ngram_min=2)),
     "tokens added later are indexed": Lookup((1, 2, 3), 3, (2, 3, 1), added=(1,)),
     "a token added later is a new follower": Lookup((1, 2, 1, 5), 1, (5,), added=(1,)),
+    "the prompt before the lookback is not indexed": Lookup((1, 2, 3, 4, 1), 2, (), Speculation(lookback=4)),
+    "the output is indexed beyond the lookback": Lookup((9, 9, 5, 6), 2, (6, 5), Speculation(lookback=2), (5,)),
 }
 
 
@@ -77,6 +79,7 @@ BAD_BOUNDS = {
     "n-gram min of 0": {"ngram_min": 0},
     "n-gram min above max": {"ngram_min": 3, "ngram_max": 2},
     "no slots": {"max_slots": 0},
+    "no lookback": {"lookback": 0},
 }
 
 

@@ -21,7 +21,7 @@ weights, and extra positions would cost what they save.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -32,27 +32,31 @@ class Speculation:
     ngram_max: int = 4  # longest suffix of the generation looked up
     ngram_min: int = 1  # shortest
     max_slots: int = 4  # steps with more decoding slots than this draft nothing
+    # The prompt's last tokens that lookup indexes (the output is indexed whole): the index costs a few dictionary
+    # entries a token and is built in the gateway's event loop when a request starts, so a 128K-token prompt is not
+    # indexed whole.
+    lookback: int = 8192
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_draft <= self.max_draft:
             raise ValueError(f"speculation needs 1 <= min draft ({self.min_draft}) <= max draft ({self.max_draft})")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"speculation needs 1 <= n-gram min ({self.ngram_min}) <= max ({self.ngram_max})")
-        if self.max_slots < 1:
-            raise ValueError(f"speculation needs max slots of at least 1, not {self.max_slots}")
+        if self.max_slots < 1 or self.lookback < 1:
+            raise ValueError(f"speculation needs max slots ({self.max_slots}) and lookback ({self.lookback}) >= 1")
 
 
 class NgramDrafter:
     """The tokens of one generation so far (prompt, then output), indexed so that a proposal costs a few dictionary
     lookups however long the context: for each n-gram size, where the token after its latest earlier occurrence is."""
 
-    def __init__(self, tokens: Iterable[int], *, speculation: Speculation) -> None:
+    def __init__(self, prompt: Sequence[int], *, speculation: Speculation) -> None:
         self.speculation = speculation
-        self.tokens: list[int] = []
+        self.tokens: list[int] = []  # the prompt's last `lookback` tokens, then the output
         # (n-gram) -> index of the token that followed its latest occurrence whose follower is known. The current
         # suffix's own occurrence has no follower yet, so a lookup of the suffix finds the one before it.
         self._follower: dict[tuple[int, ...], int] = {}
-        self.extend(tokens)
+        self.extend(prompt[-speculation.lookback :])
 
     def extend(self, tokens: Iterable[int]) -> None:
         s = self.speculation

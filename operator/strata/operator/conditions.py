@@ -46,6 +46,18 @@ def set_condition(
         status.conditions[status.conditions.index(existing)] = updated
 
 
+def set_gateway_ready(status: ModelDeploymentStatus, *, ok: bool, generation: int) -> None:
+    """GatewayReady from whether the gateway Deployment has an available replica."""
+    set_condition(
+        status,
+        ConditionType.GATEWAY_READY,
+        ok=ok,
+        reason=Reason.AVAILABLE if ok else Reason.UNAVAILABLE,
+        message="gateway has an available replica" if ok else "no gateway replica available",
+        generation=generation,
+    )
+
+
 def refuse(
     status: ModelDeploymentStatus, *, reason: str, message: str, generation: int, retry_in: float | None = None
 ) -> str:

@@ -19,7 +19,7 @@ from strata.operator.children import (
     gateway_deployment,
     pipelines_configmap,
 )
-from strata.operator.conditions import refuse, set_condition
+from strata.operator.conditions import refuse, set_condition, set_gateway_ready
 from strata.operator.kube import Cluster
 from strata.operator.models import ModelCache, ModelUnreadable
 from strata.operator.names import Names, stage_selector
@@ -335,14 +335,7 @@ class Reconciler:
             generation=generation,
         )
         gateway_ok = self.cluster.gateway_available(namespace=namespace, name=Names(name, namespace).gateway)
-        set_condition(
-            status,
-            ConditionType.GATEWAY_READY,
-            ok=gateway_ok,
-            reason=Reason.AVAILABLE if gateway_ok else Reason.UNAVAILABLE,
-            message="gateway has an available replica" if gateway_ok else "no gateway replica available",
-            generation=generation,
-        )
+        set_gateway_ready(status, ok=gateway_ok, generation=generation)
         self._count_pipelines(owner, status=status)
         serving = status.serving
         if serving is not None and serving.generation != status.plan.generation:

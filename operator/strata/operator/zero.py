@@ -8,7 +8,7 @@ brings pipeline 0 back on the same generation when the pool still holds its plac
 
 from __future__ import annotations
 
-from strata.operator.conditions import set_condition
+from strata.operator.conditions import set_condition, set_gateway_ready
 from strata.operator.reasons import Reason
 from strata.operator.replicas import count, describe, next_generation, previous_pipelines, summarize
 from strata.operator.status import ConditionType, ModelDeploymentStatus, PlanSummary
@@ -50,12 +50,5 @@ def observed_at_zero(status: ModelDeploymentStatus, *, generation: int, gateway_
     status.ready = f"0/{len(status.plan.stages) if status.plan else 0}"
     for kind in (ConditionType.STAGES_READY, ConditionType.READY):
         set_condition(status, kind, ok=False, reason=Reason.SCALED_TO_ZERO, message=SAID, generation=generation)
-    set_condition(
-        status,
-        ConditionType.GATEWAY_READY,
-        ok=gateway_ok,
-        reason=Reason.AVAILABLE if gateway_ok else Reason.UNAVAILABLE,
-        message="gateway has an available replica" if gateway_ok else "no gateway replica available",
-        generation=generation,
-    )
+    set_gateway_ready(status, ok=gateway_ok, generation=generation)
     count(status, desired=0, ready={})

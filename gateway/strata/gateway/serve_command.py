@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from strata.fit import DEFAULT_CACHE_TYPE
-from strata.gateway.settings import DEFAULT_MICRO_BATCHES
-from strata.gateway.speculation import Speculation
+from strata.gateway.settings import DEFAULT_MICRO_BATCHES, SPECULATIVE_METHODS
+from strata.gateway.speculation import DEFAULTS as DRAFT_DEFAULTS
 from strata.gateway.supervision import RestartPolicy
 from strata.gguf.model import CacheType
 
@@ -114,14 +114,17 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument(
         "--speculative",
-        choices=("ngram",),
+        choices=[method for method in SPECULATIVE_METHODS if method],
         default="",
-        help="speculative decoding: greedy requests send tokens that n-gram lookup over their context proposes, and "
-        "the stages verify them in one step (default: off)",
+        help="speculative decoding: requests without penalties or a grammar send tokens that n-gram lookup over their "
+        "context proposes, and the stages verify them in one step (default: off)",
     )
-    default = Speculation()
-    parser.add_argument("--max-draft", type=int, default=default.max_draft, help="tokens proposed a step, at most")
-    parser.add_argument("--min-draft", type=int, default=default.min_draft, help="shorter proposals are not sent")
+    parser.add_argument(
+        "--max-draft", type=int, default=DRAFT_DEFAULTS.max_draft, help="tokens a step proposes, at most"
+    )
+    parser.add_argument(
+        "--min-draft", type=int, default=DRAFT_DEFAULTS.min_draft, help="shorter proposals are not sent"
+    )
     parser.add_argument(
         "--load-timeout-seconds",
         type=float,

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from strata.gateway.speculation import DEFAULTS as DRAFT_DEFAULTS
 from strata.gateway.speculation import Speculation
 from strata.lease import FencingToken, LeaseTiming
 from strata.settings import Option, resolve_options
@@ -62,8 +63,8 @@ OPTIONS: tuple[Option, ...] = tuple(
         ("--micro-batches", "STRATA_MICRO_BATCHES", int, DEFAULT_MICRO_BATCHES),
         ("--pipelines-poll-seconds", "STRATA_PIPELINES_POLL_SECONDS", float, 0.0),
         ("--speculative", "STRATA_SPECULATIVE", str, ""),
-        ("--max-draft", "STRATA_MAX_DRAFT", int, Speculation().max_draft),
-        ("--min-draft", "STRATA_MIN_DRAFT", int, Speculation().min_draft),
+        ("--max-draft", "STRATA_MAX_DRAFT", int, DRAFT_DEFAULTS.max_draft),
+        ("--min-draft", "STRATA_MIN_DRAFT", int, DRAFT_DEFAULTS.min_draft),
         ("--cold-start-seconds", "STRATA_COLD_START_SECONDS", float, 0.0),
     )
 )
@@ -98,9 +99,9 @@ class GatewaySettings:
     prefix_cache_chunk: int = 256  # tokens per prefix-cache chunk (snapshots are taken at multiples); 0: off
     micro_batches: int = DEFAULT_MICRO_BATCHES  # steps of disjoint slots in flight at once (with 2+ stages)
     pipelines_poll_seconds: float = 0.0  # how often the deployment's serving pipelines are read; 0: one pipeline
-    speculative: str = ""  # "ngram": greedy requests decode from n-gram lookup drafts (strata.gateway.speculation)
-    max_draft: int = Speculation().max_draft
-    min_draft: int = Speculation().min_draft
+    speculative: str = ""  # "ngram": requests decode from n-gram lookup drafts (strata.gateway.speculation)
+    max_draft: int = DRAFT_DEFAULTS.max_draft
+    min_draft: int = DRAFT_DEFAULTS.min_draft
     # While no pipeline serves, a request is held this long for one to load (the operator scales up on the demand
     # this gateway reports); 0: answered 503 at once, and the gateway is not ready without a pipeline.
     cold_start_seconds: float = 0.0
@@ -122,7 +123,7 @@ class GatewaySettings:
             )
         if self.speculative not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative decoding method {self.speculative!r} is not one of: ngram, or empty for off")
-        default = Speculation()
+        default = DRAFT_DEFAULTS
         if not self.speculative and (self.max_draft, self.min_draft) != (default.max_draft, default.min_draft):
             raise ValueError("draft bounds (max draft, min draft) apply to speculative decoding, which is off")
         self.speculation()  # refuses draft bounds out of range at start-up

@@ -46,6 +46,9 @@ class Speculation:
             raise ValueError(f"speculation needs max slots ({self.max_slots}) and lookback ({self.lookback}) >= 1")
 
 
+DEFAULTS = Speculation()  # what the gateway's options start from
+
+
 class NgramDrafter:
     """The tokens of one generation so far (prompt, then output), indexed so that a proposal costs a few dictionary
     lookups however long the context: for each n-gram size, where the token after its latest earlier occurrence is."""

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from strata.gguf.architectures import Activation
 from strata.stage_worker.experts import MixtureOfExperts
+from strata.stage_worker.kernels.kv_write import rotate_and_write
 from strata.stage_worker.kernels.paged_attention import AttentionRule, Sequences, attend_dense, attend_pool
 from strata.stage_worker.kv_pool import LayerCache
 from strata.stage_worker.model_config import ModelConfig
@@ -201,8 +202,7 @@ class Attention(nn.Module):
         v = v.unflatten(-1, (c.n_head_kv, c.head_dim))  # [N, Hkv, hd]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-        cache.write(layout.write_cells, k.reshape(n, c.kv_dim), v.reshape(n, c.kv_dim))
+        q = rotate_and_write(q=q, k=k, v=v, cos=cos, sin=sin, cells=layout.write_cells, cache=cache, rope=rope)
         out = layout.attend(q, cache, c, self.rule)  # [N, H, hd]
         projected: Tensor = self.wo(out.reshape(n, c.q_dim))  # [N, D]
         return projected

@@ -45,8 +45,22 @@ MAIN_TYPES = (Q.Q8_0, Q.Q4_K, Q.Q6_K)
 SWEEP_ROWS = {"qkv": (1,), "o": (1, 4), "gate_up": (1, 4), "down": (1,)}  # every matrix at M = 1
 L2_OVERFLOW = 256 << 20  # bytes of weight copies per graph: several times any current L2
 C = quant_matmul_triton.Config
-SWEEP = {  # (block_n, chunks, num_warps) per M; splits chosen from the shape
-    1: [C(4, 128, 4), C(8, 64, 2), C(4, 64, 2), C(8, 32, 1), C(4, 256, 4), C(8, 128, 4)],
+SWEEP = {  # (block_n, chunks, num_warps[, splits]) per M; splits chosen from the shape where not given
+    1: [
+        C(4, 128, 4),
+        C(8, 64, 2),
+        C(4, 64, 2),
+        C(8, 32, 1),
+        C(4, 256, 4),
+        C(8, 128, 4),
+        C(2, 256, 4),
+        C(4, 256, 8),
+        C(2, 128, 2),
+        C(4, 256, 4, 2),
+        C(8, 64, 2, 2),
+        C(4, 128, 4, 2),
+        C(4, 256, 4, 4),
+    ],
     4: [C(4, 128, 4), C(8, 128, 4), C(16, 128, 4)],
 }
 
@@ -158,6 +172,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--types", default=",".join(t.name for t in sorted(FUSED_TYPES)))
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--no-batch", action="store_true", help="with --sweep: the fused kernel's shapes only")
     parser.add_argument("--crossover", action="store_true", help="only the fused and tensor-core kernels at 1-16 rows")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
@@ -219,7 +234,7 @@ def main() -> None:
                     configs = SWEEP[m]
                     _, times, size = timings(ggml_type, n, k, m, device, list(configs))
                     cells = " ".join(
-                        f"{c.block_n}/{c.chunks}/{c.num_warps}={t * 1e6:.1f}"
+                        f"{c.block_n}/{c.chunks}/{c.num_warps}{f'/s{c.splits}' if c.splits else ''}={t * 1e6:.1f}"
                         for c, t in zip(configs, times, strict=True)
                     )
                     log(f"{ggml_type.name:5s} {shape:8s} M={m:2d}: {cells}")
@@ -228,6 +243,8 @@ def main() -> None:
         log(f"[{time.perf_counter() - started:.0f} s]")
         _save(args.out, results)
 
+        if args.no_batch:
+            return
         log("\n## A batch of streams: tensor-core tiles (block_n/chunks/warps) against dequantise-then-cuBLAS, us")
         batch = []
         for ggml_type in [t for t in MAIN_TYPES if t.name in worst]:

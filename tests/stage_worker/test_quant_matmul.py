@@ -23,6 +23,8 @@ from strata.stage_worker.kernels import quant_blocks_triton, quant_matmul_triton
 from strata.stage_worker.kernels.quant_matmul import (
     FUSED_MAX_ROWS,
     FUSED_TYPES,
+    Gate,
+    activated,
     dequantize_as,
     kernel,
     quant_linear,
@@ -194,5 +196,54 @@ def test_custom_ops_pass_opcheck(m: int, device: torch.device) -> None:
     case = Case("", Q.Q8_0, m, 5, 64, "normal")
     planes = [p.to(device) for p in random_planes(case, np.random.default_rng(4)).values()]
     x = torch.randn(m, 64, device=device)
-    torch.library.opcheck(quant_matmul._quant_linear_op, (x, planes, int(Q.Q8_0), 64))
+    torch.library.opcheck(quant_matmul._quant_linear_op, (x, planes, int(Q.Q8_0), 64, int(Gate.NONE)))
+    gate_up = torch.randn(m, 128, device=device)
+    torch.library.opcheck(quant_matmul._quant_linear_op, (gate_up, planes, int(Q.Q8_0), 64, int(Gate.SILU)))
     torch.library.opcheck(quant_matmul._dequantize_op, (planes, int(Q.Q8_0), 64, torch.float16))
+
+
+@dataclass(frozen=True)
+class GatedCase:
+    name: str
+    ggml_type: GGMLQuantizationType
+    m: int  # 1-4: the fused kernel; 6, 40: tensor cores; 65: torch forms the activation, then the dequantised weight
+    gate: Gate
+    spread: float = 1.0  # the gate's standard deviation: 30 puts exp(-gate) past f32's range at both ends
+
+
+GATED_CASES = [
+    GatedCase(f"{t.name} M={m} {gate.name}", t, m, gate)
+    for t in (Q.Q8_0, Q.Q4_K, Q.Q6_K)
+    for m in (1, 3, 6, 65)
+    for gate in (Gate.SILU, Gate.GELU_TANH)
+] + [GatedCase(f"{t.name} M={m} SILU, gates far past exp's range", t, m, Gate.SILU, 30.0) for t in (Q.Q8_0, Q.Q4_K)
+     for m in (1, 6)]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", GATED_CASES, ids=lambda c: c.name)
+def test_gated_product_matches_the_activation_then_the_product(case: GatedCase, device: torch.device) -> None:
+    """A gated feed-forward's down projection, act(gate) * up @ W.T, formed in the kernels' load of x (the op the
+    model takes on a GPU), against `activated` (f32, rounded once, as the kernels form it) and the f32 product."""
+    plain = Case("", case.ggml_type, case.m, 21, _k(case.ggml_type, long=True), "normal")
+    rng = np.random.default_rng(case.m + int(case.gate))
+    planes = random_planes(plain, rng)
+    w = dequantize(planes, case.ggml_type)
+    scale = min(1.0, 100.0 / float(w.abs().sum(dim=1).max().clamp_min(1e-30)))
+    gate = torch.from_numpy(rng.standard_normal((case.m, plain.k))).float() * case.spread
+    up = torch.from_numpy(rng.standard_normal((case.m, plain.k))).float() * scale
+    gate_up = torch.cat((gate, up), dim=1)
+    ours = kernel(gate_up.to(device), [p.to(device) for p in planes.values()], case.ggml_type, columns=plain.k,
+                  gate=case.gate)  # fmt: skip
+    assert ours.shape == (case.m, plain.n)
+    error = relative_error(ours.cpu(), activated(gate_up, case.gate), w)
+    assert error <= tolerance(torch.float32), f"{case.name}: relative error {error:.2e}"
+
+
+def test_a_gate_that_is_not_formed_fails_the_check(device: torch.device) -> None:
+    """The check can fail: the product of x as given (no activation) is far from the gated one."""
+    plain = Case("", Q.Q8_0, 1, 21, 96, "normal")
+    planes = random_planes(plain, np.random.default_rng(5))
+    w = dequantize(planes, Q.Q8_0)
+    gate_up = torch.randn(1, 192)
+    ungated = kernel(gate_up[:, :96].to(device), [p.to(device) for p in planes.values()], Q.Q8_0, columns=96)
+    assert relative_error(ungated.cpu(), activated(gate_up, Gate.SILU), w) > 1e-2

@@ -30,9 +30,11 @@ from strata.gguf.architectures import Activation
 from strata.stage_worker.experts import MixtureOfExperts
 from strata.stage_worker.kernels.kv_write import rotate_and_write
 from strata.stage_worker.kernels.paged_attention import AttentionRule, Sequences, attend_dense, attend_pool
+from strata.stage_worker.kernels.quant_matmul import Gate
 from strata.stage_worker.kv_pool import LayerCache
 from strata.stage_worker.model_config import ModelConfig
 from strata.stage_worker.rope import Rope
+from strata.stage_worker.weights.linear import PackedLinear
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -44,6 +46,8 @@ ACTIVATIONS: dict[Activation, Callable[[Tensor], Tensor]] = {
     Activation.SILU: F.silu,
     Activation.GELU_TANH: partial(F.gelu, approximate="tanh"),
 }
+# The same activations where the down projection's kernel forms act(gate) * up as it loads x.
+GATES: dict[Activation, Gate] = {Activation.SILU: Gate.SILU, Activation.GELU_TANH: Gate.GELU_TANH}
 
 
 @dataclass(frozen=True)
@@ -213,12 +217,17 @@ class FeedForward(nn.Module):
         super().__init__()
         self.ffn_dim = config.ffn_dim
         self.activation = ACTIVATIONS[config.activation]
+        self.gate = GATES[config.activation]
         # ffn_gate stacked over ffn_up, for the same reason as Attention.wqkv.
         self.w_gate_up: nn.Module = nn.Linear(config.dim, 2 * config.ffn_dim, bias=False)
         self.w_down: nn.Module = nn.Linear(config.ffn_dim, config.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w_gate_up(x).split(self.ffn_dim, dim=-1)
+        gate_up = self.w_gate_up(x)
+        if isinstance(self.w_down, PackedLinear) and self.w_down.forms_gate(gate_up):
+            # On a GPU the activation is formed in the down projection's load of x: one launch a layer fewer.
+            return self.w_down.gated(gate_up, self.gate)
+        gate, up = gate_up.split(self.ffn_dim, dim=-1)
         out: Tensor = self.w_down(self.activation(gate) * up)
         return out
 

@@ -81,10 +81,35 @@ def per_chunk_words(ptr, rows, stride, index, mask):
     return tl.permute(words, (1, 0, 2))
 
 
+# What a matrix's x is made of: x itself (GATE_NONE), or act(gate) * up of a gated feed-forward's gate/up output,
+# the gate at the x column and the up `gate_offset` columns on (GATE_SILU, GATE_GELU_TANH). The feed-forward's
+# activation was a compiled kernel of its own a layer; in the down projection's load it costs no launch.
+GATE_NONE: tl.constexpr = tl.constexpr(0)
+GATE_SILU: tl.constexpr = tl.constexpr(1)
+GATE_GELU_TANH: tl.constexpr = tl.constexpr(2)
+
+
 @triton.jit
-def x_values(pointers, mask):
-    """x at pointers [C, BLOCK_M, 8] as f32 [BLOCK_M, C, 8]: chunks first for `per_chunk`'s reason."""
-    return tl.permute(tl.load(pointers, mask=mask, other=0.0).to(tl.float32), (1, 0, 2))
+def gated_load(pointers, mask, gate_offset, GATE: tl.constexpr):
+    """x at pointers in its dtype; or, with a GATE, act(gate) * up computed in f32 and rounded once to the
+    activations' dtype, as the compiled feed-forward computed it before it moved into this load."""
+    if GATE == GATE_NONE:
+        return tl.load(pointers, mask=mask, other=0.0)
+    gate = tl.load(pointers, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(pointers + gate_offset, mask=mask, other=0.0).to(tl.float32)
+    if GATE == GATE_SILU:
+        activated = gate / (1.0 + tl.exp(-gate))
+    else:
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2 / pi) (g + 0.044715 g^3)
+        activated = gate * (1.0 / (1.0 + tl.exp(-2.0 * inner)))  # 0.5 g (1 + tanh(inner))
+    return (activated * up).to(pointers.dtype.element_ty)
+
+
+@triton.jit
+def x_values(pointers, mask, gate_offset, GATE: tl.constexpr):
+    """x at pointers [C, BLOCK_M, 8] (see `gated_load`) as f32 [BLOCK_M, C, 8]: chunks first for `per_chunk`'s
+    reason."""
+    return tl.permute(gated_load(pointers, mask, gate_offset, GATE).to(tl.float32), (1, 0, 2))
 
 
 @triton.jit

@@ -23,6 +23,7 @@ from strata.stage_worker.kernels.quant_blocks_triton import (
     checked_rows,
     chunk_count,
     four_columns,
+    gated_load,
     kernel_planes,
     layout_constexprs,
     nibble_values,
@@ -48,12 +49,13 @@ def default_tile(ggml_type: GGMLQuantizationType, rows: int) -> tuple[int, int, 
 @triton.jit
 def _gemm(
     x_ptr, out_ptr, q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr,
-    M, N, n_chunks, chunks_per_split,
+    M, N, n_chunks, chunks_per_split, gate_offset,
     sxm, sos, som, sq, sh, sd, sd2, ssc, smn,
     FAMILY: tl.constexpr, BITS: tl.constexpr, MINIMUMS: tl.constexpr, HALF_STRIDE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, F32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, F32_DOT: tl.constexpr, GATE: tl.constexpr,
 ):  # fmt: skip
-    """out[split, m, n] = sum over the split's chunks of x[m] . W[n], a tile's products on the tensor cores."""
+    """out[split, m, n] = sum over the split's chunks of x[m] . W[n], a tile's products on the tensor cores (x
+    formed on load from a gated feed-forward's gate and up where GATE says so: quant_blocks_triton's `gated_load`)."""
     NIBBLES: tl.constexpr = 1 if HALF_STRIDE == 0 else 2
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -83,8 +85,8 @@ def _gemm(
             w = tl.reshape(value, (BLOCK_N, CHUNKS * 16)).to(x_ptr.dtype.element_ty)
             column = tl.reshape(base[:, None] + HALF_STRIDE * h + sixteen, (CHUNKS * 16,))  # [C x 16]
             column_ok = tl.reshape(kmask[:, None] & (sixteen < 16), (CHUNKS * 16,))
-            xt = tl.load(
-                x_ptr + m[None, :] * sxm + column[:, None], mask=column_ok[:, None] & m_ok[None, :], other=0.0
+            xt = gated_load(
+                x_ptr + m[None, :] * sxm + column[:, None], column_ok[:, None] & m_ok[None, :], gate_offset, GATE
             )  # [C x 16, BLOCK_M]
             if F32_DOT:
                 acc += tl.dot(w, xt, input_precision="ieee")
@@ -103,10 +105,12 @@ def quant_gemm(
     block_n: int | None = None,
     chunks: int | None = None,
     num_warps: int | None = None,
+    gate: int = 0,
 ) -> Tensor:
     """x [M, K] (M <= MAX_ROWS) @ W.T -> [M, N] in x's dtype, W given as its planes (formats.plane_names order);
-    the tile is `default_tile`'s where not given."""
-    x = checked_rows(x, columns=columns, most=MAX_ROWS, kernel="tensor-core")
+    the tile is `default_tile`'s where not given. With a `gate`, x is [M, 2K] as quant_matmul_triton.quant_matmul
+    takes it."""
+    x = checked_rows(x, columns=columns * (2 if gate else 1), most=MAX_ROWS, kernel="tensor-core")
     m_rows, n = x.shape[0], planes[0].shape[0]
     if m_rows == 0:
         return x.new_empty((0, n))
@@ -119,9 +123,9 @@ def quant_gemm(
     splits = 1 if out.dim() == 2 else out.shape[0]
     slots, strides = kernel_planes(planes, ggml_type)
     _gemm[(programs, splits)](
-        x, out, *slots, m_rows, n, n_chunks, chunks_per_split,
+        x, out, *slots, m_rows, n, n_chunks, chunks_per_split, columns,
         x.stride(0), out.stride(0) if splits > 1 else 0, out.stride(-2), *strides,
         **layout_constexprs(ggml_type), BLOCK_M=max(16, triton.next_power_of_2(m_rows)), BLOCK_N=block_n, CHUNKS=chunks,
-        F32_DOT=x.dtype == torch.float32, num_warps=num_warps,
+        F32_DOT=x.dtype == torch.float32, GATE=gate, num_warps=num_warps,
     )  # fmt: skip
     return out if splits == 1 else out.sum(dim=0).to(x.dtype)

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
+from enum import IntEnum
 
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from strata.stage_worker.weights.formats import FORMATS, dequantize, plane_names
 from torch import Tensor
@@ -42,6 +44,22 @@ FUSED_MAX_ROWS = 4
 # faster (Q8_0 gate_up 76 against 218 us, near cuBLAS on bf16 weights), at 64 still ahead over a layer's four
 # matrices (Q4_K 339 against 367 us), though no longer on the small ones.
 GEMM_MAX_ROWS = 64
+
+
+class Gate(IntEnum):
+    """What x is made of (quant_blocks_triton's GATE_ constants): x itself, or act(gate) * up of a gated feed-forward's
+    [M, 2K] gate and up, which the kernels form as they load x."""
+
+    NONE = 0
+    SILU = 1
+    GELU_TANH = 2
+
+
+def activated(gate_up: Tensor, gate: Gate) -> Tensor:
+    """act(gate) * up of gate_up [M, 2K], computed in f32 and rounded once, as the kernels form it."""
+    g, u = gate_up.float().chunk(2, dim=-1)
+    act = F.silu(g) if gate is Gate.SILU else F.gelu(g, approximate="tanh")
+    return (act * u).to(gate_up.dtype)
 
 
 def _as_list(planes: Mapping[str, Tensor] | Sequence[Tensor], ggml_type: GGMLQuantizationType) -> list[Tensor]:
@@ -80,29 +98,34 @@ def _(planes: list[Tensor], ggml_type: int, columns: int, dtype: torch.dtype) ->
 
 
 @torch.library.custom_op("strata::quant_linear", mutates_args=())
-def _quant_linear_op(x: Tensor, planes: list[Tensor], ggml_type: int, columns: int) -> Tensor:
+def _quant_linear_op(x: Tensor, planes: list[Tensor], ggml_type: int, columns: int, gate: int) -> Tensor:
     from strata.stage_worker.kernels import quant_matmul_triton
 
     t = GGMLQuantizationType(ggml_type)
     with _device(x):
         if x.shape[0] <= FUSED_MAX_ROWS and t in FUSED_TYPES:
-            return quant_matmul_triton.quant_matmul(x, planes, t, columns=columns)
+            return quant_matmul_triton.quant_matmul(x, planes, t, columns=columns, gate=gate)
         if x.shape[0] <= GEMM_MAX_ROWS and t in FUSED_TYPES:
             from strata.stage_worker.kernels import quant_gemm_triton
 
-            return quant_gemm_triton.quant_gemm(x, planes, t, columns=columns)
+            return quant_gemm_triton.quant_gemm(x, planes, t, columns=columns, gate=gate)
+        if gate:
+            x = activated(x, Gate(gate))
         w = quant_matmul_triton.dequantize(planes, t, columns=columns, dtype=x.dtype)
         return x @ w.T
 
 
 @_quant_linear_op.register_fake
-def _(x: Tensor, planes: list[Tensor], ggml_type: int, columns: int) -> Tensor:
+def _(x: Tensor, planes: list[Tensor], ggml_type: int, columns: int, gate: int) -> Tensor:
     return x.new_empty((x.shape[0], planes[0].shape[0]))
 
 
-def kernel(x: Tensor, planes: Sequence[Tensor], ggml_type: GGMLQuantizationType, *, columns: int) -> Tensor:
-    """The Triton path on x [M, K], on any device (on the CPU under Triton's interpreter: the tests' way in)."""
-    out: Tensor = _quant_linear_op(x, list(planes), int(ggml_type), columns)
+def kernel(
+    x: Tensor, planes: Sequence[Tensor], ggml_type: GGMLQuantizationType, *, columns: int, gate: Gate = Gate.NONE
+) -> Tensor:
+    """The Triton path on x [M, K] (with a gate, [M, 2K] gate and up), on any device (on the CPU under Triton's
+    interpreter: the tests' way in)."""
+    out: Tensor = _quant_linear_op(x, list(planes), int(ggml_type), columns, int(gate))
     return out
 
 

@@ -45,12 +45,14 @@ from torch import Tensor
 @triton.jit
 def _gemv(
     x_ptr, out_ptr, q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr,
-    M, N, n_chunks, chunks_per_split,
+    M, N, n_chunks, chunks_per_split, gate_offset,
     sxm, sos, som, sq, sh, sd, sd2, ssc, smn,
     FAMILY: tl.constexpr, BITS: tl.constexpr, MINIMUMS: tl.constexpr, HALF_STRIDE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, EVEN_K: tl.constexpr, GATE: tl.constexpr,
 ):  # fmt: skip
-    """out[split, m, n] = sum over the split's chunks of x[m] . W[n], for the M (<= BLOCK_M) rows of x at once.
+    """out[split, m, n] = sum over the split's chunks of x[m] . W[n], for the M (<= BLOCK_M) rows of x at once
+    (x formed on load from a gated feed-forward's gate and up where GATE says so: quant_blocks_triton's
+    `gated_load`).
 
     One row of x: the sums of (u 2^-24) x and of x per sub-block half, scaled once a chunk. More rows: each value
     a u + b is formed once (one FMA) and multiplied by every row's x."""
@@ -90,8 +92,8 @@ def _gemv(
         for h in tl.static_range(NIBBLES):
             # A nibble's 16 values of x are consecutive columns: two 16-byte loads, words 0-1 and 2-3.
             column = base[:, None, None] + HALF_STRIDE * h + eight
-            first_words = pair_columns(x_values(x_rows + column, xmask))
-            last_words = pair_columns(x_values(x_rows + column + 8, xmask))
+            first_words = pair_columns(x_values(x_rows + column, xmask, gate_offset, GATE))
+            last_words = pair_columns(x_values(x_rows + column + 8, xmask, gate_offset, GATE))
             for i in tl.static_range(4):
                 x_columns = first_words[i] if i < 2 else last_words[i - 2]
                 if SPLIT_HALVES and h == 1:
@@ -174,29 +176,49 @@ class Config:
 MAX_ROWS = 16  # rows of x the fused kernel takes (its registers hold them all)
 
 
-def default_config(ggml_type: GGMLQuantizationType, rows: int) -> Config:
-    """Measured (bench/quant_matmul.py --sweep, Llama-3-8B's matrices, an H100 and an H200 agreeing). One row:
-    4-bit types did best with 8 rows a lane and 2 warps a program, Q8_0 with 2 chunks a lane, Q5 and Q6_K with 4
-    rows and a chunk a lane. Several rows of x: 8 weight rows a program, as many as the x rows' registers permit."""
+# A matrix this many columns wide or wider is a down projection (Llama-3-8B's 14,336); this many rows or more, a
+# gate/up projection or an output head.
+WIDE_K = 8192
+TALL_N = 16384
+
+
+def default_config(ggml_type: GGMLQuantizationType, rows: int, *, n: int, k: int) -> Config:
+    """Measured (bench/quant_matmul.py --sweep, Llama-3-8B's matrices, H100, 2026-11-27; µs per call at one row).
+    Several rows of x: 8 weight rows a program, as many as the x rows' registers permit. One row, by type and shape:
+    Q8_0 2 chunks a lane and 4 rows a program, but one chunk a lane for the wide down projection (24.3 against 28.3)
+    and 8 rows for the tall gate/up (43.6 against 45.3); 4-bit types 8 rows a lane and 2 warps, the down projection
+    4 rows and 2 chunks a lane (19.4 against 20.3); Q6_K 2 rows and 2 warps (gate_up 39.8 against 46.3, o 7.9
+    against 10.1), 4 rows and 2 warps for the down projection; Q5 types (not swept again) 4 rows, a chunk a lane."""
     if rows > 1:
         return Config(block_n=8, chunks=128, num_warps=4)
+    wide, tall = k >= WIDE_K, n >= TALL_N
     if ggml_type == Q.Q8_0:
-        return Config(block_n=4, chunks=256, num_warps=4)
+        return Config(4, 128, 4) if wide else Config(8, 128, 4) if tall else Config(4, 256, 4)
     if LAYOUTS[ggml_type].bits == 4:
-        return Config(block_n=8, chunks=64, num_warps=2)
+        return Config(4, 256, 4) if wide else Config(8, 64, 2)
+    if ggml_type == Q.Q6_K:
+        return Config(4, 64, 2) if wide else Config(2, 128, 2)
     return Config(block_n=4, chunks=128, num_warps=4)
 
 
 def quant_matmul(
-    x: Tensor, planes: Sequence[Tensor], ggml_type: GGMLQuantizationType, *, columns: int, config: Config | None = None
+    x: Tensor,
+    planes: Sequence[Tensor],
+    ggml_type: GGMLQuantizationType,
+    *,
+    columns: int,
+    config: Config | None = None,
+    gate: int = 0,
 ) -> Tensor:
-    """x [M, K] (M <= 16) @ W.T -> [M, N] in x's dtype, W given as its planes (formats.plane_names order)."""
-    x = checked_rows(x, columns=columns, most=MAX_ROWS, kernel="fused")
+    """x [M, K] (M <= 16) @ W.T -> [M, N] in x's dtype, W given as its planes (formats.plane_names order). With a
+    `gate` (quant_blocks_triton's GATE_SILU or GATE_GELU_TANH), x is a gated feed-forward's [M, 2K] gate and up, and
+    the product is act(gate) * up @ W.T."""
+    x = checked_rows(x, columns=columns * (2 if gate else 1), most=MAX_ROWS, kernel="fused")
     m_rows, n = x.shape[0], planes[0].shape[0]
     if m_rows == 0:
         return x.new_empty((0, n))
     n_chunks = chunk_count(columns, ggml_type)
-    default = default_config(ggml_type, m_rows)
+    default = default_config(ggml_type, m_rows, n=n, k=columns)
     config = config or default
     block_n = config.block_n or default.block_n or 4
     warps = config.num_warps or default.num_warps or 4
@@ -206,10 +228,11 @@ def quant_matmul(
     splits = 1 if out.dim() == 2 else out.shape[0]
     slots, strides = kernel_planes(planes, ggml_type)
     _gemv[(programs, splits)](
-        x, out, *slots, m_rows, n, n_chunks, chunks_per_split,
+        x, out, *slots, m_rows, n, n_chunks, chunks_per_split, columns,
         x.stride(0), out.stride(0) if splits > 1 else 0, out.stride(-2), *strides,
         **layout_constexprs(ggml_type), BLOCK_M=triton.next_power_of_2(m_rows), BLOCK_N=block_n, CHUNKS=chunks,
-        EVEN_K=n_chunks % chunks_per_split == 0 and chunks_per_split % chunks == 0, num_warps=warps, num_stages=1,
+        EVEN_K=n_chunks % chunks_per_split == 0 and chunks_per_split % chunks == 0, GATE=gate, num_warps=warps,
+        num_stages=1,
     )  # fmt: skip
     return out if splits == 1 else out.sum(dim=0).to(x.dtype)
 

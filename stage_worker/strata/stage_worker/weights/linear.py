@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
-from strata.stage_worker.kernels.quant_matmul import dequantize_as, quant_linear
+from strata.stage_worker.kernels.quant_matmul import FUSED_TYPES, Gate, dequantize_as, kernel, quant_linear
 from strata.stage_worker.weights.formats import Planes, dequantize, plane_names
 from torch import Tensor, nn
 
@@ -37,6 +37,11 @@ class QuantizedRows(nn.Module):
 
     def matmul(self, x: Tensor) -> Tensor:
         return quant_linear(x, self.planes(), self.ggml_type, columns=self.columns)
+
+    def matmul_gated(self, gate_up: Tensor, gate: Gate) -> Tensor:
+        """act(gate) * up @ W.T of a gated feed-forward's [M, 2K] gate and up, the activation formed in the
+        kernel's load of x (CUDA only: see PackedLinear.forms_gate)."""
+        return kernel(gate_up, self.planes(), self.ggml_type, columns=self.columns, gate=gate)
 
     def dense(self, dtype: torch.dtype) -> Tensor:
         """[rows, columns] values in `dtype` (for prefill-sized work and references)."""
@@ -82,6 +87,26 @@ class PackedLinear(nn.Module):
         outs = [part.matmul(x) for part in self.parts]  # type: ignore[operator]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return y if self.bias is None else y + self.bias
+
+    def forms_gate(self, gate_up: Tensor) -> bool:
+        """Whether `gated` can take a gated feed-forward's gate and up as they are: one quantised part that the
+        kernels read, no bias, on a GPU."""
+        part = self.parts[0]
+        return (
+            gate_up.device.type == "cuda"
+            and len(self.parts) == 1
+            and self.bias is None
+            and isinstance(part, QuantizedRows)
+            and part.ggml_type in FUSED_TYPES
+        )
+
+    def gated(self, gate_up: Tensor, gate: Gate) -> Tensor:
+        """[M, 2K] gate and up -> act(gate) * up @ W.T [M, N], where `forms_gate` says so."""
+        part = self.parts[0]
+        if not isinstance(part, QuantizedRows):
+            raise TypeError("a gated product needs a matrix of one quantised part (PackedLinear.forms_gate)")
+        rows = gate_up.reshape(-1, gate_up.shape[-1])
+        return part.matmul_gated(rows, gate).view(*gate_up.shape[:-1], self.out_features)
 
     def dense(self, dtype: torch.dtype) -> Tensor:
         """W as plain values [out_features, in_features] (references, and HF built from a stage)."""

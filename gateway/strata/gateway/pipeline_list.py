@@ -24,6 +24,7 @@ from typing import Any
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from strata.draining import LIST_READ_TIMEOUT_S
 from strata.gateway.cold_start import load_report
 from strata.gateway.pipelines import PipelineEntry
 from strata.modeldeployment import GROUP, PLURAL, VERSION, stage_address
@@ -31,7 +32,7 @@ from urllib3.exceptions import HTTPError
 
 log = logging.getLogger(__name__)
 
-REQUEST_TIMEOUT_S = 5.0
+REQUEST_TIMEOUT_S = LIST_READ_TIMEOUT_S  # the operator's bound on keeping a retired pipeline counts on it
 
 
 class PipelineListError(ValueError):

@@ -14,7 +14,8 @@ one driver:
   (`deposed`) makes the coordinator let go of the Lease, since a newer term exists;
 - the list: `update` follows the pipelines that serve (strata.gateway.pipeline_list reads it). A new one gets a
   driver, which claims its stages with the current term; one that leaves the list takes no new requests and is given
-  `DRAIN_S` to finish what it runs, then fails the rest with the retryable 503 and is closed. A driver that fails
+  `DRAIN_S` to finish what it runs, then fails the rest with the retryable 503 and is closed (the operator keeps its
+  stages past that: strata.draining). A driver that fails
   (its stages unreachable, a step refused) fails its own requests with that 503 and stops counting until it is
   ready again; the others carry on.
 
@@ -31,6 +32,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from strata.draining import DRAIN_S
 from strata.gateway.errors import NotReadyError
 from strata.gateway.grammar import Constraint
 from strata.gateway.metrics import GatewayMetrics, PipelineCollector, PipelineFigures
@@ -40,7 +42,6 @@ from strata.lease import FencingToken
 
 log = logging.getLogger(__name__)
 
-DRAIN_S = 10.0  # what a pipeline that left the list has to finish its requests before they fail
 RATE_WINDOW_S = 60.0  # tokens per second are counted over this window
 DEFAULT_BLOCK = 256  # tokens of a prompt's head that key its place on the ring when there is no prefix cache
 

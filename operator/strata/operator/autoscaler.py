@@ -10,7 +10,6 @@ deployment's doorbell. The count is written as `kubectl scale` writes it (spec.r
 
 from __future__ import annotations
 
-import datetime as dt
 from dataclasses import dataclass
 
 from strata.demand import DEMAND_ANNOTATION, Demand, DemandUnreadable
@@ -19,6 +18,7 @@ from strata.operator.names import Names
 from strata.operator.scaling import Bounds, Decision, Observed, ScaleReason, Timers, decide
 from strata.operator.spec import Autoscaling
 from strata.operator.status import AutoscalingStatus, ModelDeploymentStatus, ObservedDemand
+from strata.operator.timestamps import seconds, stamp
 
 
 def bounds_of(autoscaling: Autoscaling) -> Bounds:
@@ -31,16 +31,12 @@ def bounds_of(autoscaling: Autoscaling) -> Bounds:
     )
 
 
-def _stamp(seconds: float | None) -> str | None:
-    if seconds is None:
-        return None
-    return dt.datetime.fromtimestamp(seconds, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+def _stamp(at: float | None) -> str | None:
+    return None if at is None else stamp(at)
 
 
-def _seconds(stamp: str | None) -> float | None:
-    if stamp is None:
-        return None
-    return dt.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC).timestamp()
+def _seconds(text: str | None) -> float | None:
+    return None if text is None else seconds(text)
 
 
 def read_demand(cluster: Cluster, *, namespace: str, name: str) -> tuple[Demand | None, str | None]:

@@ -7,11 +7,11 @@ wait minutes). An API failure is left to kopf's retries in a handler, and to the
 
 Each deployment's monitor is a kopf daemon that waits on its doorbell: the watches ring it when a node it is placed
 on changes, a foreign pod takes GPUs there, or one of its children moves, and it looks at once (after a short
-debounce so a burst of events is one look). Without a ring it looks every few seconds while a generation loads, when
-a model's back-off delay ends, and only as a slow safety net once everything is steady; every look reads the
-watch-fed cache, so a quiet deployment costs the API server nothing. Every status write derives the phase and reason
-columns from the conditions (strata.operator.conditions) and goes through the StatusWriter, which sends only what
-changed; Events go through one recorder that aggregates repeats.
+debounce so a burst of events is one look). Without a ring it looks every few seconds while a generation loads or
+retires, when a model's back-off delay ends, and only as a slow safety net once everything is steady; every look
+reads the watch-fed cache, so a quiet deployment costs the API server nothing. Every status write derives the phase
+and reason columns from the conditions (strata.operator.conditions) and goes through the StatusWriter, which sends
+only what changed; Events go through one recorder that aggregates repeats.
 """
 
 from __future__ import annotations
@@ -141,8 +141,10 @@ def reconcile_deployment(body: kopf.Body, logger: logging.Logger | logging.Logge
     installed = _installed()
     with installed.writer.lock(key):
         outcome = _reconcile(installed.writer.freshest(key, body), key=key, logger=logger)
-    if outcome.retry_in is not None:
-        installed.doorbells.ring({key})  # the monitor may be asleep for a minute: it must wait for the back-off
+    if outcome.retry_in is not None or outcome.status.retiring:
+        # The monitor may be asleep for a minute: it must wait for the back-off, or delete a retiring generation's
+        # stages once the gateway's drain bound has passed.
+        installed.doorbells.ring({key})
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=30.0)
@@ -261,6 +263,7 @@ def _observe(
     settled = outcome.status
     return bool(
         settled.phase in _STEADY_PHASES
+        and not settled.retiring
         and settled.serving is not None
         and settled.plan is not None
         and settled.serving.generation == settled.plan.generation

@@ -7,7 +7,8 @@ serve now in place and says why nothing new fits.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,15 +29,10 @@ from strata.operator.planning import PlanRefused, foreign_pods, plan_replicas
 from strata.operator.progress import load_failure, load_progress
 from strata.operator.reasons import Reason
 from strata.operator.render import PipelineChildren, render_children
-from strata.operator.replicas import (
-    count,
-    describe,
-    generations_in_use,
-    place,
-    previous_pipelines,
-)
+from strata.operator.replicas import count, describe, place, previous_pipelines
 from strata.operator.replicas import serving as serving_pipelines
 from strata.operator.spec import ModelDeploymentSpec
+from strata.operator.stage_cleanup import delete_unkept, listed, settle_retirement
 from strata.operator.status import (
     ConditionType,
     Coordinator,
@@ -82,12 +78,14 @@ class Reconciler:
         image: str,
         operator_namespace: str,
         backoff: Backoff | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.cluster = cluster
         self.models = models
         self.backoff = backoff or Backoff()
         self.image = image
         self.operator_namespace = operator_namespace  # where the operator's pods run; stage policies admit them
+        self.clock = clock  # wall time: retiring generations are stamped with it in status
 
     def reconcile(self, body: Manifest) -> Outcome:
         """Plan and apply the spec, or say in the Planned condition why it cannot be (never an exception for a
@@ -138,6 +136,7 @@ class Reconciler:
 
         status.shortfall = None
         owner = Owner(name=name, namespace=namespace, uid=meta["uid"])
+        listed_before = listed(previous_pipelines(status).values())
         if spec.replicas == 0:
             return self._at_zero(owner, status, spec, first, generation=generation, outcome=outcome)
         rendered = self._place(owner, status, pipelines, spec=spec, spec_generation=generation, outcome=outcome)
@@ -156,9 +155,11 @@ class Reconciler:
             operator_namespace=self.operator_namespace,
         ):
             self.cluster.apply(child)
-        self.cluster.delete_other_generations(
-            namespace=namespace, deployment=name, keep=generations_in_use(status.pipelines)
+        poll_s = spec.coordination.retry_period_seconds
+        retirement = settle_retirement(
+            status, pipelines=status.pipelines, listed_before=listed_before, poll_s=poll_s, now=self.clock()
         )
+        delete_unkept(self.cluster, namespace=namespace, deployment=name, decision=retirement)
 
         status.plan, status.serving = zero.plan, zero.serving
         status.stage_count = len(zero.plan.stages)
@@ -216,7 +217,9 @@ class Reconciler:
             operator_namespace=self.operator_namespace,
         ):
             self.cluster.apply(child)
+        # At zero nothing is kept, retiring or not: the autoscaler scales to zero only once no request runs.
         self.cluster.delete_other_generations(namespace=owner.namespace, deployment=owner.name, keep=set())
+        status.retiring = []
         status.endpoint = Names(owner.name, owner.namespace).gateway_url()
         self.observe(owner, outcome=outcome, generation=generation, replicas=0)
         self.observe_coordinator(namespace=owner.namespace, name=owner.name, outcome=outcome)
@@ -266,6 +269,11 @@ class Reconciler:
             return outcome
         pipelines = list(previous_pipelines(status).values())
         owner = Owner(name=name, namespace=namespace, uid=meta["uid"])
+        try:
+            spec = ModelDeploymentSpec.from_manifest(body["spec"])
+        except ValidationError as e:
+            raise InvalidSpec(str(e)) from e
+        listed_before = listed(pipelines)
         moved = False
         for pipeline in pipelines:
             pending, serving = pipeline.plan, pipeline.serving
@@ -274,10 +282,6 @@ class Reconciler:
             if not self._ready(owner, pending.generation):
                 continue
             if pipeline.index == 0:
-                try:
-                    spec = ModelDeploymentSpec.from_manifest(body["spec"])
-                except ValidationError as e:
-                    raise InvalidSpec(str(e)) from e
                 self.cluster.apply(
                     gateway_deployment(owner, spec, serving=pending, image=self.image, model_name=model_name(spec))
                 )
@@ -290,17 +294,24 @@ class Reconciler:
                     "Normal",
                     EventReason.CUT_OVER,
                     f"every stage of generation {pending.generation} is ready: {which} from generation "
-                    f"{serving.generation}, which is removed once the new gateway pods are available",
+                    f"{serving.generation}, which is removed once the new gateway pods are available and have "
+                    "drained it",
                 )
             )
         if status.pipelines:
             status.pipelines = sorted(pipelines, key=lambda p: p.index)
+        retirement = settle_retirement(
+            status,
+            pipelines=pipelines,
+            listed_before=listed_before,
+            poll_s=spec.coordination.retry_period_seconds,
+            now=self.clock(),
+        )
         if not moved and self.cluster.gateway_rolled_out(namespace=namespace, name=Names(name, namespace).gateway):
             # Old generations go only once the gateway pods that drive the new one are up: until then the gateway
-            # that still runs may be driving an old generation of pipeline 0.
-            self.cluster.delete_other_generations(
-                namespace=namespace, deployment=name, keep=generations_in_use(pipelines)
-            )
+            # that still runs may be driving an old generation of pipeline 0. A generation the gateway may still be
+            # draining stays until its bound (strata.operator.retirement).
+            delete_unkept(self.cluster, namespace=namespace, deployment=name, decision=retirement)
         return outcome
 
     def observe(self, owner: Owner, *, outcome: Outcome, generation: int, replicas: int) -> None:

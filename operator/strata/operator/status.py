@@ -116,6 +116,14 @@ class PipelineStatus(_Status):
         return {key: value for key, value in handler(self).items() if value is not None}
 
 
+class RetiringGeneration(_Status):
+    """A generation that left the plan while the gateway may have been driving it (strata.operator.retirement)."""
+
+    generation: int = Field(ge=1)
+    pipeline: int = Field(ge=0, description="The pipeline it served.")
+    since: str = Field(description="When it left; its stages go once the gateway's drain bound has passed since.")
+
+
 class ObservedDemand(_Status):
     """What the coordinator gateway last reported (strata.demand), as the autoscaler read it."""
 
@@ -171,5 +179,9 @@ class ModelDeploymentStatus(_Status):
     excluded: list[Excluded] = Field(default_factory=list)
     load_progress: list[LoadProgress] = Field(default_factory=list, alias="loadProgress")
     coordinator: Coordinator | None = None
+    retiring: list[RetiringGeneration] = Field(
+        default_factory=list,
+        description="Generations whose stages stay while the gateway drains the requests still running on them.",
+    )
     autoscaling: AutoscalingStatus | None = Field(default=None, description="Set while spec.autoscaling is.")
     endpoint: str | None = None

@@ -26,6 +26,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from kubernetes import client
@@ -40,6 +41,9 @@ from strata_testbed.pod_sandbox import (
 )
 from strata_testbed.probes import Readiness
 from strata_testbed.processes import ManagedProcess
+
+if TYPE_CHECKING:
+    from strata_testbed.controlplane import ControlPlane
 
 # Every pod of Strata's, the chart's operator and each ModelDeployment's children alike.
 STRATA_PODS = "app.kubernetes.io/name=strata"
@@ -279,3 +283,23 @@ class PodRunner:
             token=token,
             log_dir=self._log_dir,
         )
+
+
+def namespace_runner(
+    control_plane: ControlPlane,
+    *,
+    core: client.CoreV1Api,
+    namespace: str,
+    folder: Path,
+    node_env: Mapping[str, str] | None = None,
+) -> PodRunner:
+    """A runner for the pods of one namespace of `control_plane`, their logs under `folder`/pods: how the cluster
+    tests run Strata's pods."""
+    return PodRunner(
+        core=core,
+        namespaces=[namespace],
+        log_dir=folder / "pods",
+        api_server=control_plane.server,
+        ca=control_plane.pki.ca.cert,
+        node_env=node_env,
+    )

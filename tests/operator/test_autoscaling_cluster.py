@@ -15,22 +15,12 @@ from strata.gguf.testmodels.writer import write_test_model
 from strata_testbed.controlplane import ControlPlane
 from strata_testbed.demo import gateway_url
 from strata_testbed.operator_run import create, deployment, read, stage_pods
-from strata_testbed.pod_runner import PodRunner
+from strata_testbed.pod_runner import namespace_runner
 from strata_testbed.waiting import eventually
 
 pytestmark = pytest.mark.cluster
 
 PROMPT = {"prompt": [1, 17, 200, 3, 45], "max_tokens": 8, "temperature": 0}
-
-
-def _runner(control_plane: ControlPlane, *, core: client.CoreV1Api, namespace: str, folder: Path) -> PodRunner:
-    return PodRunner(
-        core=core,
-        namespaces=[namespace],
-        log_dir=folder / "pods",
-        api_server=control_plane.server,
-        ca=control_plane.pki.ca.cert,
-    )
 
 
 def _spec(*, cold_start_s: float) -> dict[str, Any]:
@@ -72,7 +62,7 @@ def test_an_idle_deployment_scales_to_zero_and_the_next_request_is_answered_once
     core = client.CoreV1Api(cluster)
     tiny = write_test_model(tmp_path / "tiny.gguf", architecture="llama").path
     create(cluster, namespace, deployment("cold", tiny, **_spec(cold_start_s=120)))
-    with _runner(control_plane, core=core, namespace=namespace, folder=tmp_path) as runner:
+    with namespace_runner(control_plane, core=core, namespace=namespace, folder=tmp_path) as runner:
         url = eventually(
             lambda: gateway_url(core, namespace=namespace, deployment="cold"), timeout=180, what=f"{runner.errors}"
         )
@@ -103,7 +93,7 @@ def test_a_request_at_zero_that_outwaits_the_cold_start_bound_is_a_503_with_retr
     tiny = write_test_model(tmp_path / "tiny.gguf", architecture="llama").path
     create(cluster, namespace, deployment("cold", tiny, **_spec(cold_start_s=1)))
     scheduler = control_plane.process("kube-scheduler")
-    with _runner(control_plane, core=core, namespace=namespace, folder=tmp_path) as runner:
+    with namespace_runner(control_plane, core=core, namespace=namespace, folder=tmp_path) as runner:
         url = eventually(
             lambda: gateway_url(core, namespace=namespace, deployment="cold"), timeout=180, what=f"{runner.errors}"
         )

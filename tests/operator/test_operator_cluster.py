@@ -33,7 +33,7 @@ from strata_testbed.operator_run import (
     read,
     stage_pods,
 )
-from strata_testbed.pod_runner import PodRunner
+from strata_testbed.pod_runner import PodRunner, namespace_runner
 from strata_testbed.waiting import eventually
 
 pytestmark = pytest.mark.cluster
@@ -48,17 +48,10 @@ REPORTED_WITHIN_S = 10.0  # a stage's failed load is in the condition by then
 def pod_runner(
     control_plane: ControlPlane, *, core: client.CoreV1Api, namespace: str, folder: Path, fault: str = ""
 ) -> PodRunner:
-    """Runs the pods of `namespace` as local processes (the real stage and gateway code), logs under `folder`/pods;
-    `fault` names one of tests/stage_faults for every stage worker."""
+    """`namespace_runner`, where `fault` names one of tests/stage_faults for every stage worker."""
     path = os.pathsep.join(p for p in (str(STAGE_FAULTS), os.environ.get("PYTHONPATH", "")) if p)
-    return PodRunner(
-        core=core,
-        namespaces=[namespace],
-        log_dir=folder / "pods",
-        api_server=control_plane.server,
-        ca=control_plane.pki.ca.cert,
-        node_env={"PYTHONPATH": path, "STRATA_TEST_FAULT": fault} if fault else None,
-    )
+    node_env = {"PYTHONPATH": path, "STRATA_TEST_FAULT": fault} if fault else None
+    return namespace_runner(control_plane, core=core, namespace=namespace, folder=folder, node_env=node_env)
 
 
 @pytest.mark.usefixtures("operator")

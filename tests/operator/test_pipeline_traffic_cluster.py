@@ -21,7 +21,7 @@ from strata.operator.spec import GROUP, PLURAL, VERSION
 from strata_testbed.controlplane import ControlPlane
 from strata_testbed.demo import gateway_url
 from strata_testbed.operator_run import create, deployment, read, stage_pods
-from strata_testbed.pod_runner import PodRunner
+from strata_testbed.pod_runner import PodRunner, namespace_runner
 from strata_testbed.traffic import Streamed, pipeline_gauges
 from strata_testbed.waiting import eventually
 
@@ -53,16 +53,6 @@ def _scale(cluster: client.ApiClient, namespace: str, replicas: int) -> None:
         plural=PLURAL,
         name="drain",
         body={"spec": {"replicas": replicas}},
-    )
-
-
-def _runner(control_plane: ControlPlane, core: client.CoreV1Api, namespace: str, folder: Path) -> PodRunner:
-    return PodRunner(
-        core=core,
-        namespaces=[namespace],
-        log_dir=folder / "pods",
-        api_server=control_plane.server,
-        ca=control_plane.pki.ca.cert,
     )
 
 
@@ -121,7 +111,7 @@ def test_scaling_from_three_pipelines_to_one_completes_every_request_in_flight_a
     core = client.CoreV1Api(cluster)
     tiny = write_test_model(tmp_path / "tiny.gguf", architecture="llama").path
     create(cluster, namespace, deployment("drain", tiny, **_spec(3)))
-    with _runner(control_plane, core, namespace, tmp_path) as runner:
+    with namespace_runner(control_plane, core=core, namespace=namespace, folder=tmp_path) as runner:
         url = _serving(core, namespace, runner, 3)
         before = read(cluster, namespace, "drain")["status"]
         generations = {p["index"]: p["serving"]["generation"] for p in before["pipelines"]}
@@ -172,7 +162,7 @@ def test_killing_every_stage_of_one_pipeline_fails_only_its_requests_retryably_a
     core = client.CoreV1Api(cluster)
     tiny = write_test_model(tmp_path / "tiny.gguf", architecture="llama").path
     create(cluster, namespace, deployment("drain", tiny, **_spec(2)))
-    with _runner(control_plane, core, namespace, tmp_path) as runner:
+    with namespace_runner(control_plane, core=core, namespace=namespace, folder=tmp_path) as runner:
         url = _serving(core, namespace, runner, 2)
         streams = _streams(url, 2 * LANES, max_tokens=MAX_TOKENS)
         _every_pipeline_busy(url, 2)

@@ -1,12 +1,15 @@
 """Several pipelines behind one gateway: aggregate throughput of 2 against 1, and prefix-cache hits by routing policy.
 
     .venv/bin/python bench/pipelines.py [--layers 4] [--lanes 4] [--tokens 48] [--rounds 3] [--chats 12] [--turns 4]
+                                        [--devices cpu | cuda:0,cuda:1]
 
 1. Throughput. A llama of realistic width (bench_llama, `--layers` layers) served by 1, then 2 pipelines of one
    stage each; every stage is its own `strata stage-worker` process on loopback, the gateway (the real app and its
    drivers, strata.gateway.pipelines) runs in this process. Each pipeline has `--lanes` lanes, and the load keeps
    every lane busy: `--rounds` waves of as many completions as there are lanes, `--tokens` tokens each (the end of
    text is biased away, so each runs its full length). Tokens per second is tokens generated over the wall time.
+   `--devices`: pipeline i runs on the i-th device of the list (round the list), so on a machine of two GPUs each
+   pipeline has a GPU of its own.
 2. Prefix-cache hits. The small test model, with pipelines of one in-process stage each and a prefix chunk of 16
    tokens: `--chats` conversations of `--turns` turns, each with its own system prompt, turns sent one at a time in
    an order shuffled within each round (seeded), so neither policy gets a lucky rhythm. A chat's first turn cannot
@@ -47,7 +50,10 @@ CHUNK = 16
 
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
-    return f"{platform.node()} ({cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.system()})"
+    gpus = ""
+    if torch.cuda.is_available():
+        gpus = f", {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    return f"{platform.node()} ({cpu}, {os.cpu_count()} cores{gpus}, torch {torch.__version__}, {platform.system()})"
 
 
 def settings(model: Path, *, lanes: int, context: int, prefix_chunk: int) -> GatewaySettings:
@@ -90,8 +96,9 @@ async def gateway(
 
 
 @contextlib.contextmanager
-def stage_processes(model: Path, count: int, *, lanes: int, folder: Path) -> Iterator[list[str]]:
-    """`count` single-stage pipelines as worker processes; their addresses."""
+def stage_processes(model: Path, count: int, *, lanes: int, folder: Path, devices: list[str]) -> Iterator[list[str]]:
+    """`count` single-stage pipelines as worker processes, pipeline i on devices[i % len(devices)]; their
+    addresses."""
     layers = read_model_header(str(model))[0].metadata["llama.block_count"]
     stages: list[StageProcess] = []
     try:
@@ -107,7 +114,7 @@ def stage_processes(model: Path, count: int, *, lanes: int, folder: Path) -> Ite
                 "STRATA_CACHE_TYPE_V": "f16",
                 "STRATA_NEXT_STAGE": "",
                 "STRATA_LISTEN": "127.0.0.1:0",
-                "STRATA_DEVICE": "cpu",
+                "STRATA_DEVICE": devices[index % len(devices)],
                 "STRATA_PREFIX_CACHE_BYTES": "0",
             }
             stages.append(StageProcess(env=env, log_path=folder / f"pipeline-{count}-{index}.log"))
@@ -185,7 +192,7 @@ async def measure(args: argparse.Namespace) -> tuple[dict[int, float], dict[tupl
             folder / "wide.gguf", architecture="llama", shape=bench_llama(layers=args.layers, context_length=CONTEXT)
         ).path
         for count in (1, 2):
-            with stage_processes(wide, count, lanes=args.lanes, folder=folder) as addresses:
+            with stage_processes(wide, count, lanes=args.lanes, folder=folder, devices=args.devices) as addresses:
                 rates[count] = await throughput(
                     wide, addresses, lanes=args.lanes, tokens=args.tokens, rounds=args.rounds
                 )
@@ -215,12 +222,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--chats", type=int, default=12)
     parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--devices", type=lambda text: text.split(","), default=["cpu"], help="comma-separated")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)  # each gateway's drivers say they step down when it closes
     print(f"machine: {machine()}", flush=True)
     rates, hits = asyncio.run(measure(args))
     print()
-    print(f"| Pipelines behind one gateway ({machine()}) | Figure |")
+    print(f"| Pipelines behind one gateway ({machine()}; stages on {', '.join(args.devices)}) | Figure |")
     print("|---|---|")
     print(f"| 1 pipeline, {args.lanes} lanes, {args.tokens}-token completions | {rates[1]:.1f} tokens/s |")
     print(f"| 2 pipelines, {args.lanes} lanes each | {rates[2]:.1f} tokens/s ({rates[2] / rates[1]:.2f}x) |")

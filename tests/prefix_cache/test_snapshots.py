@@ -12,6 +12,7 @@ from strata.stage_worker.prefix_cache import PrefixCache
 CPU = torch.device("cpu")
 WIDTH = 64
 LAYERS = 2
+BLOCK = 8  # the lengths here are whole blocks, so free cells count positions
 
 
 def pool(cache_type: CacheType, *, context: int = 64, parallel: int = 3) -> KVPool:
@@ -25,6 +26,7 @@ def pool(cache_type: CacheType, *, context: int = 64, parallel: int = 3) -> KVPo
         type_v=cache_type,
         dtype=torch.float32,
         device=CPU,
+        block=BLOCK,
     )
 
 
@@ -86,7 +88,7 @@ def test_a_restored_slot_reads_back_bit_identical_to_the_prefill(
     cells = held(kv, slot=1, length=restored)
     assert torch.equal(kv.table[1, :restored], cells), "decode reads a slot's cells from the device table"
     assert not set(cells.tolist()) & set(held(kv, slot=0, length=40).tolist()), "fresh cells, not shared"
-    assert kv.free_cells == 128 - 40 - restored
+    assert kv.free_cells == kv.full.cells - 40 - restored
 
 
 def test_a_snapshot_costs_its_tokens_not_the_context() -> None:
@@ -155,12 +157,12 @@ def test_a_snapshot_that_cannot_fit_is_not_kept_and_evicts_nothing(budget: int, 
 
 
 def test_a_restore_that_finds_the_pool_full_misses_and_leaves_the_slot_empty() -> None:
-    kv = pool(CacheType.F32, context=48)
+    kv = pool(CacheType.F32, context=40)  # five blocks, and two for the other slots' partial last blocks
     cache = PrefixCache(budget_bytes=1 << 20)
     prefill(kv, slot=0, length=32, seed=1)
     cache.save(pool=kv, slot=0, generation=0, key=b"k", length=32)
     assert not cache.restore(pool=kv, slot=1, generation=0, key=b"k", length=32)
-    assert (kv.length(1), kv.free_cells, cache.stats().misses) == (0, 16, 1)
+    assert (kv.length(1), kv.free_cells, cache.stats().misses) == (0, 24, 1)
 
 
 def test_a_snapshot_longer_than_the_slot_is_refused() -> None:

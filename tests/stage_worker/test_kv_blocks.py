@@ -160,3 +160,25 @@ def test_fit_takes_the_longest_run_of_positions_the_blocks_hold(
         cells.extend(held)
     assert cells.fit(queue) == part
     cells.extend(part)  # what fit promises, the space gives
+
+
+@pytest.mark.parametrize(
+    ("window", "block"),
+    [
+        pytest.param(10, 4, id="a window longer than two blocks"),
+        pytest.param(8, 4, id="a window of exactly two blocks"),
+        pytest.param(3, 4, id="a window shorter than a block"),
+        pytest.param(1024, 64, id="Gemma 3's window in the planned blocks"),
+    ],
+)
+def test_a_decoding_window_slot_holds_only_the_blocks_its_window_reaches(window: int, block: int) -> None:
+    per_slot = -(-window // block) + 1
+    context = 3 * window + 2 * block
+    cells = CellSpace(blocks=per_slot, block=block, parallel=1, context=context, window=window, device=CPU)
+    for position in range(context):
+        (cell,) = cells.take([(0, position)])
+        held = cells.blocks_of(0)
+        assert len(held) <= per_slot
+        assert cell // block == held[-1]
+        assert cells.first(0) <= cells.sight(position), "every position the query sees is still held"
+    assert cells.allocator.free_blocks + len(cells.blocks_of(0)) == per_slot, "the rest went back to the pool"

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field, replace
 import torch
 from strata.stage_worker.decode import Decoder
 from strata.stage_worker.errors import InvalidRequestError, PoolExhaustedError
-from strata.stage_worker.kv_cells import Piece
-from strata.stage_worker.kv_pool import KVPool, Placement
+from strata.stage_worker.kv_cells import Piece, Placement
+from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.model import ChunkView, StageModel, StepLayout, step_layout
 from strata.stage_worker.sampling import Sampled, Sampling, sample_rows
 from torch import Tensor

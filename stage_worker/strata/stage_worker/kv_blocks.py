@@ -2,13 +2,14 @@
 
 Block b is cells b * size .. b * size + size - 1 of every layer's stores, so a slot's table keeps naming cells
 (`block * size + offset`) and attention reads it unchanged. A block is free at count 0; a slot that holds it counts
-1, and a block several holders share (a cached prefix mapped into another slot) counts each of them, so it returns
-to the free list only when the last one lets go.
+1, and a block several holders share (a prefix snapshot and the slots it was restored into) counts each of them, so
+it returns to the free list only when the last one lets go. Holders that may let go on demand (the prefix cache)
+register `on_short`: a growth short of blocks asks it to, before it refuses.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from strata.stage_worker.errors import PoolExhaustedError
 
@@ -27,6 +28,8 @@ class BlockAllocator:
         self.size = size
         self._free: list[int] = list(range(blocks - 1, -1, -1))
         self._counts = [0] * blocks
+        # Lets go of some held blocks (the least recently used prefix snapshot); False: it holds none any more.
+        self.on_short: Callable[[], bool] | None = None
 
     @property
     def free_blocks(self) -> int:
@@ -37,7 +40,11 @@ class BlockAllocator:
 
     def check(self, needs: Iterable[tuple[int, int]]) -> None:
         """Refuse, before anything is taken, the first of `needs` ((slot, blocks), in the order they would be taken)
-        that the free blocks cannot cover."""
+        that the free blocks cannot cover, once `on_short` has let go of what it can."""
+        needs = list(needs)
+        total = sum(count for _, count in needs)
+        while total > len(self._free) and self.on_short is not None and self.on_short():
+            pass
         free = len(self._free)
         for slot, count in needs:
             if count > free:

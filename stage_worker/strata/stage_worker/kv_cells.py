@@ -4,7 +4,9 @@ attention reads in place.
 
 Position p of a slot lives in its block p // size at offset p % size, so its cell is `block * size + p % size`: the
 table the kernels read is the block table spelled out per position. A slot grows by whole blocks and gives them
-back when it is truncated or reset.
+back when it is truncated or reset. A prefix snapshot pins a slot's blocks and another slot adopts them, without a
+copy; a slot about to write into a block someone else also holds (the partial last block of a shared prefix) first
+copies it to a block of its own (copy on write, `copy_block`).
 
 A pool has a space for its full-attention layers (the context in whole blocks; a slot may hold every position of the
 context) and, when the stage has sliding-window layers, a space of their own (strata.kv_layout.window_cells, the
@@ -20,12 +22,40 @@ attention never reads before a query's window.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from strata.stage_worker.errors import ContextExceededError
-from strata.stage_worker.kv_blocks import BlockAllocator
+from strata.stage_worker.kv_blocks import BlockAccountingError, BlockAllocator
 from torch import Tensor
 
 Piece = tuple[int, int, int]  # (slot, start position, length): a chunk, or the part of one that a step part takes
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a chunk went in one cell space."""
+
+    new: Tensor  # [T] the cells its positions are written to
+    cells: Tensor  # the cells of every position the space holds for the slot, first..end-1 (from 0: all of them)
+
+
+@dataclass(frozen=True)
+class Extension:
+    full: Placement  # the full-attention layers' cells
+    window: Placement | None  # the sliding-window layers' cells, when they have a space of their own
+
+
+@dataclass(frozen=True)
+class PrefixCells:
+    """The cells of a slot's first `length` positions: all of them for full-attention layers; for sliding-window
+    layers, from `window_first` on (at least what a query at `length` sees)."""
+
+    length: int
+    cells: Tensor  # [length]
+    window_first: int = 0
+    window_cells: Tensor | None = None  # [length - window_first]
 
 
 def _blocks_to(position: int, size: int) -> int:
@@ -52,6 +82,8 @@ class CellSpace:
         self._length = [0] * parallel
         # Decode steps write their new cell into the table on the device themselves; prefill chunks from the host.
         self.table = torch.zeros(parallel, context, dtype=torch.long, device=device)
+        # Copies block src's rows to block dst in every layer of this space (the pool's stores).
+        self.copy_block: Callable[[int, int], None] | None = None
 
     @property
     def free_cells(self) -> int:
@@ -118,8 +150,10 @@ class CellSpace:
         for slot, start, _ in pieces:
             self.truncate(slot=slot, position=start)
             self._release_before(slot, self.sight(start))
+        shared = {slot for slot, start, _ in pieces if self._shared_tail(slot, start)}
         needs = [
-            (slot, _blocks_to(start + length, self.block) - self._reach(slot, start)) for slot, start, length in pieces
+            (slot, _blocks_to(start + length, self.block) - self._reach(slot, start) + (slot in shared))
+            for slot, start, length in pieces
         ]
         if sum(count for _, count in needs) > self.allocator.free_blocks and self.window:
             for other in range(self.parallel):
@@ -127,6 +161,9 @@ class CellSpace:
                     self._release_before(other, self.sight(self._length[other]))
         self.allocator.check(needs)
         for (slot, start, length), (_, count) in zip(pieces, needs, strict=True):
+            if slot in shared:
+                self._copy_tail(slot, start)
+                count -= 1
             if not self._blocks[slot]:
                 self._base[slot], self._first[slot] = start // self.block, start
             self._blocks[slot].extend(self.allocator.allocate(count, slot=slot))
@@ -167,6 +204,32 @@ class CellSpace:
         self.table[slot, first:length] = cells
         return first, cells
 
+    def pin(self, *, slot: int, end: int) -> tuple[int, ...]:
+        """One more hold on each block of the slot's positions 0..end-1 (a prefix snapshot); the last may be partial."""
+        if self._first[slot] or not 1 <= end <= self._length[slot]:
+            raise ContextExceededError(
+                f"slot {slot} holds positions {self._first[slot]}..{self._length[slot] - 1}; a prefix of {end} is "
+                "not all there"
+            )
+        blocks = tuple(self._blocks[slot][: _blocks_to(end, self.block)])
+        for block in blocks:
+            self.allocator.share(block)
+        return blocks
+
+    def adopt(self, *, slot: int, blocks: tuple[int, ...], length: int) -> Tensor:
+        """Empty the slot and make it hold positions 0..length-1 in `blocks` (pinned ones, now held once more), already
+        in the table; returns their cells. Its first write into a block it shares copies that block."""
+        if len(blocks) != _blocks_to(length, self.block):
+            raise ValueError(f"{length} positions take {_blocks_to(length, self.block)} blocks, not {len(blocks)}")
+        self.reset(slot)
+        for block in blocks:
+            self.allocator.share(block)
+        self._blocks[slot] = list(blocks)
+        self._length[slot] = length
+        cells = self._cells(slot, 0, length)
+        self.table[slot, :length] = cells
+        return cells
+
     def reset(self, slot: int) -> None:
         self.truncate(slot=slot, position=0)
         self._first[slot] = self._length[slot] = 0
@@ -177,6 +240,23 @@ class CellSpace:
         blocks = torch.tensor(self._blocks[slot], dtype=torch.long)
         cells = blocks[positions // self.block - self._base[slot]] * self.block + positions % self.block
         return cells.to(self.device)
+
+    def _shared_tail(self, slot: int, start: int) -> bool:
+        """Whether writing position `start` of a slot truncated there lands in a block another holder shares."""
+        held = self._blocks[slot]
+        return bool(start % self.block and held) and self.allocator.refcount(held[-1]) > 1
+
+    def _copy_tail(self, slot: int, start: int) -> None:
+        """Give the slot a block of its own in place of its shared last one, the positions before `start` copied."""
+        if self.copy_block is None:
+            raise BlockAccountingError("a shared block must be copied before a write, and this space has no stores")
+        held = self._blocks[slot]
+        (own,) = self.allocator.allocate(1, slot=slot)
+        self.copy_block(held[-1], own)
+        self.allocator.release([held[-1]])
+        held[-1] = own
+        low = max(self._first[slot], start - start % self.block)
+        self.table[slot, low:start] = self._cells(slot, low, start)
 
     def _reach(self, slot: int, start: int) -> int:
         """The logical block a slot truncated to `start` takes first: past its last held block, or, holding none

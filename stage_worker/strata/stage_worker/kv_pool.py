@@ -13,13 +13,15 @@ attention reads them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from strata.gguf.model import UBATCH_TOKENS, CacheType
 from strata.kv_layout import BLOCK_TOKENS, full_cells, window_space_cells
 from strata.stage_worker.errors import ContextExceededError, PoolExhaustedError, UnknownSlotError
-from strata.stage_worker.kv_cells import CellSpace, Piece
+from strata.stage_worker.kv_cells import CellSpace, Extension, Piece, Placement, PrefixCells
 from torch import Tensor
 
 Q8_BLOCK = 32
@@ -143,31 +145,6 @@ class LayerCache:
         return self.keys.read(cells, dtype=self.dtype), self.values.read(cells, dtype=self.dtype)
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where a chunk went in one cell space."""
-
-    new: Tensor  # [T] the cells its positions are written to
-    cells: Tensor  # the cells of every position the space holds for the slot, first..end-1 (from 0: all of them)
-
-
-@dataclass(frozen=True)
-class Extension:
-    full: Placement  # the full-attention layers' cells
-    window: Placement | None  # the sliding-window layers' cells, when they have a space of their own
-
-
-@dataclass(frozen=True)
-class PrefixCells:
-    """The cells of a slot's first `length` positions: all of them for full-attention layers; for sliding-window
-    layers, from `window_first` on (at least what a query at `length` sees)."""
-
-    length: int
-    cells: Tensor  # [length]
-    window_first: int = 0
-    window_cells: Tensor | None = None  # [length - window_first]
-
-
 class KVPool:
     """The context's cells per full-attention layer, fewer per sliding-window layer, shared by `parallel` slots in
     blocks of `block` cells."""
@@ -223,6 +200,9 @@ class KVPool:
 
         spaces = [self.window if windowed and self.window is not None else self.full for windowed in self.windowed]
         self.layers = [cache(space.cells) for space in spaces]
+        for space in self._spaces():
+            mine = [layer for layer, owner in zip(self.layers, spaces, strict=True) if owner is space]
+            space.copy_block = partial(_copy_block, mine, block)
 
     @property
     def table(self) -> Tensor:
@@ -350,6 +330,33 @@ class KVPool:
             raise
         return PrefixCells(length=length, cells=new, window_first=first, window_cells=cells)
 
+    def pin(self, *, slot: int, length: int) -> tuple[int, ...]:
+        """The full-attention blocks of the slot's positions 0..length-1, held once more (a prefix snapshot's)."""
+        self._slot(slot)
+        return self.full.pin(slot=slot, end=length)
+
+    def unpin(self, blocks: tuple[int, ...]) -> None:
+        self.full.allocator.release(blocks)
+
+    def adopt(self, *, slot: int, blocks: tuple[int, ...], length: int) -> PrefixCells:
+        """Empty the slot and make it hold positions 0..length-1: in pinned `blocks` for the full-attention layers,
+        without a copy, and in fresh cells of the sliding-window space for what a query at `length` sees (a restored
+        prefix writes those)."""
+        self.check(slot=slot, start_position=0, length=length)
+        cells = self.full.adopt(slot=slot, blocks=blocks, length=length)
+        if self.window is None:
+            return PrefixCells(length=length, cells=cells)
+        try:
+            first, window_cells = self.window.place(slot=slot, length=length)
+        except PoolExhaustedError:
+            self.reset(slot)  # neither space holds a part of the prefix
+            raise
+        return PrefixCells(length=length, cells=cells, window_first=first, window_cells=window_cells)
+
+    def on_short(self, release: Callable[[], bool] | None) -> None:
+        """Let a holder of pinned blocks (the prefix cache) give some back when the full-attention space runs short."""
+        self.full.allocator.on_short = release
+
     def reset(self, slot: int) -> None:
         self._slot(slot)
         for space in self._spaces():
@@ -367,3 +374,12 @@ class KVPool:
     def _slot(self, slot: int) -> None:
         if not 0 <= slot < self.parallel:
             raise UnknownSlotError(f"slot {slot} does not exist; this stage has slots 0..{self.parallel - 1}")
+
+
+def _copy_block(layers: list[LayerCache], size: int, source: int, target: int) -> None:
+    """Block `source`'s rows, as stored, into block `target`, in every layer of one cell space."""
+    rows = torch.arange(source * size, (source + 1) * size, device=layers[0].keys.values.device)
+    into = rows + (target - source) * size
+    for layer in layers:
+        layer.keys.put(into, layer.keys.raw(rows))
+        layer.values.put(into, layer.values.raw(rows))

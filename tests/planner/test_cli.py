@@ -121,13 +121,14 @@ def test_a_pool_too_small_exits_2_with_the_shortfall(
 def test_an_override_that_cannot_fit_exits_2_saying_what_would(
     llama70b: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # 45.8 GB of Q4_K/Q6_K blocks leave three 24 GiB GPUs room for 101120 of the native 131072 tokens: the first
-    # stage (27 layers and token_embd) keeps 85% of 7.00 GB for KV, 5.95 GB, at 58,752 B a cell: 101,286 cells.
+    # 45.8 GB of Q4_K/Q6_K blocks leave three 24 GiB GPUs room for 100864 of the native 131072 tokens: the first
+    # stage (27 layers and token_embd) keeps 85% of 7.00 GB for KV, 5.95 GB, at 58,752 B a cell: 101,286 cells,
+    # less a 64-cell block for each of the three slots beyond the first: 101,094.
     nodes = _write(tmp_path, {"apiVersion": "v1", "kind": "List", "items": [gpu_node("a10g", gpus=3, gib=24)]})
     assert main(["plan", str(llama70b), "--nodes", str(nodes), "--context", "131072"]) == 2
     assert capsys.readouterr().err == (
         "strata plan: does not fit: context 131072 needs 7.7 GB of KV on stage 0 (a10g) which has 6.0 GB free; "
-        "the largest context that fits is 101120\n"
+        "the largest context that fits is 100864\n"
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from strata.fit import ContextSnap, candidate_contexts, snap_down
 from strata.gguf.model import CacheType
+from strata.kv_layout import BLOCK_TOKENS
 from strata.operator.planner.memory import (
     RUNTIME_OVERHEAD_BYTES,
     buffer_bytes,
@@ -121,7 +122,7 @@ def test_candidate_contexts_run_from_the_floor_to_the_native_context(
 )
 def test_a_stage_counts_kv_only_for_its_own_layers(start: int, end: int) -> None:
     model = llama3_8b()
-    profile = ModelProfile.of(model, type_k=CacheType.Q8_0, type_v=CacheType.Q8_0, parallel=4)
+    profile = ModelProfile.of(model, type_k=CacheType.Q8_0, type_v=CacheType.Q8_0, parallel=1)
     per_token = model.kv_bytes_per_token(type_k=CacheType.Q8_0, type_v=CacheType.Q8_0)
     assert profile.kv_bytes(start, end, 4096) == 4096 * per_token * (end - start) // 32
 
@@ -130,14 +131,14 @@ def test_a_stage_counts_kv_only_for_its_own_layers(start: int, end: int) -> None
     ("parallel", "context"),
     [
         pytest.param(1, 32768, id="one lane"),
-        pytest.param(4, 32768, id="four lanes share the same pool"),
-        pytest.param(16, 32768, id="sixteen lanes share the same pool"),
+        pytest.param(4, 32768, id="four lanes share the same pool, a partial block each beyond the first"),
+        pytest.param(16, 32768, id="sixteen lanes share the same pool, a partial block each beyond the first"),
     ],
 )
 def test_parallel_lanes_do_not_multiply_kv_memory(parallel: int, context: int) -> None:
     model = llama3_70b()
     profile = ModelProfile.of(model, type_k=CacheType.Q8_0, type_v=CacheType.Q8_0, parallel=parallel)
-    assert profile.kv_bytes(0, 80, context) == context * 174080
+    assert profile.kv_bytes(0, 80, context) == (context + (parallel - 1) * BLOCK_TOKENS) * 174080
 
 
 @pytest.mark.parametrize(

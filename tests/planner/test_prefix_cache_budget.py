@@ -19,10 +19,11 @@ from strata_testbed.model_shapes import Q8_0, llama3_70b
 SEVENTY_B = llama3_70b(weight_type=Q8_0)
 # Four 24 GiB GPUs hold a Q8_0 70B (75.0 GB, kept in its blocks) short of its native context, so the KV budget, and
 # with it the prefix cache's share, decides the context. Without a prefix cache the middle stages (21 layers) have
-# 3.83 GB free, 85% of which holds 71,284 cells of 45,696 B: 71168 once snapped; the default 5% share leaves 67584.
+# 3.83 GB free, 85% of which holds 71,284 cells of 45,696 B, less three slots' partial blocks (192): 70912 once
+# snapped; the default 5% share leaves 67328.
 FOUR_A10G = [gpu_node("a10g", gpus=4, gib=24, resource="nvidia.com/gpu")]
-CONTEXT_WITHOUT_PREFIX_CACHE = 71168
-CONTEXT_WITH_THE_DEFAULT_SHARE = 67584
+CONTEXT_WITHOUT_PREFIX_CACHE = 70912
+CONTEXT_WITH_THE_DEFAULT_SHARE = 67328
 
 
 def plan(**options: Any) -> Plan:

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 from strata.gguf.model import CacheType, ModelInfo
+from strata.kv_layout import BLOCK_TOKENS
 from strata.operator.planner import PlanOptions, plan_placement
 from strata.operator.planner.errors import InvalidOptionError, OverrideDoesNotFitError
 from strata.operator.planner.profile import ModelProfile
@@ -70,7 +71,7 @@ def test_a_single_stage_with_a_tied_head_loads_token_embd_once() -> None:
         pytest.param(
             _pool(("a10g", 4, A10G, "nvidia.com/gpu")),
             4,
-            67584,
+            67328,
             id="four 24 GB GPUs hold it at a shorter context",
         ),
         pytest.param(
@@ -128,7 +129,7 @@ def test_a_pipeline_may_mix_nvidia_and_amd_stages() -> None:
         ),
         pytest.param(
             {"max_stages": 4},
-            lambda p: (len(p.stages), p.context_length) == (4, 67584),
+            lambda p: (len(p.stages), p.context_length) == (4, 67328),
             id="a max stages override caps the stages even at a shorter context",
         ),
         pytest.param(
@@ -159,7 +160,7 @@ def test_an_override_that_fits_wins(options: dict[str, Any], check: Any) -> None
         pytest.param(
             {"context_length": 131072},
             r"^context 131072 needs 5\.4 GB of KV on stage 0 \(a10g\) which has 3\.7 GB free; "
-            r"the largest context that fits is 67584$",
+            r"the largest context that fits is 67328$",
             id="a context that does not fit names the stage and the largest context that does",
         ),
         pytest.param(
@@ -174,7 +175,7 @@ def test_an_override_that_fits_wins(options: dict[str, Any], check: Any) -> None
         ),
         pytest.param(
             {"context_length": 131072, "max_stages": 4},
-            "the largest context that fits with at most 4 stages is 67584",
+            "the largest context that fits with at most 4 stages is 67328",
             id="a context error under max stages says so",
         ),
     ],
@@ -197,11 +198,14 @@ def test_an_option_out_of_range_is_refused(options: dict[str, Any]) -> None:
         PlanOptions(**options)
 
 
-def test_parallel_slots_share_one_kv_pool() -> None:
+def test_parallel_slots_share_one_kv_pool_with_a_partial_block_each() -> None:
     nodes = _pool(("a10g", 4, A10G, "nvidia.com/gpu"))
     one, sixteen = (_plan(SEVENTY_B, nodes, parallel=n) for n in (1, 16))
-    assert one.context_length == sixteen.context_length
-    assert [s.kv_bytes for s in one.stages] == [s.kv_bytes for s in sixteen.stages]
+    assert 0 <= one.context_length - sixteen.context_length <= 1024
+    per_token = SEVENTY_B.kv_bytes_per_token(type_k=sixteen.cache_type_k, type_v=sixteen.cache_type_v)
+    for stage in sixteen.stages:
+        layers = stage.layer_end - stage.layer_start
+        assert stage.kv_bytes == (sixteen.context_length + 15 * BLOCK_TOKENS) * per_token * layers // 80
 
 
 def test_tolerations_let_a_tainted_pool_in() -> None:

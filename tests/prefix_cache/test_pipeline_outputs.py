@@ -14,8 +14,10 @@ from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.pipeline import Pipeline, Sampling, Token
 from strata.gguf.model import CacheType
 from strata.lease import FencingToken
+from strata.stage_worker.engine import Chunk, StepResult
 from strata.stage_worker.server import RunningStage
 from strata_testbed.pipelines import local_pipeline
+from torch import Tensor
 
 CHUNK = 16  # prefix chunk and prefill chunk alike, so a restored prefix ends where a prefill chunk would
 SYSTEM = tuple(range(40, 80))  # 40 tokens every conversation starts with: two whole chunks
@@ -242,3 +244,53 @@ def test_prompts_sent_together_prefill_a_shared_prefix_once(
     assert [t.tokens for t in on] == [t.tokens for t in off]
     # Steps batch the prompts differently with and without waiting, so sums round differently: close, not bit-equal.
     assert [t.logprobs for t in on] == [pytest.approx(t.logprobs, abs=1e-4) for t in off]
+
+
+def prompt_positions(chunks: list[tuple[int, int, int]], *, slot: int, prompt_length: int) -> int:
+    """How many of a prompt's positions a stage computed for `slot`: the parts of its chunks before prompt_length."""
+    return sum(max(0, min(start + length, prompt_length) - start) for s, start, length in chunks if s == slot)
+
+
+@pytest.mark.parametrize(
+    ("stage_count", "cache_type"),
+    [
+        pytest.param(1, CacheType.F32, id="one stage"),
+        pytest.param(3, CacheType.Q8_0, id="three stages with a q8_0 cache"),
+    ],
+)
+def test_a_prompt_sharing_ninety_percent_of_an_earlier_one_computes_only_the_rest_on_every_stage(
+    prefix_models: dict[str, Path], stage_count: int, cache_type: CacheType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    earlier = tuple(range(20, 180))  # 160 tokens: ten chunks, saved whole
+    later = (*earlier[:144], *range(200, 216))  # its first 144 tokens (90%, nine chunks) and 16 new ones
+
+    def two_turns(previous: list[Turn]) -> tuple[int, ...] | None:
+        return (earlier, later)[len(previous)] if len(previous) < 2 else None
+
+    seen: list[list[tuple[int, int, int]]] = []  # per stage: (slot, start, length) of every chunk it computed
+    with local_pipeline(
+        prefix_models["llama"], SPANS[stage_count], context=256, cache_type=cache_type, prefix_cache_bytes=BUDGET
+    ) as stages:
+        for stage in stages:
+            engine = stage.service.engine
+            chunks_of: list[tuple[int, int, int]] = []
+            seen.append(chunks_of)
+
+            def counted(
+                chunks: list[Chunk],
+                hidden: Tensor | None,
+                *,
+                into: list[tuple[int, int, int]] = chunks_of,
+                step: Callable[[list[Chunk], Tensor | None], StepResult] = engine.step,
+            ) -> StepResult:
+                into.extend((c.slot, c.start_position, c.length) for c in chunks)
+                return step(chunks, hidden)
+
+            monkeypatch.setattr(engine, "step", counted)
+        turns = run(stages, prefix_chunk=CHUNK, prompts=two_turns)
+    assert [t.cached for t in turns] == [0, 144]
+    for chunks in seen:
+        probe = (0, 0, 1)  # the coordinator's readiness probe, one position on slot 0 before any request
+        assert chunks[0] == probe
+        assert prompt_positions(chunks[1:], slot=0, prompt_length=len(earlier)) == 160
+        assert prompt_positions(chunks, slot=1, prompt_length=len(later)) == 16, "only the new chunk is computed"

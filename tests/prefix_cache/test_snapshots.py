@@ -1,4 +1,6 @@
-"""Snapshots on one stage: rows come back bit-exact into fresh cells, and the budget evicts least recently used."""
+"""Snapshots on one stage: a restored slot reads the saved rows bit-exact from the same blocks (no copy), a write into a
+shared block copies it first, live slots take pinned blocks back when short, and the budget evicts least recently
+used."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from strata.stage_worker.prefix_cache import PrefixCache
 CPU = torch.device("cpu")
 WIDTH = 64
 LAYERS = 2
+BLOCK = 8  # the lengths here are whole blocks, so free cells count positions
 
 
 def pool(cache_type: CacheType, *, context: int = 64, parallel: int = 3) -> KVPool:
@@ -25,6 +28,7 @@ def pool(cache_type: CacheType, *, context: int = 64, parallel: int = 3) -> KVPo
         type_v=cache_type,
         dtype=torch.float32,
         device=CPU,
+        block=BLOCK,
     )
 
 
@@ -85,8 +89,8 @@ def test_a_restored_slot_reads_back_bit_identical_to_the_prefill(
             assert torch.equal(a, b)
     cells = held(kv, slot=1, length=restored)
     assert torch.equal(kv.table[1, :restored], cells), "decode reads a slot's cells from the device table"
-    assert not set(cells.tolist()) & set(held(kv, slot=0, length=40).tolist()), "fresh cells, not shared"
-    assert kv.free_cells == 128 - 40 - restored
+    assert torch.equal(cells, held(kv, slot=0, length=restored)), "the saved slot's own cells, not copies"
+    assert kv.free_cells == kv.full.cells - 40, "a restore takes no block"
 
 
 def test_a_snapshot_costs_its_tokens_not_the_context() -> None:
@@ -154,13 +158,15 @@ def test_a_snapshot_that_cannot_fit_is_not_kept_and_evicts_nothing(budget: int, 
     )
 
 
-def test_a_restore_that_finds_the_pool_full_misses_and_leaves_the_slot_empty() -> None:
-    kv = pool(CacheType.F32, context=48)
+def test_a_restore_into_a_full_pool_takes_no_block_and_hits() -> None:
+    kv = pool(CacheType.F32, context=40)  # five blocks, and two for the other slots' partial last blocks
     cache = PrefixCache(budget_bytes=1 << 20)
     prefill(kv, slot=0, length=32, seed=1)
     cache.save(pool=kv, slot=0, generation=0, key=b"k", length=32)
-    assert not cache.restore(pool=kv, slot=1, generation=0, key=b"k", length=32)
-    assert (kv.length(1), kv.free_cells, cache.stats().misses) == (0, 16, 1)
+    prefill(kv, slot=2, length=24, seed=2)
+    assert kv.free_cells == 0
+    assert cache.restore(pool=kv, slot=1, generation=0, key=b"k", length=32)
+    assert (kv.length(1), cache.stats().hits) == (32, 1)
 
 
 def test_a_snapshot_longer_than_the_slot_is_refused() -> None:
@@ -178,3 +184,55 @@ def test_clearing_forgets_every_snapshot_and_frees_its_bytes() -> None:
     cache.clear()
     assert (cache.stats().snapshots, cache.stats().bytes_held) == (0, 0)
     assert not cache.restore(pool=kv, slot=1, generation=0, key=b"k", length=16)
+
+
+def rewrite(kv: KVPool, *, slot: int, start: int, length: int, seed: int) -> None:
+    """Write other K and V for positions start..start+length-1 of `slot`, as a later step would."""
+    generator = torch.Generator().manual_seed(seed)
+    cells = kv.extend(slot=slot, start_position=start, length=length).full.new
+    for layer in kv.layers:
+        layer.write(
+            cells, torch.randn(length, WIDTH, generator=generator), torch.randn(length, WIDTH, generator=generator)
+        )
+
+
+@pytest.mark.parametrize(
+    ("writer", "start", "saved"),
+    [
+        pytest.param(1, 20, 20, id="the restored slot continuing into the shared partial block copies it"),
+        pytest.param(0, 20, 20, id="the saving slot continuing past the saved length copies the shared block"),
+        pytest.param(0, 12, 16, id="a rollback of the saving slot into the saved positions copies, never poisons"),
+    ],
+)
+def test_a_write_into_a_shared_block_copies_it_and_the_snapshot_keeps_its_rows(
+    writer: int, start: int, saved: int
+) -> None:
+    kv = pool(CacheType.Q8_0)
+    cache = PrefixCache(budget_bytes=1 << 20)
+    prefill(kv, slot=0, length=24, seed=1)
+    original = contents(kv, 0, saved)
+    assert cache.save(pool=kv, slot=0, generation=0, key=b"k", length=saved)
+    assert cache.restore(pool=kv, slot=1, generation=0, key=b"k", length=saved)
+    shared = kv.full.blocks_of(writer)[start // BLOCK]
+    rewrite(kv, slot=writer, start=start, length=6, seed=7)
+    assert kv.full.blocks_of(writer)[start // BLOCK] != shared, "the writer took a block of its own"
+    assert cache.restore(pool=kv, slot=2, generation=0, key=b"k", length=saved)
+    for before, after in zip(original, contents(kv, 2, saved), strict=True):
+        for a, b in zip(before, after, strict=True):
+            assert torch.equal(a, b)
+    unchanged = min(start, saved)
+    for before, after in zip(contents(kv, writer, unchanged), contents(kv, 2, unchanged), strict=True):
+        for a, b in zip(before, after, strict=True):
+            assert torch.equal(a, b), "the copy kept the writer's positions before its write"
+
+
+def test_a_slot_short_of_blocks_takes_back_those_only_snapshots_hold() -> None:
+    kv = pool(CacheType.F16, context=32, parallel=2)  # four blocks of 8, and one for the second slot
+    cache = PrefixCache(budget_bytes=1 << 20)
+    prefill(kv, slot=0, length=24, seed=1)
+    assert cache.save(pool=kv, slot=0, generation=0, key=b"k", length=24)
+    kv.reset(0)
+    assert kv.free_cells == 2 * BLOCK, "the snapshot still holds three blocks"
+    prefill(kv, slot=1, length=32, seed=2)
+    assert (cache.stats().snapshots, cache.stats().evictions, kv.free_cells) == (0, 1, BLOCK)
+    assert not cache.restore(pool=kv, slot=0, generation=0, key=b"k", length=24)

@@ -1,9 +1,11 @@
-"""Sliding-window layers keep only what the plan counts: `min(context, window * slots + slack)` cells.
+"""Sliding-window layers keep only what the plan counts: each slot's window in whole blocks plus a slack
+(strata.kv_layout.window_cells).
 
-The engines here get a window space far smaller than their context (window 8, three slots, a slack of 4 or 40), so
-every step's new rows outrun the free cells: steps split into parts, slots reclaim each other's dead positions, and
-decode reuses cells continually; what they compute must still be what HF computes. The pool's bytes are then set
-against the planner's for Gemma 3-shaped plans, and a 32k-context Gemma 3 plan against a llama of the same width.
+The engines here get a window space far smaller than their context (window 8, three slots, blocks of 2 or 4 cells, a
+slack of 4 or 40), so every step's new rows outrun the free blocks: steps split into parts, slots reclaim each
+other's dead blocks, and decode reuses blocks continually; what they compute must still be what HF computes. The
+pool's bytes are then set against the planner's for Gemma 3-shaped plans, and a 32k-context Gemma 3 plan against a
+llama of the same width.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 import torch
 from strata.gguf.model import CacheType, ModelInfo
 from strata.gguf.testmodels import SMALL_SHAPES, write_test_model
+from strata.kv_layout import window_space_cells
 from strata.operator.planner import PlanOptions, plan_placement
 from strata.plan import Plan
 from strata.stage_worker.engine import Chunk, Engine
@@ -54,7 +57,7 @@ def expected(gemma3: Path) -> list[tuple[torch.Tensor, list[int]]]:
     return table
 
 
-def window_engines(path: Path, spans: list[tuple[int, int]], *, slack: int, context: int) -> list[Engine]:
+def window_engines(path: Path, spans: list[tuple[int, int]], *, slack: int, context: int, block: int) -> list[Engine]:
     built = []
     for (start, end), model in zip(spans, load_spans(path, spans), strict=True):
         c = model.config
@@ -71,6 +74,7 @@ def window_engines(path: Path, spans: list[tuple[int, int]], *, slack: int, cont
             window=c.sliding_window,
             sliding=tuple(c.is_sliding(il) for il in range(start, end)),
             window_slack=slack,
+            block=block,
         )
         built.append(Engine(model=model, pool=pool, device=CPU, dtype=torch.float32))
     return built
@@ -89,17 +93,24 @@ class EngineCase:
     spans: list[tuple[int, int]]
     slack: int
     context: int
+    block: int = 2
 
 
 ENGINE_CASES = [
-    pytest.param(EngineCase([(0, 7)], slack=4, context=96), id="one stage, steps split into parts of 28 cells"),
+    pytest.param(EngineCase([(0, 7)], slack=4, context=96), id="one stage, steps split into parts of 34 cells"),
     pytest.param(EngineCase([(0, 4), (4, 7)], slack=4, context=96), id="two stages, steps split into parts"),
     pytest.param(
         EngineCase([(0, 2), (2, 5), (5, 7)], slack=4, context=96), id="three stages, the global layer last, split"
     ),
-    pytest.param(EngineCase([(0, 7)], slack=40, context=128), id="one stage, whole steps, slots reuse their cells"),
     pytest.param(
-        EngineCase([(0, 3), (3, 7)], slack=40, context=128), id="two stages, whole steps, slots reuse their cells"
+        EngineCase([(0, 7)], slack=4, context=96, block=4), id="one stage, blocks of four, steps split into parts"
+    ),
+    pytest.param(
+        EngineCase([(0, 3), (3, 7)], slack=4, context=96, block=4), id="two stages, blocks of four, split into parts"
+    ),
+    pytest.param(EngineCase([(0, 7)], slack=40, context=128), id="one stage, whole steps, slots reuse their blocks"),
+    pytest.param(
+        EngineCase([(0, 3), (3, 7)], slack=40, context=128), id="two stages, whole steps, slots reuse their blocks"
     ),
 ]
 
@@ -108,11 +119,13 @@ ENGINE_CASES = [
 def test_a_window_space_smaller_than_the_context_computes_what_hf_computes(
     gemma3: Path, expected: list[tuple[torch.Tensor, list[int]]], case: EngineCase
 ) -> None:
-    stages = window_engines(gemma3, case.spans, slack=case.slack, context=case.context)
+    stages = window_engines(gemma3, case.spans, slack=case.slack, context=case.context, block=case.block)
     windowed = [engine.pool for engine in stages if any(engine.pool.windowed)]
     assert windowed
     assert all(pool.window is not None for pool in windowed)
-    assert all(pool.window.cells == WINDOW * len(PROMPTS) + case.slack for pool in windowed if pool.window)
+    cells = window_space_cells(window=WINDOW, slots=len(PROMPTS), slack=case.slack, block=case.block)
+    assert cells < case.context
+    assert all(pool.window.cells == cells for pool in windowed if pool.window)
     first, _ = run(
         stages,
         [
@@ -144,9 +157,11 @@ def test_a_window_space_smaller_than_the_context_computes_what_hf_computes(
 
 
 def small_pool(*, parallel: int = 2, context: int = 32, window: int = 4, slack: int = 2) -> KVPool:
+    """Blocks of two cells: a slot's window takes three, the slack one more (14 window cells for two slots)."""
     return KVPool(
         n_layers=2, context=context, parallel=parallel, key_width=32, value_width=32, type_k=CacheType.F32,
         type_v=CacheType.F32, dtype=torch.float32, device=CPU, window=window, sliding=(True, False), window_slack=slack,
+        block=2,
     )  # fmt: skip
 
 
@@ -158,21 +173,21 @@ def held_positions(kv: KVPool, slot: int) -> range:
 def test_a_slot_gives_back_what_left_its_window_when_it_next_grows() -> None:
     kv = small_pool()
     kv.extend(slot=0, start_position=0, length=6)
-    assert held_positions(kv, 0) == range(0, 6), "dead positions wait until the slot grows"
+    assert held_positions(kv, 0) == range(0, 6), "dead blocks wait until the slot grows"
     kv.take(slot=0, position=6)
-    assert held_positions(kv, 0) == range(3, 7), "position 6 sees 3..6"
+    assert held_positions(kv, 0) == range(2, 7), "position 6 sees 3..6: the block of 0..1 goes, that of 2..3 stays"
     assert kv.window is not None
-    assert kv.window.free_cells == 10 - 4
-    assert (kv.length(0), kv.free_cells) == (7, 32 - 7), "the full-attention layers keep every position"
+    assert kv.window.free_cells == 14 - 6
+    assert (kv.length(0), kv.free_cells) == (7, 34 - 8), "the full-attention layers keep every position's block"
 
 
-def test_a_slot_short_of_cells_takes_the_dead_cells_of_the_others() -> None:
+def test_a_slot_short_of_blocks_takes_the_dead_blocks_of_the_others() -> None:
     kv = small_pool()
-    kv.extend(slot=0, start_position=0, length=8)  # 8 of the 10 window cells; positions 0..4 are already dead
-    assert kv.room() == 10 - 3
-    kv.extend(slot=1, start_position=0, length=5)
-    assert held_positions(kv, 0) == range(5, 8)
-    assert held_positions(kv, 1) == range(0, 5)
+    kv.extend(slot=0, start_position=0, length=8)  # 4 of the 7 window blocks; positions 0..3 (two) are already dead
+    assert kv.fit([(1, 0, 20)]) == [(1, 0, 10)], "three free blocks and two dead ones"
+    kv.extend(slot=1, start_position=0, length=7)
+    assert held_positions(kv, 0) == range(4, 8)
+    assert held_positions(kv, 1) == range(0, 7)
 
 
 @pytest.mark.parametrize(
@@ -180,17 +195,18 @@ def test_a_slot_short_of_cells_takes_the_dead_cells_of_the_others() -> None:
     [
         pytest.param(7, False, id="continuing where the slot ends is accepted"),
         pytest.param(6, False, id="rolling back to where the window still holds what it sees is accepted"),
+        pytest.param(5, False, id="rolling back to position 2's block, which the slot still holds, is accepted"),
         pytest.param(0, False, id="starting the slot again from position 0 is accepted"),
-        pytest.param(5, True, id="rolling back to where position 2 is needed but gone is refused"),
+        pytest.param(4, True, id="rolling back to where position 1 is needed but its block is gone is refused"),
     ],
 )
 def test_a_rollback_needs_the_window_before_it_still_held(start: int, refused: bool) -> None:
     kv = small_pool()
     kv.extend(slot=0, start_position=0, length=4)
-    kv.extend(slot=0, start_position=4, length=2)  # releases position 0: position 4 sees 1..4
-    kv.take(slot=0, position=6)  # releases 1 and 2: position 6 sees 3..6
+    kv.extend(slot=0, start_position=4, length=2)  # releases nothing: position 4 sees 1..4, and 1 shares a block with 0
+    kv.take(slot=0, position=6)  # releases the block of 0..1: position 6 sees 3..6
     if refused:
-        with pytest.raises(ContextExceededError, match=r"no longer holds positions 2\.\.2 of its sliding window"):
+        with pytest.raises(ContextExceededError, match=r"no longer holds positions 1\.\.1 of its sliding window"):
             kv.check(slot=0, start_position=start, length=1)
     else:
         kv.extend(slot=0, start_position=start, length=1)
@@ -280,8 +296,8 @@ def test_a_gemma3_stage_pool_allocates_the_kv_bytes_its_plan_counts(
 
 # The figures docs/planning.md quotes ("Sliding-window KV"): Gemma 3 12B's shape (48 layers, 8 KV heads of 256,
 # windows of 1024 on five layers of six) at 32k context, four slots, q8_0, against a llama of the same width.
-GEMMA3_32K_KV_GB = 1.94
-LLAMA_32K_KV_GB = 6.85
+GEMMA3_32K_KV_GB = 1.99
+LLAMA_32K_KV_GB = 6.89
 
 
 def test_a_32k_gemma3_plan_needs_less_kv_than_a_llama_of_the_same_width() -> None:

@@ -149,4 +149,5 @@ def test_a_dead_next_stage_fails_the_step_promptly_and_frees_its_slots(tiny_mode
             pipeline.generate([Request(prompt=(4, 5, 6, 7), max_tokens=3)], slots=2)
         assert time.monotonic() - started < 5
         for stage in stages[:2]:
-            assert stage.service.engine.pool.free_cells == 64
+            pool = stage.service.engine.pool
+            assert pool.free_cells == pool.full.cells, "every block is back"

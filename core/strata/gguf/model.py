@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from strata.gguf.executable import not_executable_reason
+from strata.kv_layout import full_cells, window_cells
 
 # Tokens per micro-batch (llama.cpp's n_ubatch): the planner sizes compute buffers by it, and a sliding-window layer
 # keeps this many cells beyond its slots' windows for the new rows of a step.
@@ -70,8 +71,9 @@ class SlidingWindow:
     layers: tuple[bool, ...]
 
     def cells(self, *, n_ctx: int, n_seq: int, n_ubatch: int = UBATCH_TOKENS) -> int:
-        """KV cells a sliding-window layer holds: min(n_ctx, window * n_seq + n_ubatch)."""
-        return min(n_ctx, self.window * n_seq + n_ubatch)
+        """KV cells a sliding-window layer holds: about window * n_seq + n_ubatch in whole blocks, at most the full
+        space (strata.kv_layout)."""
+        return window_cells(window=self.window, slots=n_seq, context=n_ctx, slack=n_ubatch)
 
 
 @dataclass(frozen=True)
@@ -184,11 +186,12 @@ class ModelInfo:
         n_seq: int = 1,
         n_ubatch: int = 512,
     ) -> int:
-        """Total KV bytes for `layers` at context `n_ctx`: sliding-window layers hold fewer cells."""
+        """Total KV bytes for `layers` at context `n_ctx` in a paged pool: the context in whole blocks, fewer cells in
+        sliding-window layers."""
         span = range(self.block_count) if layers is None else layers
         total = 0
         for il in span:
-            cells = n_ctx
+            cells = full_cells(n_ctx, slots=n_seq)
             if self.sliding_window is not None and self.sliding_window.layers[il]:
                 cells = self.sliding_window.cells(n_ctx=n_ctx, n_seq=n_seq, n_ubatch=n_ubatch)
             total += cells * self.kv_bytes_per_cell(il, type_k=type_k, type_v=type_v)

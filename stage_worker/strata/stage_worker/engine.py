@@ -18,14 +18,14 @@ the slot until the next step, which starts after the accepted ones and truncates
 
 from __future__ import annotations
 
-from collections import deque
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 
 import torch
 from strata.stage_worker.decode import Decoder
 from strata.stage_worker.errors import InvalidRequestError, PoolExhaustedError
-from strata.stage_worker.kv_pool import KVPool, Placement
+from strata.stage_worker.kv_cells import Piece, Placement
+from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.model import ChunkView, StageModel, StepLayout, step_layout
 from strata.stage_worker.sampling import Sampled, Sampling, sample_rows
 from torch import Tensor
@@ -35,9 +35,6 @@ def on_device(device: torch.device) -> AbstractContextManager[object]:
     """Make the stage's GPU the current one for a step: gRPC and loader threads start on cuda:0, and graph capture,
     Triton launches and new streams use the current device, not the tensors'."""
     return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
-
-
-Piece = tuple[int, int, int]  # (slot, start position, length): a chunk, or the part of one that a step part takes
 
 
 @dataclass(frozen=True)
@@ -242,26 +239,22 @@ class Engine:
         return StepResult(hidden=None, tokens=single, logits=logits, runs=runs)
 
     def _forward_in_parts(self, pieces: list[Piece], x: Tensor) -> Tensor:
-        """The step's rows through the layers, in as many parts as the sliding-window cells need: each part takes
-        no more new positions than that space has room for now, and a part's dead positions make room for the next.
-        Parts keep the rows' order (a chunk split between two continues in the second), so the result is the
+        """The step's rows through the layers, in as many parts as the sliding-window blocks need: each part takes
+        no more new positions than that space can give now (KVPool.fit), and a part's dead blocks make room for the
+        next. Parts keep the rows' order (a chunk split between two continues in the second), so the result is the
         step's, computed as if the coordinator had sent smaller chunks."""
-        queue = deque(pieces)
+        queue = list(pieces)
         out: list[Tensor] = []
         row = 0
         while queue:
-            room = self.pool.room()
-            budget = x.shape[0] - row if room is None else room
-            if budget < 1:
-                raise PoolExhaustedError(f"no sliding-window KV cell is free for slot {queue[0][0]}")
-            part: list[Piece] = []
-            while queue and budget > 0:
-                slot, start, length = queue.popleft()
-                taken = min(length, budget)
-                part.append((slot, start, taken))
-                if taken < length:
-                    queue.appendleft((slot, start + taken, length - taken))
-                budget -= taken
+            part = self.pool.fit(queue)
+            if not part:
+                raise PoolExhaustedError(f"no sliding-window KV block is free for slot {queue[0][0]}")
+            slot, start, taken = part[-1]
+            wanted = queue[len(part) - 1][2]
+            queue = queue[len(part) :]
+            if taken < wanted:
+                queue.insert(0, (slot, start + taken, wanted - taken))
             rows = sum(length for _, _, length in part)
             out.append(self._forward(part, x[row : row + rows]))
             row += rows
@@ -269,12 +262,8 @@ class Engine:
 
     def _forward(self, part: list[Piece], x: Tensor) -> Tensor:
         """One part of a step: take its cells, then run its rows [N, D] through the layers."""
-        positions: list[Tensor] = []
-        extensions = []
-        for slot, start, length in part:
-            extensions.append(self.pool.extend(slot=slot, start_position=start, length=length))
-            positions.append(torch.arange(start, start + length))
-        at = torch.cat(positions).to(self.device)
+        extensions = self.pool.extend_part(part)
+        at = torch.cat([torch.arange(start, start + length) for _, start, length in part]).to(self.device)
 
         def layout(placements: list[Placement], table: Tensor) -> StepLayout:
             views, row = [], 0
@@ -297,7 +286,7 @@ class Engine:
         """One new position per slot, batched (and on CUDA replayed from a graph); greedy picks come back at once."""
         for chunk in chunks:
             self.pool.truncate(slot=chunk.slot, position=chunk.start_position)
-        cells = [self.pool.take(slot=chunk.slot, position=chunk.start_position) for chunk in chunks]
+        cells = self.pool.take_all([(chunk.slot, chunk.start_position) for chunk in chunks])
         out = self.decoder.run(
             slots=[chunk.slot for chunk in chunks],
             positions=[chunk.start_position for chunk in chunks],

@@ -1,21 +1,27 @@
-"""The KV pool: one unified pool of `context` cells that the `parallel` slots share, in the planned cache type.
+"""The KV pool: the cells of a stage's layers, in the planned cache type, that its `parallel` slots share in blocks.
 
-As in llama.cpp's unified KV cache, lanes do not multiply KV memory: a slot takes cells from the free list as its
-sequence grows and gives them back on reset. Sliding-window layers keep their K and V in a smaller space of their
-own, `min(context, window * slots + slack)` cells, where a position that has left every later query's window gives
-its cell to the next one (strata.stage_worker.kv_cells). The planner sized the pool with ModelInfo.kv_bytes(); the
-stores here allocate the same bytes (q8_0: int8 values plus one f16 scale per block of 32, ggml's block_q8_0 split
-into two arrays) and dequantise to the compute dtype when attention reads them.
+As in llama.cpp's unified KV cache, lanes do not multiply KV memory: the full-attention layers hold the context in
+whole blocks of strata.kv_layout.BLOCK_TOKENS cells (and a partial last block for every further slot), and a slot
+takes blocks as its sequence grows and gives them
+back on reset (strata.stage_worker.kv_cells over strata.stage_worker.kv_blocks). Sliding-window layers keep their K
+and V in a smaller space of their own, about `window * slots + slack` cells in whole blocks, where a block whose
+positions have left every later query's window goes to the next one. The planner sized the pool with
+ModelInfo.kv_bytes() from the same rule (strata.kv_layout); the stores here allocate those bytes (q8_0: int8 values
+plus one f16 scale per block of 32, ggml's block_q8_0 split into two arrays) and dequantise to the compute dtype when
+attention reads them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from strata.gguf.model import UBATCH_TOKENS, CacheType
+from strata.kv_layout import BLOCK_TOKENS, full_cells, window_space_cells
 from strata.stage_worker.errors import ContextExceededError, PoolExhaustedError, UnknownSlotError
-from strata.stage_worker.kv_cells import CellSpace
+from strata.stage_worker.kv_cells import CellSpace, Extension, Piece, Placement, PrefixCells
 from torch import Tensor
 
 Q8_BLOCK = 32
@@ -139,33 +145,9 @@ class LayerCache:
         return self.keys.read(cells, dtype=self.dtype), self.values.read(cells, dtype=self.dtype)
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where a chunk went in one cell space."""
-
-    new: Tensor  # [T] the cells its positions are written to
-    cells: Tensor  # the cells of every position the space holds for the slot, first..end-1 (from 0: all of them)
-
-
-@dataclass(frozen=True)
-class Extension:
-    full: Placement  # the full-attention layers' cells
-    window: Placement | None  # the sliding-window layers' cells, when they have a space of their own
-
-
-@dataclass(frozen=True)
-class PrefixCells:
-    """The cells of a slot's first `length` positions: all of them for full-attention layers; for sliding-window
-    layers, from `window_first` on (at least what a query at `length` sees)."""
-
-    length: int
-    cells: Tensor  # [length]
-    window_first: int = 0
-    window_cells: Tensor | None = None  # [length - window_first]
-
-
 class KVPool:
-    """`context` cells per full-attention layer, fewer per sliding-window layer, shared by `parallel` slots."""
+    """The context's cells per full-attention layer, fewer per sliding-window layer, shared by `parallel` slots in
+    blocks of `block` cells."""
 
     def __init__(
         self,
@@ -181,20 +163,30 @@ class KVPool:
         device: torch.device,
         window: int = 0,  # tokens a sliding-window layer sees; 0: none
         sliding: tuple[bool, ...] = (),  # per layer of this pool: attends over the window only
-        window_slack: int = UBATCH_TOKENS,  # cells beyond window * slots for a step's new rows, as the plan counts
+        window_slack: int = UBATCH_TOKENS,  # new rows a step may add beyond the slots' windows, as the plan counts
+        block: int = BLOCK_TOKENS,  # cells per block; the plan counts BLOCK_TOKENS, tests take small ones
     ) -> None:
         if sliding and len(sliding) != n_layers:
             raise ValueError(f"the sliding flags name {len(sliding)} layers; the pool holds {n_layers}")
         self.context = context
         self.parallel = parallel
         self.device = device
-        self.full = CellSpace(cells=context, parallel=parallel, context=context, window=0, device=device)
-        window_cells = min(context, window * parallel + window_slack)
+        self.block = block
+        self.full = CellSpace(
+            blocks=full_cells(context, slots=parallel, block=block) // block,
+            block=block,
+            parallel=parallel,
+            context=context,
+            window=0,
+            device=device,
+        )
+        window_cells = window_space_cells(window=window, slots=parallel, slack=window_slack, block=block)
         self.window: CellSpace | None = None
-        if window > 0 and any(sliding) and window_cells < context:
+        if window > 0 and any(sliding) and window_cells < self.full.cells:
             self.window = CellSpace(
-                cells=window_cells, parallel=parallel, context=context, window=window, device=device
-            )
+                blocks=window_cells // block, block=block, parallel=parallel, context=context, window=window,
+                device=device,
+            )  # fmt: skip
         # Per layer: its cells are the window space's. Without that space a sliding layer keeps every position and
         # attention masks the window, as a full-attention layer's cells would.
         self.windowed = tuple(self.window is not None and flag for flag in (sliding or (False,) * n_layers))
@@ -206,7 +198,11 @@ class KVPool:
                 dtype=dtype,
             )
 
-        self.layers = [cache(window_cells if windowed else context) for windowed in self.windowed]
+        spaces = [self.window if windowed and self.window is not None else self.full for windowed in self.windowed]
+        self.layers = [cache(space.cells) for space in spaces]
+        for space in self._spaces():
+            mine = [layer for layer, owner in zip(self.layers, spaces, strict=True) if owner is space]
+            space.copy_block = partial(_copy_block, mine, block)
 
     @property
     def table(self) -> Tensor:
@@ -227,9 +223,10 @@ class KVPool:
         """Free cells of the full-attention layers: what bounds how many positions the slots hold together."""
         return self.full.free_cells
 
-    def room(self) -> int | None:
-        """New positions one step may add over all its slots now; None: as many as the context has free."""
-        return None if self.window is None else self.window.room()
+    def fit(self, pieces: list[Piece]) -> list[Piece]:
+        """The longest run of the pieces' positions, in order, that one part of a step may take now: all of them
+        unless the sliding-window space is short (the full space refuses a step whole instead)."""
+        return list(pieces) if self.window is None else self.window.fit(pieces)
 
     def sight(self, position: int) -> int:
         """The first position the sliding-window layers keep for a query at `position` (0 without their space)."""
@@ -260,38 +257,52 @@ class KVPool:
             )
 
     def truncate(self, *, slot: int, position: int) -> None:
-        """Give back the slot's cells of positions `position` and later (a step truncates each of its slots before
-        any of them takes cells, so none reclaims another's positions that a rolled-back chunk still needs)."""
+        """Give back the slot's blocks of positions `position` and later (a step truncates each of its slots before
+        any of them takes blocks, so none reclaims another's positions that a rolled-back chunk still needs)."""
         self._slot(slot)
         for space in self._spaces():
             space.truncate(slot=slot, position=position)
 
     def extend(self, *, slot: int, start_position: int, length: int) -> Extension:
-        """Truncate the slot to `start_position` and take `length` cells in each space."""
-        self.check(slot=slot, start_position=start_position, length=length)
-        new, cells = self.full.extend(slot=slot, start=start_position, length=length)
-        window = None
-        if self.window is not None:
-            try:
-                window_new, window_cells = self.window.extend(slot=slot, start=start_position, length=length)
-            except PoolExhaustedError:
-                self.full.truncate(slot=slot, position=start_position)  # both spaces hold the same positions
-                raise
-            window = Placement(new=window_new, cells=window_cells)
-        return Extension(full=Placement(new=new, cells=cells), window=window)
+        """Truncate the slot to `start_position` and give it the cells of `length` positions in each space."""
+        return self.extend_part([(slot, start_position, length)])[0]
+
+    def extend_part(self, pieces: list[Piece]) -> list[Extension]:
+        """One part of a step: each piece's slot truncated to its start and given the cells of its positions, in
+        every space; all pieces or none."""
+        for slot, start, length in pieces:
+            self.check(slot=slot, start_position=start, length=length)
+        full = self.full.extend(pieces)
+        if self.window is None:
+            return [Extension(full=Placement(new=new, cells=cells), window=None) for new, cells in full]
+        try:
+            window = self.window.extend(pieces)
+        except PoolExhaustedError:
+            self._undo(pieces)
+            raise
+        return [
+            Extension(full=Placement(new=new, cells=cells), window=Placement(new=window_new, cells=window_cells))
+            for (new, cells), (window_new, window_cells) in zip(full, window, strict=True)
+        ]
 
     def take(self, *, slot: int, position: int) -> tuple[int, int]:
         """A decode step's new cells for `slot` at `position` (full-attention, sliding-window; 0 without the second
         space), on the host only: the step puts them in the tables."""
-        self.check(slot=slot, start_position=position, length=1)
-        cell = self.full.take(slot=slot, position=position)
+        return self.take_all([(slot, position)])[0]
+
+    def take_all(self, positions: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """`take` for every (slot, position) of a decode step at once: all of them or none."""
+        for slot, position in positions:
+            self.check(slot=slot, start_position=position, length=1)
+        cells = self.full.take(positions)
         if self.window is None:
-            return cell, 0
+            return [(cell, 0) for cell in cells]
         try:
-            return cell, self.window.take(slot=slot, position=position)
+            window = self.window.take(positions)
         except PoolExhaustedError:
-            self.full.truncate(slot=slot, position=position)  # both spaces hold the same positions
+            self._undo([(slot, position, 1) for slot, position in positions])
             raise
+        return list(zip(cells, window, strict=True))
 
     def prefix(self, *, slot: int, length: int) -> PrefixCells | None:
         """The cells of the slot's positions 0..length-1; None when the sliding-window layers no longer hold all
@@ -310,7 +321,7 @@ class KVPool:
         window's space), already in the tables: a restored prefix is written there."""
         self.check(slot=slot, start_position=0, length=length)
         try:
-            new, _ = self.full.extend(slot=slot, start=0, length=length)
+            new, _ = self.full.extend([(slot, 0, length)])[0]
             if self.window is None:
                 return PrefixCells(length=length, cells=new)
             first, cells = self.window.place(slot=slot, length=length)
@@ -319,10 +330,43 @@ class KVPool:
             raise
         return PrefixCells(length=length, cells=new, window_first=first, window_cells=cells)
 
+    def pin(self, *, slot: int, length: int) -> tuple[int, ...]:
+        """The full-attention blocks of the slot's positions 0..length-1, held once more (a prefix snapshot's)."""
+        self._slot(slot)
+        return self.full.pin(slot=slot, end=length)
+
+    def unpin(self, blocks: tuple[int, ...]) -> None:
+        self.full.allocator.release(blocks)
+
+    def adopt(self, *, slot: int, blocks: tuple[int, ...], length: int) -> PrefixCells:
+        """Empty the slot and make it hold positions 0..length-1: in pinned `blocks` for the full-attention layers,
+        without a copy, and in fresh cells of the sliding-window space for what a query at `length` sees (a restored
+        prefix writes those)."""
+        self.check(slot=slot, start_position=0, length=length)
+        cells = self.full.adopt(slot=slot, blocks=blocks, length=length)
+        if self.window is None:
+            return PrefixCells(length=length, cells=cells)
+        try:
+            first, window_cells = self.window.place(slot=slot, length=length)
+        except PoolExhaustedError:
+            self.reset(slot)  # neither space holds a part of the prefix
+            raise
+        return PrefixCells(length=length, cells=cells, window_first=first, window_cells=window_cells)
+
+    def on_short(self, release: Callable[[], bool] | None) -> None:
+        """Let a holder of pinned blocks (the prefix cache) give some back when the full-attention space runs short."""
+        self.full.allocator.on_short = release
+
     def reset(self, slot: int) -> None:
         self._slot(slot)
         for space in self._spaces():
             space.reset(slot)
+
+    def _undo(self, pieces: list[Piece]) -> None:
+        """Give back the full space's blocks of pieces the sliding-window space refused: both hold the same
+        positions."""
+        for slot, start, _ in pieces:
+            self.full.truncate(slot=slot, position=start)
 
     def _spaces(self) -> list[CellSpace]:
         return [self.full] if self.window is None else [self.full, self.window]
@@ -330,3 +374,12 @@ class KVPool:
     def _slot(self, slot: int) -> None:
         if not 0 <= slot < self.parallel:
             raise UnknownSlotError(f"slot {slot} does not exist; this stage has slots 0..{self.parallel - 1}")
+
+
+def _copy_block(layers: list[LayerCache], size: int, source: int, target: int) -> None:
+    """Block `source`'s rows, as stored, into block `target`, in every layer of one cell space."""
+    rows = torch.arange(source * size, (source + 1) * size, device=layers[0].keys.values.device)
+    into = rows + (target - source) * size
+    for layer in layers:
+        layer.keys.put(into, layer.keys.raw(rows))
+        layer.values.put(into, layer.values.raw(rows))

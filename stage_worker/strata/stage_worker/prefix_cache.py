@@ -1,25 +1,34 @@
-"""Prefix snapshots: this stage's K and V rows of a slot's first N positions, kept to be restored into another slot.
+"""Prefix snapshots: this stage's KV of a slot's first N positions, kept to be restored into another slot.
 
 Agents and chat clients resend the same system prompt and history every turn. After a prefill the coordinator asks
 every stage to keep the KV of a chunk-aligned token prefix for its own layers; a later request that starts with the
 same tokens has it restored by command into its slot and prefills only the rest. KV never crosses the wire: each
 stage restores what it kept itself.
 
-A snapshot is the rows exactly as stored (q8_0's int8 values and f16 scales alike), so a restored slot reads back
-bit-identical to the prefill that wrote it. Its size is N times the bytes of one position of this stage's layers: it
-follows the tokens used, not the context. Sliding-window layers keep only what their cells still hold (at least the
-positions a query at N sees): such a snapshot serves a shorter prefix only where that prefix's window lies inside
-it, and a save after the window has moved past position N keeps nothing (the coordinator then prefills in full).
+The full-attention layers' part is not copied: a snapshot pins the slot's blocks of the KV pool
+(strata.stage_worker.kv_cells), and a restore maps the same blocks into the new slot's table; whichever slot next
+writes into a shared block (the partial last one) copies it first, so nobody's rows change under another. Only the
+positions' tokens are final when the coordinator saves them (it saves prompt prefixes once their prefill is done;
+drafted positions come after the prompt), so a speculative rollback never changes a pinned block's positions. The
+sliding-window layers keep a copy of what their cells still hold (at least the positions a query at N sees, at most
+a window and a block): their space is sized for the slots' windows alone. Such a snapshot serves a shorter prefix
+only where that prefix's window lies inside it, and a save after the window has moved past position N keeps nothing.
 
-Snapshots are filed under (plan generation, the coordinator's hash of the prefix's token ids); a stage holds them
-within a byte budget, dropping the least recently used first, and forgets them all when a new coordinator term is
-accepted (strata.stage_worker.server), so none crosses a term.
+Pinned blocks come out of the pool that live slots use, so they are lent, not owned: when a slot's growth finds too
+few free blocks, the cache lets go of its least recently used snapshots first (KVPool.on_short), and a slot never
+waits on a snapshot. A snapshot's size is N times the bytes of one position of this stage's layers; the cache holds
+them within a byte budget as before, dropping the least recently used first, and forgets them all when a new
+coordinator term is accepted (strata.stage_worker.server), so none crosses a term.
+
+Snapshots are filed under (plan generation, the coordinator's hash of the prefix's token ids: a chained sha256 over
+the prefix's chunks, strata.gateway.prefix_index).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from strata.stage_worker.errors import PoolExhaustedError
@@ -29,13 +38,17 @@ from strata.stage_worker.kv_pool import KVPool, RawRows
 @dataclass(frozen=True)
 class Snapshot:
     length: int  # positions 0..length-1
-    keys: tuple[RawRows, ...]  # one per layer of this stage
-    values: tuple[RawRows, ...]
+    pool: KVPool  # whose blocks these are: a reloaded stage's new pool has none of them
+    blocks: tuple[int, ...]  # the full-attention layers' blocks of those positions, pinned
+    position_bytes: int  # bytes of one position over the full-attention layers
+    keys: tuple[RawRows | None, ...]  # per layer of this stage: a copy for sliding-window layers, None for the others
+    values: tuple[RawRows | None, ...]
     window_first: int = 0  # the first position the sliding-window layers' rows hold (their row 0)
 
     @property
     def nbytes(self) -> int:
-        return sum(rows.nbytes for rows in (*self.keys, *self.values))
+        copied = sum(rows.nbytes for rows in (*self.keys, *self.values) if rows is not None)
+        return self.length * self.position_bytes + copied
 
 
 @dataclass(frozen=True)
@@ -52,7 +65,10 @@ SnapshotKey = tuple[int, bytes]  # (plan generation, hash of the prefix's token 
 
 
 class PrefixCache:
-    """Snapshots within `budget_bytes`, least recently used first out; a budget of 0 keeps nothing."""
+    """Snapshots within `budget_bytes`, least recently used first out; a budget of 0 keeps nothing.
+
+    save, restore and clear change a pool's blocks: they run under the stage's engine lock, as its steps do (and
+    the cache's letting go on a short pool runs inside a step). The cache's own lock guards its table."""
 
     def __init__(self, *, budget_bytes: int) -> None:
         if budget_bytes < 0:
@@ -72,65 +88,80 @@ class PrefixCache:
         name = (generation, key)
         with self._lock:
             held = self._snapshots.get(name)
-            if held is not None and held.length >= length:
+            if held is not None and held.pool is pool and held.length >= length:
                 self._snapshots.move_to_end(name)
                 return True
         window = prefix.window_cells
-        own = [window if windowed and window is not None else prefix.cells for windowed in pool.windowed]
+        # Per layer: the cells to copy (the sliding-window layers'), or None (the full-attention layers' are pinned).
+        own = [window if windowed else None for windowed in pool.windowed]
         layers = list(zip(pool.layers, own, strict=True))
-        size = sum(cells.shape[0] * (layer.keys.row_bytes + layer.values.row_bytes) for layer, cells in layers)
-        if size > self.budget_bytes:
+        full_layers = [layer for layer, windowed in zip(pool.layers, pool.windowed, strict=True) if not windowed]
+        position_bytes = sum(layer.keys.row_bytes + layer.values.row_bytes for layer in full_layers)
+        copied = sum(
+            cells.shape[0] * (layer.keys.row_bytes + layer.values.row_bytes)
+            for layer, cells in layers
+            if cells is not None
+        )
+        if length * position_bytes + copied > self.budget_bytes:
             return False
         snapshot = Snapshot(
             length=length,
-            keys=tuple(layer.keys.raw(cells) for layer, cells in layers),
-            values=tuple(layer.values.raw(cells) for layer, cells in layers),
+            pool=pool,
+            blocks=pool.pin(slot=slot, length=length),
+            position_bytes=position_bytes,
+            keys=tuple(None if cells is None else layer.keys.raw(cells) for layer, cells in layers),
+            values=tuple(None if cells is None else layer.values.raw(cells) for layer, cells in layers),
             window_first=prefix.window_first,
         )
+        pool.on_short(self._let_go)
         with self._lock:
-            self._drop(name)
+            dropped = [self._drop(name)]
             while self._snapshots and self._bytes + snapshot.nbytes > self.budget_bytes:
-                self._drop(next(iter(self._snapshots)))
+                dropped.append(self._drop(next(iter(self._snapshots))))
                 self._evictions += 1
             self._snapshots[name] = snapshot
             self._bytes += snapshot.nbytes
+        _unpin(dropped)
         return True
 
     def restore(self, *, pool: KVPool, slot: int, generation: int, key: bytes, length: int) -> bool:
         """Make `slot` hold the snapshot's first `length` positions; False (a miss) when it is not held here."""
         with self._lock:
             snapshot = self._snapshots.get((generation, key))
-            if snapshot is None or not 1 <= length <= snapshot.length or snapshot.window_first > pool.sight(length):
+            usable = (
+                snapshot is not None
+                and snapshot.pool is pool
+                and 1 <= length <= snapshot.length
+                and snapshot.window_first <= pool.sight(length)
+            )
+            if not usable or snapshot is None:
                 self._misses += 1
                 return False
             self._snapshots.move_to_end((generation, key))
         try:
-            # Truncates the slot and takes fresh cells, writing them into the device cell tables as a prefill does.
-            placed = pool.place(slot=slot, length=length)
+            # The full-attention layers take the pinned blocks as they are; the window's cells are fresh.
+            placed = pool.adopt(slot=slot, blocks=snapshot.blocks[: -(-length // pool.block)], length=length)
         except PoolExhaustedError:
             with self._lock:
                 self._misses += 1
             return False
         # The sliding-window layers' rows start at the snapshot's window_first; the slot holds from placed's.
         skip = placed.window_first - snapshot.window_first
-        for layer, windowed, keys, values in zip(
-            pool.layers, pool.windowed, snapshot.keys, snapshot.values, strict=True
-        ):
-            if windowed and placed.window_cells is not None:
+        for layer, keys, values in zip(pool.layers, snapshot.keys, snapshot.values, strict=True):
+            if keys is not None and values is not None and placed.window_cells is not None:
                 layer.keys.put(placed.window_cells, keys.rows(skip, length - snapshot.window_first))
                 layer.values.put(placed.window_cells, values.rows(skip, length - snapshot.window_first))
-            else:
-                layer.keys.put(placed.cells, keys.head(length))
-                layer.values.put(placed.cells, values.head(length))
         with self._lock:
             self._hits += 1
         return True
 
     def clear(self) -> None:
-        """Forget every snapshot (a new coordinator term); the counters keep counting."""
+        """Forget every snapshot (a new coordinator term), giving back its blocks; the counters keep counting."""
         with self._lock:
+            dropped = list(self._snapshots.values())
             self._snapshots.clear()
             self._bytes = 0
+        _unpin(dropped)
 
     def stats(self) -> PrefixCacheStats:
         with self._lock:
@@ -143,7 +174,24 @@ class PrefixCache:
                 evictions=self._evictions,
             )
 
-    def _drop(self, name: SnapshotKey) -> None:
+    def _let_go(self) -> bool:
+        """A pool short of blocks: drop the least recently used snapshot; False when none is left."""
+        with self._lock:
+            if not self._snapshots:
+                return False
+            dropped = self._drop(next(iter(self._snapshots)))
+            self._evictions += 1
+        _unpin([dropped])
+        return True
+
+    def _drop(self, name: SnapshotKey) -> Snapshot | None:
         snapshot = self._snapshots.pop(name, None)
         if snapshot is not None:
             self._bytes -= snapshot.nbytes
+        return snapshot
+
+
+def _unpin(snapshots: Sequence[Snapshot | None]) -> None:
+    for snapshot in snapshots:
+        if snapshot is not None:
+            snapshot.pool.unpin(snapshot.blocks)

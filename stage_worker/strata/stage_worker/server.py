@@ -199,7 +199,8 @@ class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # gener
                 f"this stage serves generation {self.settings.plan_generation}"
             )
         if self.fence.admit(Holder(term=fence.term, holder=fence.holder, lease_uid=fence.lease_uid)):
-            self.prefix_cache.clear()  # snapshots never cross coordinator terms
+            with self._engine_lock:  # the snapshots' blocks go back to the pool that steps allocate from
+                self.prefix_cache.clear()  # snapshots never cross coordinator terms
 
     def GetLoadStatus(
         self, request: stage_pb2.LoadStatusRequest, context: grpc.ServicerContext

@@ -2,7 +2,8 @@
 
 The search asks "do layers [a, b) fit on this GPU at context c?" thousands of times. ModelInfo answers by walking
 the layers; here the same numbers come from prefix sums: weights, and KV bytes per cell split into full-attention
-layers (which hold `context` cells) and sliding-window layers (which hold min(context, window * slots + ubatch)).
+layers (which hold the context in whole blocks) and sliding-window layers (which hold about window * slots + ubatch
+cells in whole blocks; strata.kv_layout).
 Weights are the bytes a stage holds once loaded (ModelInfo's resident figures, strata.gguf.resident), not the
 file's: the quantised types people download stay in their blocks (Q4_K and Q5_K a few percent larger), and the others
 grow to 2 bytes per value, which planning by file size would not see.
@@ -16,6 +17,7 @@ from itertools import accumulate
 
 from strata.fit import KV_BUDGET_PERCENT
 from strata.gguf.model import UBATCH_TOKENS, CacheType, ModelInfo
+from strata.kv_layout import full_cells, window_space_cells
 from strata.operator.planner.memory import buffer_bytes, prefix_cache_bytes
 
 
@@ -32,6 +34,7 @@ class ModelProfile:
     full_kv_prefix: tuple[int, ...]  # bytes per cell, full-attention layers
     window_kv_prefix: tuple[int, ...]  # bytes per cell, sliding-window layers
     window_cells: int  # cells a sliding-window layer holds at most
+    slots: int  # parallel slots: each may leave part of its last block unused
     prefix_cache_fraction: float  # of what weights and buffers leave, reserved for prefix snapshots
 
     @classmethod
@@ -47,7 +50,9 @@ class ModelProfile:
         cells = [model.kv_bytes_per_cell(il, type_k=type_k, type_v=type_v) for il in range(model.block_count)]
         sliding = [model.is_sliding(il) for il in range(model.block_count)]
         window = model.sliding_window
-        window_cells = window.window * parallel + UBATCH_TOKENS if window is not None else 0
+        window_cells = 0
+        if window is not None:
+            window_cells = window_space_cells(window=window.window, slots=parallel, slack=UBATCH_TOKENS)
         head, embeddings = model.resident_head_bytes, model.resident_embedding_bytes
         head_beside_embeddings = head - embeddings if model.output_tied else head
         return cls(
@@ -62,6 +67,7 @@ class ModelProfile:
             full_kv_prefix=(0, *accumulate(c * (not s) for c, s in zip(cells, sliding, strict=True))),
             window_kv_prefix=(0, *accumulate(c * s for c, s in zip(cells, sliding, strict=True))),
             window_cells=window_cells,
+            slots=parallel,
             prefix_cache_fraction=prefix_cache_fraction,
         )
 
@@ -89,4 +95,5 @@ class ModelProfile:
         """KV bytes of layers [start, end) for one unified pool of `context` cells (lanes share it)."""
         full = self.full_kv_prefix[end] - self.full_kv_prefix[start]
         window = self.window_kv_prefix[end] - self.window_kv_prefix[start]
-        return context * full + min(context, self.window_cells) * window
+        cells = full_cells(context, slots=self.slots)
+        return cells * full + min(cells, self.window_cells) * window

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from kubernetes import client
+from strata.draining import DRAIN_S
 from strata.gateway.settings import from_environment
 from strata.gateway.speculation import Speculation
 from strata.lease import LeaseElector, LeaseTiming
@@ -23,7 +24,7 @@ from strata.operator.kube import Cluster
 from strata.operator.models import ModelCache
 from strata.operator.names import Names
 from strata.operator.reconcile import Outcome, Reconciler
-from strata.operator.spec import GROUP, PLURAL, ModelDeploymentSpec, Speculative, SpeculativeMethod
+from strata.operator.spec import GROUP, PLURAL, ModelDeploymentSpec, Rollout, Speculative, SpeculativeMethod
 from strata.operator.status import Coordinator, EventReason, ModelDeploymentStatus, PlanSummary, StageSummary
 from strata.plan import Backend, Plan
 from strata.plan import Stage as StagePlan
@@ -72,6 +73,18 @@ def test_the_gateway_reads_the_specs_speculative_decoding_from_the_environment_t
     plain = {e["name"]: e["value"] for e in _containers(SPEC, owner)[0]["env"] if "value" in e}
     assert "STRATA_SPECULATIVE" not in plain
     assert from_environment({}, plain).speculation() is None
+
+
+@pytest.mark.parametrize(
+    ("rollout", "drain_s"), [({}, DRAIN_S), ({"drainSeconds": 120}, 120.0)], ids=["default", "set"]
+)
+def test_the_gateway_drains_a_leaving_pipeline_for_the_specs_drain(rollout: dict[str, int], drain_s: float) -> None:
+    """The gateway's drain and the operator's bound on retired stages come from the same spec field."""
+    owner = Owner(name="tiny", namespace="models", uid="u")
+    spec = SPEC.model_copy(update={"rollout": Rollout.model_validate(rollout)})
+    values = {e["name"]: e["value"] for e in _containers(spec, owner)[0]["env"] if "value" in e}
+    assert from_environment({}, values).drain_seconds == drain_s
+    assert spec.rollout.drain_seconds == drain_s
 
 
 def _containers(spec: ModelDeploymentSpec, owner: Owner) -> list[dict[str, Any]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from strata.draining import DRAIN_S, retire_after_s
+from strata.gateway.settings import GatewaySettings
 from strata.operator.retirement import Retiring, retire
 
 NOW = 10_000.0
@@ -111,6 +112,16 @@ def test_the_bound_outlasts_a_poll_a_read_and_the_drain() -> None:
     assert retire_after_s(poll_s=30.0) - retire_after_s(poll_s=2.0) == 28.0
 
 
-def test_a_poll_period_that_is_not_positive_is_refused() -> None:
-    with pytest.raises(ValueError, match="poll period"):
-        retire_after_s(poll_s=0)
+def test_the_bound_follows_the_drain_the_deployment_sets() -> None:
+    assert retire_after_s(poll_s=2.0, drain_s=120.0) - retire_after_s(poll_s=2.0, drain_s=DRAIN_S) == 120.0 - DRAIN_S
+
+
+@pytest.mark.parametrize(("poll_s", "drain_s"), [(0.0, DRAIN_S), (2.0, 0.0)], ids=["no poll period", "no drain"])
+def test_a_poll_period_or_drain_that_is_not_positive_is_refused(poll_s: float, drain_s: float) -> None:
+    with pytest.raises(ValueError, match="must be positive"):
+        retire_after_s(poll_s=poll_s, drain_s=drain_s)
+
+
+def test_a_gateway_without_a_drain_is_refused() -> None:
+    with pytest.raises(ValueError, match="drain of a pipeline leaving service must be positive"):
+        GatewaySettings(model_url="m.gguf", first_stage="127.0.0.1:1", context=64, drain_seconds=0)

@@ -90,6 +90,7 @@ def build(settings: GatewaySettings, *, header: GGUFHeader | None = None) -> tup
         fence=None if settings.lease_name else settings.fence,
         prefix_chunk=settings.prefix_cache_chunk,
         on_capacity=admission.resize,
+        drain_s=settings.drain_seconds,
     )
     source = deployment_source(settings)
     cold_start = (

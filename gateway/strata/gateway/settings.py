@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from strata.draining import DRAIN_S
 from strata.gateway.speculation import DEFAULTS as DRAFT_DEFAULTS
 from strata.gateway.speculation import Speculation
 from strata.lease import FencingToken, LeaseTiming
@@ -66,6 +67,7 @@ OPTIONS: tuple[Option, ...] = tuple(
         ("--max-draft", "STRATA_MAX_DRAFT", int, DRAFT_DEFAULTS.max_draft),
         ("--min-draft", "STRATA_MIN_DRAFT", int, DRAFT_DEFAULTS.min_draft),
         ("--cold-start-seconds", "STRATA_COLD_START_SECONDS", float, 0.0),
+        ("--drain-seconds", "STRATA_DRAIN_SECONDS", float, DRAIN_S),
     )
 )
 
@@ -105,6 +107,8 @@ class GatewaySettings:
     # While no pipeline serves, a request is held this long for one to load (the operator scales up on the demand
     # this gateway reports); 0: answered 503 at once, and the gateway is not ready without a pipeline.
     cold_start_seconds: float = 0.0
+    # A pipeline that leaves the deployment's list finishes what it runs within this, or fails it with a retryable 503.
+    drain_seconds: float = DRAIN_S
     api_keys: frozenset[str] = field(default=frozenset(), repr=False)
     model_token: str | None = field(default=None, repr=False)
     fence: FencingToken = field(default_factory=local_fence)
@@ -132,6 +136,8 @@ class GatewaySettings:
                 f"a cold-start wait ({self.cold_start_seconds} s) must not be negative and needs the pipelines "
                 "followed (a pipelines poll period): only a deployment's pipelines come and go"
             )
+        if self.drain_seconds <= 0:
+            raise ValueError(f"the drain of a pipeline leaving service must be positive, not {self.drain_seconds} s")
         if self.lease_name:
             self.lease_timing()  # refuses unsafe timings at start-up, not at the first election
 

@@ -314,6 +314,7 @@ def gateway_deployment(
             "STRATA_QUEUE_PER_LANE": spec.admission.queue_per_lane,
             "STRATA_MAX_WAIT_SECONDS": spec.admission.max_wait_seconds,
             "STRATA_RETRY_AFTER_SECONDS": spec.admission.retry_after_seconds,
+            "STRATA_DRAIN_SECONDS": spec.rollout.drain_seconds,
             "STRATA_LISTEN": f"0.0.0.0:{GATEWAY_PORT}",
             "STRATA_PLAN_GENERATION": serving.generation,
             "STRATA_LEASE_NAME": names.coordinator_lease,

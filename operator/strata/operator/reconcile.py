@@ -157,7 +157,12 @@ class Reconciler:
             self.cluster.apply(child)
         poll_s = spec.coordination.retry_period_seconds
         retirement = settle_retirement(
-            status, pipelines=status.pipelines, listed_before=listed_before, poll_s=poll_s, now=self.clock()
+            status,
+            pipelines=status.pipelines,
+            listed_before=listed_before,
+            poll_s=poll_s,
+            drain_s=spec.rollout.drain_seconds,
+            now=self.clock(),
         )
         delete_unkept(self.cluster, namespace=namespace, deployment=name, decision=retirement)
 
@@ -305,6 +310,7 @@ class Reconciler:
             pipelines=pipelines,
             listed_before=listed_before,
             poll_s=spec.coordination.retry_period_seconds,
+            drain_s=spec.rollout.drain_seconds,
             now=self.clock(),
         )
         if not moved and self.cluster.gateway_rolled_out(namespace=namespace, name=Names(name, namespace).gateway):

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.config import JsonDict
+from strata.draining import DRAIN_S
 from strata.gguf.model import CacheType
 from strata.modeldeployment import GROUP as GROUP
 from strata.modeldeployment import KIND as KIND
@@ -252,6 +253,17 @@ class Rollout(_Spec):
         description=(
             "Serving pipelines a re-plan replaces at once; each keeps serving its old generation until its new one "
             "is ready. With 2 or more replicas at most replicas - 1, so one pipeline is untouched by a rollout."
+        ),
+    )
+    drain_seconds: int = Field(
+        default=int(DRAIN_S),
+        alias="drainSeconds",
+        ge=1,
+        le=3600,
+        description=(
+            "Seconds a pipeline leaving service (scaled down, or replaced by a rollout) has to finish the requests it "
+            "runs; what still runs then fails with a retryable 503. Its stage pods stay this long plus the gateway's "
+            "poll period and a few seconds, holding their GPUs."
         ),
     )
 

@@ -29,6 +29,7 @@ def settle_retirement(
     pipelines: Iterable[PipelineStatus],
     listed_before: dict[int, int],
     poll_s: float,
+    drain_s: float,
     now: float,
 ) -> Retirement:
     """Decide over `pipelines` as they are after the change, and write what still retires into status.retiring."""
@@ -38,7 +39,7 @@ def settle_retirement(
         in_use=generations_in_use(pipelines),
         retiring=earlier,
         now=now,
-        after_s=retire_after_s(poll_s=poll_s),
+        after_s=retire_after_s(poll_s=poll_s, drain_s=drain_s),
     )
     # Stamped to the second, rounded up: a truncated stamp would end the bound early.
     status.retiring = [

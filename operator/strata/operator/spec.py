@@ -142,7 +142,7 @@ class ApiKeySecretRef(SecretKeyRef):
 
 class Gateway(_Spec):
     replicas: int = Field(
-        default=1, ge=1, le=16, description="Gateway pods; one coordinates, the others stand by (not ready)."
+        default=1, ge=1, le=16, description="Gateway pods; one coordinates, the others serve by forwarding to it."
     )
     resources: Resources = Field(default_factory=Resources, description="The gateway container's resources.")
     ingress: Ingress | None = Field(default=None, description="An Ingress in front of /v1; none if unset.")

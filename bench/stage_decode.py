@@ -38,9 +38,9 @@ from typing import Any
 
 import grpc
 import torch
+from strata.gateway.generation import Sampling, Token
 from strata.gateway.local import CO_LOCATED_STAGE_ENV
 from strata.gateway.pipeline import Pipeline as Driver
-from strata.gateway.pipeline import Sampling, Token
 from strata.gguf.testmodels import bench_llama, write_test_model
 from strata.lease import FencingToken
 from strata.rpc.v1 import stage_pb2, stage_pb2_grpc

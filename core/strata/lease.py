@@ -52,6 +52,15 @@ def _expired(lease: Any, now: dt.datetime) -> bool:
     return bool(renewed + dt.timedelta(seconds=spec.lease_duration_seconds) < now)
 
 
+@dataclass(frozen=True)
+class LeaseView:
+    """The Lease as a round last read it: who holds it ("" for nobody) and its annotations (the coordinator's
+    address among them, strata.gateway.forwarding)."""
+
+    holder: str
+    annotations: Mapping[str, str]
+
+
 class LeaseElector:
     """Call `try_acquire_or_renew()` every retry period; it returns the token while this identity holds the Lease."""
 
@@ -75,6 +84,8 @@ class LeaseElector:
         self.timing = timing
         self._last_renewed: dt.datetime | None = None
         self._token: FencingToken | None = None
+        # The last Lease read; kept through a failed read, so a blip at the API server changes nothing here.
+        self.observed: LeaseView | None = None
 
     def try_acquire_or_renew(self) -> FencingToken | None:
         now = _now()
@@ -83,10 +94,12 @@ class LeaseElector:
         except ApiException as e:
             if e.status != 404:
                 return self._still_leading(now)
+            self.observed = LeaseView(holder="", annotations={})
             return self._create(now)
         except (HTTPError, OSError):
             return self._still_leading(now)
         spec = lease.spec
+        self.observed = LeaseView(holder=spec.holder_identity or "", annotations=dict(lease.metadata.annotations or {}))
         if spec.holder_identity == self.identity:
             spec.renew_time = now
         elif _expired(lease, now):

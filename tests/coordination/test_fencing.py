@@ -13,7 +13,8 @@ import time
 
 import pytest
 from strata.gateway.errors import GatewayError, NotReadyError
-from strata.gateway.pipeline import Generation, Pipeline, Sampling, Token
+from strata.gateway.generation import Generation, Sampling, Token
+from strata.gateway.pipeline import Pipeline
 from strata.lease import FencingToken
 from strata.stage_worker.server import RunningStage
 

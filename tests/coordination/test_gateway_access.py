@@ -60,6 +60,8 @@ def test_the_gateway_pod_gets_the_token_the_lease_and_the_timing_from_the_spec()
     assert env["STRATA_LEASE_NAME"] == Names("tiny", "models").coordinator_lease
     assert env["STRATA_LEASE_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
     assert env["STRATA_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["STRATA_ADVERTISE_URL"] == "http://$(POD_IP):8000", "where the standbys forward while it coordinates"
     assert (env["STRATA_DEPLOYMENT_NAME"], env["STRATA_DEPLOYMENT_UID"]) == ("tiny", "u"), "the object Events name"
     timing = [env[f"STRATA_{k}_SECONDS"] for k in ("LEASE_DURATION", "RENEW_DEADLINE", "RETRY_PERIOD")]
     assert timing == ["9", "6", "1"]

@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 from kubernetes import client
-from strata.lease import LeaseElector, LeaseTiming
+from strata.lease import LeaseElector, LeaseTiming, LeaseView
 
 FAST = LeaseTiming(duration_seconds=3, renew_deadline_seconds=2.0, retry_period_seconds=0.5)
 
@@ -57,7 +57,7 @@ def test_releasing_hands_over_at_once(api_client: client.ApiClient) -> None:
 
 
 @pytest.mark.cluster
-def test_the_holder_writes_its_annotations_with_each_renewal_and_a_standby_writes_none(
+def test_the_holder_writes_its_annotations_with_each_renewal_and_a_standby_reads_them_and_writes_none(
     api_client: client.ApiClient,
 ) -> None:
     api = client.CoordinationV1Api(api_client)
@@ -71,6 +71,8 @@ def test_the_holder_writes_its_annotations_with_each_renewal_and_a_standby_write
     assert a.try_acquire_or_renew() is not None
     lease = api.read_namespaced_lease(name=name, namespace="default")
     assert lease.metadata.annotations == {"strata.dev/demand": "second"}
+    assert b.try_acquire_or_renew() is None
+    assert b.observed == LeaseView(holder="a", annotations={"strata.dev/demand": "second"}), "what a standby read"
 
 
 @pytest.mark.parametrize(

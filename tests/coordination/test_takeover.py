@@ -5,12 +5,16 @@ the stages and becomes ready. Resumed, the old leader finds its term lapsed or r
 Requests sent to both throughout either complete with the healthy pipeline's output or fail with a retryable
 429/503 carrying Retry-After; none comes back with other output.
 
+A standby whose coordinator writes its address on the Lease is ready and answers completions, plain and streamed,
+with the coordinator's output, by forwarding them.
+
 A gateway whose term a stage refuses records a CoordinatorFenced Event on its ModelDeployment, naming the term and the
 stage, and climbs to a term the stages accept.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import threading
@@ -26,7 +30,7 @@ from kubernetes import client
 from strata.modeldeployment import API_VERSION, COORDINATOR_FENCED, KIND
 from strata.stage_worker.fencing import Holder
 from strata.stage_worker.server import RunningStage
-from strata_testbed.controlplane import ControlPlane
+from strata_testbed.controlplane import ControlPlane, free_port
 from strata_testbed.processes import ManagedProcess
 
 DURATION_S, RENEW_DEADLINE_S, RETRY_PERIOD_S = 3, 2.0, 0.5
@@ -65,7 +69,7 @@ def _start_gateway(
     extra_env: dict[str, str] | None = None,
 ) -> Gateway:
     settings = stages[0].service.settings
-    env = (extra_env or {}) | {
+    env = {
         "KUBECONFIG": str(plane.kubeconfig),
         "STRATA_MODEL_URL": str(model),
         "STRATA_MODEL_NAME": "qwen2",
@@ -79,7 +83,7 @@ def _start_gateway(
         "STRATA_RENEW_DEADLINE_SECONDS": str(RENEW_DEADLINE_S),
         "STRATA_RETRY_PERIOD_SECONDS": str(RETRY_PERIOD_S),
         "STRATA_POD_NAME": name,
-    }
+    } | (extra_env or {})
     process = ManagedProcess(name=name, argv=[sys.executable, "-m", "strata.cli", "gateway"], log_dir=log_dir, env=env)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and process.running():
@@ -183,6 +187,44 @@ def test_a_frozen_leader_is_replaced_with_a_higher_term_and_steps_down_when_it_w
         stop.set()
         for gateway in started:
             gateway.process.resume()
+            gateway.process.stop()
+
+
+def _addressed() -> dict[str, str]:
+    """A fixed port, and the address the replica writes on the Lease while it coordinates."""
+    port = free_port()
+    return {"STRATA_LISTEN": f"127.0.0.1:{port}", "STRATA_ADVERTISE_URL": f"http://127.0.0.1:{port}"}
+
+
+@pytest.mark.cluster
+def test_a_standby_serves_completions_through_the_coordinator(
+    control_plane: ControlPlane, api_client: client.ApiClient, model: Path, stages: list[RunningStage], tmp_path: Path
+) -> None:
+    lease = f"forward-{uuid.uuid4().hex[:6]}"
+    common = {"model": model, "stages": stages, "plane": control_plane, "lease": lease, "log_dir": tmp_path}
+    first = _start_gateway(name="gateway-a", extra_env=_addressed(), **common)  # type: ignore[arg-type]
+    started = [first]
+    try:
+        _wait(first.ready, timeout_s=60, what="the first gateway is elected and ready")
+        second = _start_gateway(name="gateway-b", extra_env=_addressed(), **common)  # type: ignore[arg-type]
+        started.append(second)
+        _wait(second.ready, timeout_s=30, what="the standby knows the coordinator and is ready")
+        assert first.url in httpx.get(f"{second.url}/readyz").json()["status"]
+        holder = client.CoordinationV1Api(api_client).read_namespaced_lease(name=lease, namespace="default").spec
+        assert holder.holder_identity.startswith("gateway-a-"), "the standby still stands by"
+
+        reference = httpx.post(f"{first.url}/v1/completions", json=REQUEST, timeout=60).json()["choices"][0]["text"]
+        plain = httpx.post(f"{second.url}/v1/completions", json=REQUEST, timeout=60)
+        assert plain.status_code == 200, plain.text
+        assert plain.json()["choices"][0]["text"] == reference
+        streamed = httpx.post(f"{second.url}/v1/completions", json=REQUEST | {"stream": True}, timeout=60)
+        assert streamed.status_code == 200, streamed.text
+        events = [line.removeprefix("data: ") for line in streamed.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        texts = [json.loads(e)["choices"][0]["text"] for e in events[:-1] if json.loads(e)["choices"]]
+        assert "".join(texts) == reference
+    finally:
+        for gateway in started:
             gateway.process.stop()
 
 

@@ -26,9 +26,10 @@ from pathlib import Path
 import pytest
 from grpc import aio
 from strata.gateway.errors import GatewayError, NotReadyError
+from strata.gateway.generation import Generation, Sampling, Token
 from strata.gateway.local import StageProcess
 from strata.gateway.metrics import GatewayMetrics
-from strata.gateway.pipeline import Generation, Pipeline, Sampling, Token
+from strata.gateway.pipeline import Pipeline
 from strata.lease import FencingToken
 from strata.rpc.v1 import stage_pb2, stage_pb2_grpc
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import pytest
 from strata.gateway.errors import NotReadyError
+from strata.gateway.generation import Generation, Sampling
 from strata.gateway.metrics import GatewayMetrics
-from strata.gateway.pipeline import Generation, Sampling
 from strata.gateway.pipelines import PipelineEntry, Pipelines
 from strata.lease import FencingToken
 

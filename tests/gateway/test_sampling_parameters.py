@@ -8,7 +8,7 @@ from typing import Annotated
 import pytest
 from openai import OpenAI
 from pydantic import BaseModel, Field
-from strata.gateway.pipeline import Sampling
+from strata.gateway.generation import Sampling
 from strata.gateway.tokenizer import GGUFTokenizer, TokenizerSpec
 from strata.gguf.header import GGUFHeader
 from strata_testbed.serve import Served

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 from strata.gateway.errors import PipelineError
+from strata.gateway.generation import Finished, Sampling, Token
 from strata.gateway.metrics import GatewayMetrics
-from strata.gateway.pipeline import Finished, Pipeline, Sampling, Token
+from strata.gateway.pipeline import Pipeline
 from strata.gateway.speculation import Speculation
 from strata.gguf.model import CacheType
 from strata.gguf.testmodels import write_test_model

@@ -194,3 +194,68 @@ def test_kubectl_scale_sets_spec_replicas_through_the_scale_subresource(api_clie
     assert scale["spec"]["replicas"] == 3
     assert scale["status"] == {"replicas": 1, "selector": "app.kubernetes.io/component=stage"}
     assert objects.get_namespaced_custom_object(**where)["spec"]["replicas"] == 3
+
+
+# Whole numbers that a CEL rule reads, written with a decimal point: they once failed the rule ("expected int, got
+# float64") though the schema's own check passed them.
+WHOLE_WITH_A_POINT = [
+    pytest.param("spec.coordination", {"retryPeriodSeconds": 1.0}, id="a retry period written as 1.0"),
+    pytest.param("spec.coordination", {"renewDeadlineSeconds": 10.0}, id="a renew deadline written as 10.0"),
+    pytest.param("spec.coordination", {"leaseDurationSeconds": 15.0}, id="a lease duration written as 15.0"),
+    pytest.param("spec.autoscaling", {"minReplicas": 0.0, "maxReplicas": 2.0}, id="autoscaling bounds as 0.0 and 2.0"),
+    pytest.param("spec.speculative", {"method": "ngram", "maxDraft": 4.0}, id="a maximum draft written as 4.0"),
+]
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("crd_installed")
+@pytest.mark.parametrize(("path", "fields"), WHOLE_WITH_A_POINT)
+def test_the_api_server_accepts_whole_numbers_written_with_a_decimal_point(
+    api_client: client.ApiClient, path: str, fields: dict[str, Any]
+) -> None:
+    objects = client.CustomObjectsApi(api_client)
+    body = _with(path, fields)
+    body["metadata"] = {"name": f"ok-{uuid.uuid4().hex[:6]}"}
+    created = objects.create_namespaced_custom_object(
+        group=GROUP, version=VERSION, namespace="default", plural=PLURAL, body=body, field_validation="Strict"
+    )
+    section = created["spec"][path.removeprefix("spec.")]
+    assert {k: section[k] for k in fields} == fields
+
+
+@pytest.mark.parametrize(("path", "fields"), WHOLE_WITH_A_POINT)
+def test_the_handlers_model_takes_whole_numbers_written_with_a_decimal_point_as_ints(
+    path: str, fields: dict[str, Any]
+) -> None:
+    spec = ModelDeploymentSpec.from_manifest(_with(path, fields)["spec"])
+    section = getattr(spec, path.removeprefix("spec."))
+    values = section.model_dump(by_alias=True)
+    assert all(values[k] == v and isinstance(values[k], int) for k, v in fields.items() if k != "method")
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("crd_installed")
+@pytest.mark.parametrize(
+    ("fields", "problem"),
+    [
+        pytest.param({"retryPeriodSeconds": 1.5}, "retryPeriodSeconds", id="a fractional retry period is refused"),
+        pytest.param(
+            {"retryPeriodSeconds": 5.0, "renewDeadlineSeconds": 4.0},
+            "coordination needs retryPeriodSeconds",
+            id="the order rule still holds for numbers with a point",
+        ),
+    ],
+)
+def test_the_api_server_still_refuses_coordination_seconds_out_of_rule(
+    api_client: client.ApiClient, fields: dict[str, float], problem: str
+) -> None:
+    objects = client.CustomObjectsApi(api_client)
+    body = _with("spec.coordination", fields)
+    body["metadata"] = {"name": f"bad-{uuid.uuid4().hex[:6]}"}
+    with pytest.raises(ApiException) as refused:
+        objects.create_namespaced_custom_object(
+            group=GROUP, version=VERSION, namespace="default", plural=PLURAL, body=body, field_validation="Strict"
+        )
+    assert refused.value.status in (400, 422)
+    assert problem in str(refused.value.body)
+    assert "expected int" not in str(refused.value.body), "the rule ran, rather than failing on the number's type"

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from strata.gateway.generation import Sampling, Token
 from strata.gateway.metrics import GatewayMetrics
-from strata.gateway.pipeline import Pipeline, Sampling, Token
+from strata.gateway.pipeline import Pipeline
 from strata.gguf.model import CacheType
 from strata.lease import FencingToken
 from strata.stage_worker.engine import Chunk, StepResult

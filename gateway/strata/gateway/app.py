@@ -3,7 +3,8 @@
 Routes parse, authenticate and delegate. Every GatewayError (and FastAPI's own validation, 404 and 405 errors) is
 rendered once, here, as OpenAI's {"error": {...}} body with Retry-After where it applies. A non-streaming request
 runs beside a watcher of the client's connection, so a client that hangs up cancels its generation at once instead
-of holding its lane to the end; a streaming one is cancelled by Starlette when the send fails.
+of holding its lane to the end; a streaming one is cancelled by Starlette when the send fails. With an election, a
+replica that does not coordinate relays completions to the one that does (strata.gateway.forwarding).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from strata.gateway.errors import (
     RequestTooLargeError,
     RouteNotFoundError,
 )
+from strata.gateway.forwarding import Local, Relay
 from strata.gateway.serving import Serving
 
 T = TypeVar("T")
@@ -107,8 +109,10 @@ def create_app(
     api_keys: frozenset[str] = frozenset(),
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     lifespan_hooks: tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]] | None = None,
+    relay: Relay | None = None,
 ) -> FastAPI:
-    """The gateway app; `lifespan_hooks` (start, stop) run with the server (the pipeline's driver, say)."""
+    """The gateway app; `lifespan_hooks` (start, stop) run with the server (the pipeline's driver, say); `relay`
+    forwards completions to the coordinating replica while this one stands by (None: no election)."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -131,6 +135,15 @@ def create_app(
             raise AuthenticationError("a valid API key is required (Authorization: Bearer KEY)")
 
     authenticated = [Depends(authenticate)]
+
+    async def relayed(request: Request, *, stream: bool) -> Response | None:
+        """The coordinator's answer when this replica stands by; None when it serves the request itself."""
+        if relay is None or isinstance(to := relay.route(request), Local):
+            return None
+        if stream:
+            return await relay.forward(to, request, stream=True)
+        answer = await cancel_on_disconnect(request, relay.forward(to, request, stream=False))
+        return Response(status_code=499) if answer is None else answer
 
     @app.exception_handler(GatewayError)
     async def gateway_error(_request: Request, error: GatewayError) -> JSONResponse:
@@ -160,12 +173,16 @@ def create_app(
 
     @app.post("/v1/chat/completions", dependencies=authenticated)
     async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
+        if (answer := await relayed(request, stream=bool(body.stream))) is not None:
+            return answer
         if body.stream:
             return _respond(await serving.chat(body))
         return _respond(await cancel_on_disconnect(request, serving.chat(body)))
 
     @app.post("/v1/completions", dependencies=authenticated)
     async def completions(body: p.CompletionRequest, request: Request) -> Response:
+        if (answer := await relayed(request, stream=bool(body.stream))) is not None:
+            return answer
         if body.stream:
             return _respond(await serving.complete(body))
         return _respond(await cancel_on_disconnect(request, serving.complete(body)))
@@ -176,6 +193,10 @@ def create_app(
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
+        if relay is not None and not relay.coordinating:
+            if relay.coordinator is None:
+                raise NotReadyError("standby: no coordinating gateway replica is known yet", retry_after_s=1)
+            return JSONResponse({"status": f"standby, forwarding to the coordinator at {relay.coordinator}"})
         if not serving.accepting:
             raise NotReadyError(f"no pipeline serves: {serving.pipelines.not_ready_reason}", retry_after_s=1)
         return JSONResponse({"status": "ready" if serving.pipelines.ready else "holding requests for a cold start"})

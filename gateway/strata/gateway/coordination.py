@@ -11,8 +11,9 @@ every pipeline of the deployment at once, strata.gateway.pipelines: one term fen
 
 The pipeline may also step down by itself, when a stage refuses its term with FAILED_PRECONDITION; the Lease is
 then released so that a replica which can claim the stages (possibly this one, with a higher term) takes over.
-A standby is not ready (/readyz answers 503): only the coordinator can serve, so load balancers and the Service
-send traffic to the coordinator alone. On shutdown the Lease is released so a standby takes over at once.
+After every round the relay hears whether this replica coordinates and what the Lease says of the one that does: a
+standby forwards requests there and is ready while it knows where (strata.gateway.forwarding). On shutdown the
+Lease is released so a standby takes over at once.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from kubernetes import client, config
+from strata.gateway.forwarding import Relay
 from strata.lease import FencingToken, LeaseElector, LeaseTiming
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,7 @@ class Coordinator:
         elector: LeaseElector,
         pipeline: Coordinated,
         annotate: Callable[[], Mapping[str, str]] | None = None,
+        relay: Relay | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`annotate`: what to write on the Lease with each round (the demand the operator scales on), taken on the
@@ -69,6 +72,7 @@ class Coordinator:
         self.elector = elector
         self.pipeline = pipeline
         self.annotate = annotate
+        self.relay = relay
         self._wake = asyncio.Event()
         self._clock = clock
         self._token: FencingToken | None = None
@@ -108,6 +112,13 @@ class Coordinator:
 
     async def round(self) -> None:
         """One election round; public so a test can drive rounds without waiting for the period."""
+        await self._elect()
+        if self.relay is not None:
+            self.relay.observe(
+                coordinating=self._token is not None, view=self.elector.observed, identity=self.elector.identity
+            )
+
+    async def _elect(self) -> None:
         if self._token is not None and self.pipeline.deposed and self.pipeline.fence == self._token:
             # A stage refused our term: someone holds a newer one, or we cannot drive this pipeline. Let go.
             log.warning("the pipeline refused term %d; releasing the coordinator Lease", self._token.term)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from strata.gateway import protocol as p
-from strata.gateway.pipeline import Token
+from strata.gateway.generation import Token
 from strata.gateway.tokenizer import GGUFTokenizer
 
 

@@ -34,9 +34,10 @@ from dataclasses import dataclass, field
 
 from strata.draining import DRAIN_S
 from strata.gateway.errors import NotReadyError
+from strata.gateway.generation import Generation, Sampling
 from strata.gateway.grammar import Constraint
 from strata.gateway.metrics import GatewayMetrics, PipelineCollector, PipelineFigures
-from strata.gateway.pipeline import Generation, Pipeline, Sampling
+from strata.gateway.pipeline import Pipeline
 from strata.gateway.routing import Candidate, Policy, affinity_key, round_robin, route
 from strata.lease import FencingToken
 

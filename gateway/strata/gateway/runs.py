@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from strata.gateway import protocol as p
-from strata.gateway.pipeline import Generation, Token
+from strata.gateway.generation import Generation, Token
 
 
 @dataclass

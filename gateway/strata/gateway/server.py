@@ -21,6 +21,7 @@ from strata.gateway.admission import Admission, AdmissionPolicy
 from strata.gateway.app import create_app
 from strata.gateway.chat_template import ChatTemplate
 from strata.gateway.cold_start import ColdStart
+from strata.gateway.forwarding import Relay, advertisement
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.pipeline import Pipeline
 from strata.gateway.pipelines import PipelineEntry, Pipelines
@@ -112,10 +113,11 @@ def build(settings: GatewaySettings, *, header: GGUFHeader | None = None) -> tup
         context=settings.context,
         cold_start=cold_start,
     )
+    relay = Relay(reply_timeout_s=settings.forward_timeout_seconds) if settings.lease_name else None
     hooks = lifespan_hooks(
-        settings, pipelines, events=events, source=source, demand=serving.demand, cold_start=cold_start
+        settings, pipelines, events=events, source=source, demand=serving.demand, cold_start=cold_start, relay=relay
     )
-    app = create_app(serving, api_keys=settings.api_keys, lifespan_hooks=hooks)
+    app = create_app(serving, api_keys=settings.api_keys, lifespan_hooks=hooks, relay=relay)
     return app, serving
 
 
@@ -152,9 +154,11 @@ def lifespan_hooks(
     source: DeploymentPipelines | None = None,
     demand: Callable[[], Demand] | None = None,
     cold_start: ColdStart | None = None,
+    relay: Relay | None = None,
 ) -> tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]]:
     """Start the drivers and the follower of the pipelines list, then the election; on the way out release the
-    Lease before closing the drivers. The coordinator writes `demand` on the Lease with each renewal."""
+    Lease before closing the drivers. The coordinator writes `demand` and its address on the Lease with each
+    renewal; `relay` hears each round's outcome."""
     follower = pipeline_follower(settings, pipelines, source) if source is not None else None
 
     async def start_pipelines() -> None:
@@ -177,11 +181,12 @@ def lifespan_hooks(
         identity=settings.identity(),
         timing=settings.lease_timing(),
     )
-    coordinator = Coordinator(
-        elector=elector,
-        pipeline=pipelines,
-        annotate=(lambda: {DEMAND_ANNOTATION: demand().encode()}) if demand is not None else None,
-    )
+    address = advertisement(identity=elector.identity, url=settings.advertise_url)
+
+    def annotate() -> dict[str, str]:
+        return address | ({DEMAND_ANNOTATION: demand().encode()} if demand is not None else {})
+
+    coordinator = Coordinator(elector=elector, pipeline=pipelines, annotate=annotate, relay=relay)
     if cold_start is not None:
         cold_start.listeners.append(coordinator.wake)
     log.info(
@@ -194,6 +199,8 @@ def lifespan_hooks(
 
     async def stop() -> None:
         await coordinator.close()
+        if relay is not None:
+            await relay.close()
         await stop_pipelines()
         if events is not None:
             events.close()

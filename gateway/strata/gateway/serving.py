@@ -31,11 +31,11 @@ from strata.gateway.errors import (
     ModelNotFoundError,
     NotReadyError,
 )
+from strata.gateway.generation import Finished, Sampling, Token
 from strata.gateway.grammar import Constraint, Grammars
 from strata.gateway.logprobs import chat_logprobs, completion_logprobs
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.model_ids import canonical_model_id, same_model
-from strata.gateway.pipeline import Finished, Sampling, Token
 from strata.gateway.pipelines import Pipelines
 from strata.gateway.runs import Piece, Run, usage_of
 from strata.gateway.streams import merged

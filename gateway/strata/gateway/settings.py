@@ -58,6 +58,8 @@ OPTIONS: tuple[Option, ...] = tuple(
         ("--renew-deadline-seconds", "STRATA_RENEW_DEADLINE_SECONDS", float, 10.0),
         ("--retry-period-seconds", "STRATA_RETRY_PERIOD_SECONDS", float, 2.0),
         ("--pod-name", "STRATA_POD_NAME", str, ""),
+        ("--advertise-url", "STRATA_ADVERTISE_URL", str, ""),
+        ("--forward-timeout-seconds", "STRATA_FORWARD_TIMEOUT_SECONDS", float, 600.0),
         ("--deployment-name", "STRATA_DEPLOYMENT_NAME", str, ""),
         ("--deployment-uid", "STRATA_DEPLOYMENT_UID", str, ""),
         ("--prefix-cache-chunk", "STRATA_PREFIX_CACHE_CHUNK", int, 256),
@@ -96,6 +98,10 @@ class GatewaySettings:
     renew_deadline_seconds: float = 10.0
     retry_period_seconds: float = 2.0
     pod_name: str = ""
+    # Where the other replicas reach this one while it coordinates (http://POD_IP:PORT), written on the Lease; empty:
+    # they cannot forward to it and answer 503 while it holds the Lease.
+    advertise_url: str = ""
+    forward_timeout_seconds: float = 600.0  # a standby's wait for the coordinator's reply (each event of a stream)
     deployment_name: str = ""  # the ModelDeployment that Events name (in lease_namespace); empty: no Events
     deployment_uid: str = ""
     prefix_cache_chunk: int = 256  # tokens per prefix-cache chunk (snapshots are taken at multiples); 0: off

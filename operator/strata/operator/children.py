@@ -343,10 +343,13 @@ def gateway_deployment(
     if spec.gateway.api_key_secret_ref is not None:
         ref = spec.gateway.api_key_secret_ref
         env.append({"name": "STRATA_API_KEYS", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
-    # The Lease lives beside the gateway; each replica is known in it by its pod name.
+    # The Lease lives beside the gateway; each replica is known in it by its pod name, and the coordinator writes its
+    # pod address there so that the standbys forward requests to it (strata.gateway.forwarding).
     env += [
         {"name": "STRATA_LEASE_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "STRATA_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "STRATA_ADVERTISE_URL", "value": f"http://$(POD_IP):{GATEWAY_PORT}"},
     ]
     http_probe = {"httpGet": {"path": "/readyz", "port": GATEWAY_PORT}, "periodSeconds": 5}
     container = {

@@ -25,6 +25,10 @@ MODEL_URL_PATTERN = r"^(https?://[^/\s]+/|hf://[^/\s]+/[^/\s]+/|file:///)\S*\.gg
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
 Quantity = Annotated[str, Field(pattern=QUANTITY_PATTERN, max_length=64)]
+# A whole number that a CEL rule reads. The API server hands CEL an `integer` field as an int and fails the rule on a
+# whole number written with a decimal point (`1.0` arrives as float64: "expected int, got float64"), while it hands
+# CEL a `number` field as a double however it was written; multipleOf keeps it whole, and the handlers' int takes 1.0.
+WholeNumber = Annotated[int, Field(json_schema_extra={"type": "number", "multipleOf": 1})]
 
 
 def cel(rule: str, message: str, field_path: str | None = None) -> JsonDict:
@@ -143,7 +147,7 @@ class ApiKeySecretRef(SecretKeyRef):
 
 class Gateway(_Spec):
     replicas: int = Field(
-        default=1, ge=1, le=16, description="Gateway pods; one coordinates, the others stand by (not ready)."
+        default=1, ge=1, le=16, description="Gateway pods; one coordinates, the others serve by forwarding to it."
     )
     resources: Resources = Field(default_factory=Resources, description="The gateway container's resources.")
     ingress: Ingress | None = Field(default=None, description="An Ingress in front of /v1; none if unset.")
@@ -222,17 +226,17 @@ class Coordination(_Spec):
         },
     )
 
-    lease_duration_seconds: int = Field(
+    lease_duration_seconds: WholeNumber = Field(
         default=15, alias="leaseDurationSeconds", ge=3, le=300, description="How long a silent coordinator is trusted."
     )
-    renew_deadline_seconds: int = Field(
+    renew_deadline_seconds: WholeNumber = Field(
         default=10,
         alias="renewDeadlineSeconds",
         ge=2,
         le=299,
         description="A coordinator unrenewed this long steps down.",
     )
-    retry_period_seconds: int = Field(
+    retry_period_seconds: WholeNumber = Field(
         default=2, alias="retryPeriodSeconds", ge=1, le=298, description="How often replicas try the Lease."
     )
 
@@ -286,7 +290,7 @@ class Autoscaling(_Spec):
         },
     )
 
-    min_replicas: int = Field(
+    min_replicas: WholeNumber = Field(
         default=1,
         alias="minReplicas",
         ge=0,
@@ -296,7 +300,7 @@ class Autoscaling(_Spec):
             "request while a pipeline loads (coldStartWaitSeconds) and answers 503 with Retry-After after that."
         ),
     )
-    max_replicas: int = Field(alias="maxReplicas", ge=1, le=64, description="Most pipelines.")
+    max_replicas: WholeNumber = Field(alias="maxReplicas", ge=1, le=64, description="Most pipelines.")
     target_queue_per_lane: float = Field(
         default=0.5,
         alias="targetQueuePerLane",
@@ -358,8 +362,12 @@ class Speculative(_Spec):
             "text is the same as without it, sampled text included."
         )
     )
-    max_draft: int = Field(default=4, alias="maxDraft", ge=1, le=16, description="Tokens proposed a step, at most.")
-    min_draft: int = Field(default=1, alias="minDraft", ge=1, le=16, description="Shorter proposals are not sent.")
+    max_draft: WholeNumber = Field(
+        default=4, alias="maxDraft", ge=1, le=16, description="Tokens proposed a step, at most."
+    )
+    min_draft: WholeNumber = Field(
+        default=1, alias="minDraft", ge=1, le=16, description="Shorter proposals are not sent."
+    )
 
     @model_validator(mode="after")
     def _draft_bounds(self) -> Speculative:

@@ -1,0 +1,110 @@
+"""What a request is to the coordinator's driver (strata.gateway.pipeline): its sampling parameters, the
+generation on its slot, and the events the driver hands it (a token, then how it finished, or the error that
+ended it). The serving layer reads these without touching the driver."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+
+from strata.gateway.errors import GatewayError
+from strata.gateway.grammar import Constraint
+from strata.gateway.speculation import NgramDrafter
+from strata.rpc.v1 import stage_pb2
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int = 0
+    logprobs: int = 0  # alternatives per token
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    presence_penalty: float = 0.0  # subtracted once from the logit of every token generated so far
+    frequency_penalty: float = 0.0  # subtracted for each time a token was generated so far
+    repetition_penalty: float = 1.0  # divides the positive logits of prompt and generated tokens; 1: off
+
+    def to_proto(
+        self, generated: Mapping[int, int] | None = None, prompt: frozenset[int] = frozenset()
+    ) -> stage_pb2.SamplingParams:
+        """The step's parameters; the presence and frequency penalties become a bias on the tokens `generated` so
+        far (token -> count), and the repetition penalty names the distinct tokens of the `prompt` and the
+        generation, so the stages need no history of their own."""
+        bias = dict(self.logit_bias)
+        for token, count in (generated or {}).items():
+            bias[token] = bias.get(token, 0.0) - self.presence_penalty - self.frequency_penalty * count
+        repeated = sorted(prompt | set(generated or ())) if self.repetition_penalty != 1.0 else []
+        return stage_pb2.SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            logprobs=self.logprobs,
+            logit_bias={t: b for t, b in bias.items() if b},
+            repetition_penalty=self.repetition_penalty if repeated else 0.0,
+            penalized=repeated,
+        )
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+@dataclass(frozen=True)
+class Token:
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # "stop" or "length"
+
+
+@dataclass(eq=False)
+class Generation:
+    """One request on one slot. The driver feeds `events`; the serving object reads them and may cancel."""
+
+    slot: int
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sampling: Sampling
+    stop_ids: frozenset[int]
+    on_freed: Callable[[], None]
+    constraint: Constraint | None = None  # a grammar the tokens must follow; its mask goes with each sampling chunk
+    events: asyncio.Queue[Token | Finished | GatewayError] = field(default_factory=asyncio.Queue)
+    fed: int = 0
+    cached: int = 0  # prompt tokens restored from a prefix snapshot instead of prefilled
+    looked_up: bool = False  # the prefix cache was asked for this prompt
+    held: bool = False  # waiting for another generation's prefill of the same prefix, to restore it from the cache
+    produced: int = 0
+    last_token: int = -1
+    cancelled: bool = False
+    finished: bool = False
+    in_flight: int = 0  # positions of its chunk in a step not yet answered; 0: its slot is free to step or reset
+    held_cells: int = 0  # positions the stages hold for it: past `fed` after rejected drafts, until its next step
+    landed: int = 0  # the step whose reply last carried it: the longest waiting go first when steps are split
+    generated: Counter[int] = field(default_factory=Counter)  # token -> times generated, for the penalties
+    # The prompt's distinct tokens, which a repetition penalty applies to (empty without one).
+    prompt_tokens: frozenset[int] = field(init=False, default=frozenset())
+    drafter: NgramDrafter | None = None  # proposes tokens to verify, when speculation applies to this request
+
+    def __post_init__(self) -> None:
+        if self.sampling.repetition_penalty != 1.0:
+            self.prompt_tokens = frozenset(self.prompt)
+
+    async def stream(self) -> AsyncIterator[Token | Finished]:
+        """Tokens until a Finished; raises the GatewayError that ended the generation, if one did."""
+        while True:
+            event = await self.events.get()
+            if isinstance(event, GatewayError):
+                raise event
+            yield event
+            if isinstance(event, Finished):
+                return

@@ -1,0 +1,163 @@
+"""Building the driver's steps and handing out what their replies carry.
+
+A step carries a chunk per generation that may step now: a prefill slice, or the last sampled token (with the tokens
+speculation drafts after it). The KV pool is shared by all slots, so a chunk that would overrun it, or the context,
+ends its generation with finish_reason "length" instead. A generation under a grammar (strata.gateway.grammar) carries
+its mask of allowed tokens in each chunk that samples, computed when the chunk is built (after its previous token
+landed and advanced the grammar); it ends with "stop" as soon as the grammar allows nothing more, without a step to
+sample the end-of-text token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from strata.gateway.errors import GatewayError, PipelineError
+from strata.gateway.generation import Finished, Generation, Token
+from strata.gateway.grammar import ConstraintViolationError
+from strata.gateway.speculation import Speculation
+from strata.gateway.stage_stream import StageStream, Step
+from strata.rpc.v1 import stage_pb2
+
+
+class Stepping(StageStream):
+    context: int
+    prefill_chunk: int
+    speculation: Speculation | None
+    _groups: int
+
+    def _chunks(self) -> list[stage_pb2.SlotChunk]:
+        """The next step: a chunk for each generation that may step now, in slot order. With micro-batches it takes
+        the longest waiting first, no more than an even share of the stepping slots (so uneven groups even out
+        as they land) and no more than leaves a slot for each step still to write (so G groups fill up)."""
+        used = sum(max(g.fed + g.in_flight, g.held_cells) for g in self._active.values())
+        waiting = [g for g in self._active.values() if not g.cancelled and not g.in_flight and not g.held]
+        stepping = len(waiting) + sum(1 for g in self._active.values() if g.in_flight)
+        even = math.ceil(stepping / self._groups)
+        share = min(even, math.ceil(len(waiting) / (self._groups - len(self._in_flight))))
+        chosen = sorted(waiting, key=lambda g: (g.landed, g.slot))[:share]
+        decoding = sum(1 for g in chosen if g.fed >= len(g.prompt))
+        drafting = self.speculation is not None and decoding <= self.speculation.max_slots
+        chunks = []
+        for g in sorted(chosen, key=lambda g: g.slot):
+            slot = g.slot
+            if g.fed < len(g.prompt):
+                # Chunks end on multiples of prefill_chunk even after a restored prefix, so a restored request
+                # prefills the same spans of positions as a full prefill would.
+                end = (g.fed // self.prefill_chunk + 1) * self.prefill_chunk
+                ids = g.prompt[g.fed : end]
+                chunk = stage_pb2.SlotChunk(
+                    slot=slot,
+                    start_position=g.fed,
+                    length=len(ids),
+                    token_ids=ids,
+                    sample=g.fed + len(ids) == len(g.prompt),
+                    sampling=g.sampling.to_proto(g.generated, g.prompt_tokens),
+                )
+            else:
+                draft = self._draft(g, used=used) if drafting else ()
+                chunk = stage_pb2.SlotChunk(
+                    slot=slot,
+                    start_position=g.fed,
+                    length=1 + len(draft),
+                    token_ids=[g.last_token, *draft],
+                    sample=True,
+                    sampling=g.sampling.to_proto(g.generated, g.prompt_tokens),
+                    drafted=len(draft),
+                )
+            if used + chunk.length > self.context or chunk.start_position + chunk.length > self.context:
+                self._finish(g, Finished("length"))
+                continue
+            used += chunk.length
+            chunks.append(chunk)
+        return self._with_masks(chunks)
+
+    def _draft(self, g: Generation, *, used: int) -> tuple[int, ...]:
+        """The tokens g's drafter proposes after its last one: no more than g may still produce after the one this
+        step picks anyway, nor than the pool and the context have room for."""
+        if g.drafter is None:
+            return ()
+        room = min(g.max_tokens - g.produced, self.context - used, self.context - g.fed) - 1
+        draft = g.drafter.propose(room)
+        if draft:
+            self.metrics.speculative_drafted.inc(len(draft))
+        return draft
+
+    def _with_masks(self, chunks: list[stage_pb2.SlotChunk]) -> list[stage_pb2.SlotChunk]:
+        """Each sampling chunk of a constrained generation gets its mask, all of the step's computed together; a
+        generation whose grammar failed ends with an error and leaves the step."""
+        constrained = [(c, g) for c in chunks if c.sample and (g := self._active[c.slot]).constraint is not None]
+        if not constrained:
+            return chunks
+        constraints = [g.constraint for _, g in constrained if g.constraint is not None]
+        failed = set()
+        for (chunk, g), mask in zip(constrained, constraints[0].grammars.masks(constraints), strict=True):
+            if mask is None:
+                error = g.constraint.error if g.constraint is not None else ""
+                self._finish(g, PipelineError(f"the output constraint failed: {error}"))
+                failed.add(chunk.slot)
+            else:
+                chunk.allowed_tokens = mask
+        return [c for c in chunks if c.slot not in failed]
+
+    def _dispatch(self, step: Step, reply: stage_pb2.ForwardReply) -> None:
+        sampled: defaultdict[int, list[stage_pb2.SampledToken]] = defaultdict(list)
+        for token in reply.tokens:  # a drafted chunk's slot has its run of tokens, in order
+            sampled[token.slot].append(token)
+        for chunk in step.chunks:
+            slot = chunk.slot
+            g = self._active.get(slot)
+            if g is None:
+                continue
+            g.in_flight = 0
+            g.landed = step.step_id
+            if g.finished:
+                continue
+            run = sampled.get(slot, [])
+            if chunk.sample and not run:  # a stage that broke the protocol: never step the slot again as if it had
+                self._finish(g, PipelineError(f"the last stage answered step {step.step_id} with no token for {slot}"))
+                continue
+            # A drafted chunk's positions hold what the model picked only up to the last accepted draft.
+            g.fed = chunk.start_position + (len(run) if chunk.drafted else chunk.length)
+            g.held_cells = chunk.start_position + chunk.length
+            if chunk.drafted:
+                self.metrics.speculative_accepted.inc(len(run) - 1)
+                self.metrics.speculative_run.observe(len(run))
+            for token in run:
+                if not self._deliver(g, token):
+                    break
+
+    def _deliver(self, g: Generation, token: stage_pb2.SampledToken) -> bool:
+        """Hand g one picked token; False once g has finished (a stop, its length, a grammar's end or failure)."""
+        g.last_token = token.token_id
+        g.produced += 1
+        if g.drafter is not None:
+            g.drafter.extend((token.token_id,))
+        if g.sampling.penalised:
+            g.generated[token.token_id] += 1
+        if g.constraint is not None:
+            try:
+                g.constraint.advance(token.token_id)
+            except ConstraintViolationError as exc:
+                self._finish(g, PipelineError(f"the output constraint failed: {exc}"))
+                return False
+        if not g.cancelled:
+            g.events.put_nowait(
+                Token(
+                    token_id=token.token_id,
+                    logprob=token.logprob,
+                    top_logprobs=tuple((t.token_id, t.logprob) for t in token.top_logprobs),
+                )
+            )
+        if token.token_id in g.stop_ids or (g.constraint is not None and g.constraint.complete):
+            self._finish(g, Finished("stop"))
+        elif g.produced >= g.max_tokens:
+            self._finish(g, Finished("length"))
+        return not g.finished
+
+    def _finish(self, g: Generation, event: Finished | GatewayError) -> None:
+        if not g.finished and not g.cancelled:
+            g.events.put_nowait(event)
+        g.finished = True
+        g.cancelled = True  # its slot is reset before the next step

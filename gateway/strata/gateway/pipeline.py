@@ -37,8 +37,8 @@ chunk-aligned prefix (SavePrefix). Both calls run in the driver between steps, i
 stages: a snapshot is taken before anything can reset or reuse the slot, and a restore lands before the slot's first
 step. They cost one unary call through the stages each, small beside the prefill they save.
 
-With a Speculation, a generation's decode chunk carries its last token and the tokens that n-gram lookup over
-its context proposes after it (strata.gateway.speculation); the reply then holds one to all of those tokens plus one,
+With a Speculation, a generation's decode chunk carries its last token and the tokens its drafter proposes after
+it (n-gram lookup over its context, strata.gateway.speculation, unless `drafters` makes another kind); the reply then holds one to all of those tokens plus one,
 dispatched in order as if each had come from a step of its own, and the slot's next chunk starts after them.
 """
 
@@ -60,7 +60,7 @@ from strata.gateway.errors import GatewayError, NotReadyError, PipelineError
 from strata.gateway.grammar import Constraint, ConstraintViolationError
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.prefix_index import PrefixIndex, boundary_hashes
-from strata.gateway.speculation import NgramDrafter, Speculation, drafts_for
+from strata.gateway.speculation import Drafter, NgramDrafter, Speculation, drafts_for
 from strata.lease import FencingToken
 from strata.rpc.v1 import stage_pb2, stage_pb2_grpc
 from strata.settings import GRPC_OPTIONS
@@ -167,7 +167,7 @@ class Generation:
     generated: Counter[int] = field(default_factory=Counter)  # token -> times generated, for the penalties
     # The prompt's distinct tokens, which a repetition penalty applies to (empty without one).
     prompt_tokens: frozenset[int] = field(init=False, default=frozenset())
-    drafter: NgramDrafter | None = None  # proposes tokens to verify, when speculation applies to this request
+    drafter: Drafter | None = None  # proposes tokens to verify, when speculation applies to this request
 
     def __post_init__(self) -> None:
         if self.sampling.repetition_penalty != 1.0:
@@ -203,6 +203,8 @@ class Pipeline:
         prefix_chunk: int = 0,  # tokens per prefix-cache chunk; 0: no prefix cache
         micro_batches: int = 1,  # steps in flight at once, of disjoint slots; used only with two stages or more
         speculation: Speculation | None = None,  # None: one position a decode step
+        # A request's drafter, given its prompt; None: n-gram lookup. It may answer None (no draft for that request).
+        drafters: Callable[[tuple[int, ...]], Drafter | None] | None = None,
         metrics: GatewayMetrics | None = None,  # None: figures of its own, unread
         step_timeout_s: float = 120.0,
         probe_interval_s: float = 0.5,
@@ -220,6 +222,7 @@ class Pipeline:
         self.micro_batches = micro_batches
         self._groups = 1  # micro_batches once the first stage says a next stage follows it
         self.speculation = speculation
+        self._drafters = drafters
         self.prefixes = PrefixIndex(chunk=prefix_chunk) if prefix_chunk > 0 else None
         self.metrics = metrics or GatewayMetrics()
         self.step_timeout_s = step_timeout_s
@@ -258,6 +261,9 @@ class Pipeline:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._driver
         self._drop_stream()
+        for g in self._active.values():
+            if g.drafter is not None:
+                g.drafter.close()
         if self._channel is not None:
             await self._channel.close()
 
@@ -333,7 +339,9 @@ class Pipeline:
         )
         s = self.speculation
         if s is not None and drafts_for(penalised=sampling.penalised, constrained=constraint is not None):
-            generation.drafter = NgramDrafter(prompt, speculation=s)
+            generation.drafter = (
+                NgramDrafter(prompt, speculation=s) if self._drafters is None else self._drafters(prompt)
+            )
         self._active[slot] = generation
         self._wake.set()
         return generation
@@ -597,6 +605,8 @@ class Pipeline:
     def _release(self, slot: int) -> None:
         g = self._active.pop(slot, None)
         if g is not None:
+            if g.drafter is not None:
+                g.drafter.close()
             g.on_freed()
 
     async def _fail_all(self, exc: grpc.RpcError) -> None:

@@ -13,15 +13,13 @@ from pathlib import Path
 import pytest
 from strata.gateway.draft_model import (
     DraftModel,
-    DraftModelError,
-    DraftSource,
     kept_positions,
     load_draft_model,
     vocabulary_refusal,
 )
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.pipeline import Finished, Pipeline, Sampling, Token
-from strata.gateway.speculation import Drafter, Speculation
+from strata.gateway.speculation import Drafter, DraftModelError, DraftSource, Speculation
 from strata.gguf import read_model_header
 from strata.gguf.header import GGUFHeader
 from strata.gguf.model import CacheType
@@ -144,7 +142,8 @@ def test_a_request_beyond_the_draft_slots_decodes_without_drafts_and_a_closed_dr
 ) -> None:
     drafts = draft_model(files, "other model")
     first, second = drafts.drafter(PROMPT), drafts.drafter(PROMPT)
-    assert first is not None and second is not None
+    assert first is not None
+    assert second is not None
     assert drafts.drafter(PROMPT) is None
     first.close()
     first.close()
@@ -163,7 +162,8 @@ def test_a_rejected_guess_is_fed_again_from_where_the_request_differs(files: dic
     drafter.extend((wrong,))  # the target disagreed with the first guess
     again = drafter.propose(2)
     assert drafter.held[: len(PROMPT) + 1] == [*PROMPT, wrong]
-    assert len(drafter.held) == len(PROMPT) + 2 and len(again) == 2
+    assert len(drafter.held) == len(PROMPT) + 2
+    assert len(again) == 2
 
 
 # The slot's tokens, the request's tokens, and how many positions stay before feeding.
@@ -237,6 +237,9 @@ def test_loading_a_draft_of_another_vocabulary_fails_before_its_weights_are_read
         draft_model(files, "other vocabulary")
     assert str(files["other vocabulary"]) in str(refused.value)
     assert str(files["target"]) in str(refused.value)
-    assert vocabulary_refusal(
-        target=header(files["target"]), draft=header(files["other model"]), target_name="t", draft_name="d"
-    ) is None
+    assert (
+        vocabulary_refusal(
+            target=header(files["target"]), draft=header(files["other model"]), target_name="t", draft_name="d"
+        )
+        is None
+    )

@@ -26,13 +26,12 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
-from strata.gateway.speculation import Speculation
+from strata.gateway.speculation import DraftModelError, DraftSource, Speculation
 from strata.gguf import read_model_header
+from strata.gguf.errors import GGUFError
 from strata.gguf.header import GGUFHeader
-from strata.gguf.model import CacheType
 from strata.gguf.sources import open_source
 from strata.stage_worker.engine import Chunk, Engine
 from strata.stage_worker.errors import StageError
@@ -44,18 +43,6 @@ from strata.stage_worker.warm_up import warm_engine
 log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 512  # positions a draft prefill step takes at most, so a long prompt never makes one huge batch
-
-
-class DraftModelError(ValueError):
-    """The draft model cannot serve this target: the message names both files."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class DraftSource:
-    url: str  # a path, file://, http(s):// or hf:// URL, as the model's own source
-    token: str | None = None  # bearer token for https:// and hf:// sources
-    device: str = "cpu"  # torch device the draft computes on
-    cache_type: CacheType = CacheType.Q8_0  # the draft's KV, as a stage's (its errors cost acceptance, never text)
 
 
 def vocabulary_refusal(*, target: GGUFHeader, draft: GGUFHeader, target_name: str, draft_name: str) -> str | None:
@@ -152,9 +139,8 @@ class DraftModelDrafter:
         try:
             draft = self._guess(limit, p_min=s.p_min)
         except StageError as exc:  # the draft's own pool refused (context, window): the request goes on undrafted
-            log.warning(
-                "draft model %s failed on slot %d, its request decodes without drafts: %s", self._model.name, self.slot, exc
-            )
+            name = self._model.name
+            log.warning("draft model %s failed on slot %d; its request decodes undrafted: %s", name, self.slot, exc)
             self.close()
             return ()
         return draft if len(draft) >= s.min_draft else ()
@@ -198,10 +184,17 @@ def load_draft_model(
 ) -> DraftModel:
     """The draft at `source`, checked against the target's header before its weights are read, on one stage of
     all its layers with a KV pool of `context` cells over `slots` slots, warmed up."""
-    header, _size = read_model_header(source.url, token=source.token)
-    refusal = vocabulary_refusal(target=target, draft=header, target_name=target_url, draft_name=source.url)
-    if refusal is not None:
-        raise DraftModelError(refusal)
+    try:
+        header, _size = read_model_header(source.url, token=source.token)
+        refusal = vocabulary_refusal(target=target, draft=header, target_name=target_url, draft_name=source.url)
+        if refusal is not None:
+            raise DraftModelError(refusal)
+        return _load(source, header=header, speculation=speculation, context=context, slots=slots)
+    except (GGUFError, StageError) as exc:
+        raise DraftModelError(f"draft model {source.url} cannot draft for {target_url}: {exc}") from exc
+
+
+def _load(source: DraftSource, *, header: GGUFHeader, speculation: Speculation, context: int, slots: int) -> DraftModel:
     config = config_from_header(header)
     device = torch.device(source.device)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16

@@ -38,8 +38,9 @@ stages: a snapshot is taken before anything can reset or reuse the slot, and a r
 step. They cost one unary call through the stages each, small beside the prefill they save.
 
 With a Speculation, a generation's decode chunk carries its last token and the tokens its drafter proposes after
-it (n-gram lookup over its context, strata.gateway.speculation, unless `drafters` makes another kind); the reply then holds one to all of those tokens plus one,
-dispatched in order as if each had come from a step of its own, and the slot's next chunk starts after them.
+it (n-gram lookup over its context, strata.gateway.speculation, unless `drafters` makes another kind); the reply
+then holds one to all of those tokens plus one, dispatched in order as if each had come from a step of its own,
+and the slot's next chunk starts after them.
 """
 
 from __future__ import annotations

@@ -24,8 +24,10 @@ weights, and extra positions would cost what they save.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
+
+from strata.gguf.model import CacheType
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +60,20 @@ class Speculation:
 
 
 DEFAULTS = Speculation()  # what the gateway's options start from
+
+
+class DraftModelError(ValueError):
+    """A draft model that cannot draft for the target (another vocabulary, a file that fails): names both files."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftSource:
+    """Where the draft model of method "draft" comes from and where it runs (strata.gateway.draft_model)."""
+
+    url: str  # a path, file://, http(s):// or hf:// URL, as the model's own source
+    token: str | None = field(default=None, repr=False)  # bearer token for https:// and hf:// sources
+    device: str = "cpu"  # torch device the draft computes on
+    cache_type: CacheType = CacheType.Q8_0  # the draft's KV, as a stage's (its errors cost acceptance, never text)
 
 
 class Drafter(Protocol):

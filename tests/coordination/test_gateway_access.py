@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 from strata.gateway.settings import from_environment
-from strata.gateway.speculation import Speculation
+from strata.gateway.speculation import DraftSource, Speculation
 from strata.lease import LeaseElector, LeaseTiming
 from strata.operator.children import Owner, coordinator_lease, gateway_access, gateway_deployment, stage_statefulset
 from strata.operator.cluster_cache import ClusterCache
@@ -23,7 +23,15 @@ from strata.operator.kube import Cluster
 from strata.operator.models import ModelCache
 from strata.operator.names import Names
 from strata.operator.reconcile import Outcome, Reconciler
-from strata.operator.spec import GROUP, PLURAL, ModelDeploymentSpec, Speculative, SpeculativeMethod
+from strata.operator.spec import (
+    GROUP,
+    PLURAL,
+    ModelDeploymentSpec,
+    ModelSource,
+    SecretKeyRef,
+    Speculative,
+    SpeculativeMethod,
+)
 from strata.operator.status import Coordinator, EventReason, ModelDeploymentStatus, PlanSummary, StageSummary
 from strata.plan import Backend, Plan
 from strata.plan import Stage as StagePlan
@@ -72,6 +80,19 @@ def test_the_gateway_reads_the_specs_speculative_decoding_from_the_environment_t
     plain = {e["name"]: e["value"] for e in _containers(SPEC, owner)[0]["env"] if "value" in e}
     assert "STRATA_SPECULATIVE" not in plain
     assert from_environment({}, plain).speculation() is None
+
+
+def test_the_gateway_reads_the_specs_draft_model_from_the_environment_the_operator_sets() -> None:
+    owner = Owner(name="tiny", namespace="models", uid="u")
+    draft = ModelSource(url="hf://org/small/small.gguf", tokenSecretRef=SecretKeyRef(name="hf"))
+    speculative = Speculative(method=SpeculativeMethod.DRAFT, draftModel=draft, pMin=0.2)
+    env = _containers(SPEC.model_copy(update={"speculative": speculative}), owner)[0]["env"]
+    values = {e["name"]: e["value"] for e in env if "value" in e}
+    secrets = {e["name"]: e["valueFrom"] for e in env if "valueFrom" in e}
+    assert secrets["STRATA_DRAFT_MODEL_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+    settings = from_environment({}, values | {"STRATA_DRAFT_MODEL_TOKEN": "from-the-secret"})
+    assert settings.speculation() == Speculation(p_min=0.2)
+    assert settings.draft_source() == DraftSource(url=draft.url, token="from-the-secret")
 
 
 def _containers(spec: ModelDeploymentSpec, owner: Owner) -> list[dict[str, Any]]:

@@ -34,6 +34,9 @@ NEW_TOKENS = 20
 CONTEXT = 256
 # A generated model's logits are nearly flat, so no pick is likely: the floor is off here and tested on its own.
 SPECULATION = Speculation(p_min=0.0)
+GREEDY = Sampling()
+# Low enough that the generated model's flat logits still give text a draft can guess now and then.
+SAMPLED = Sampling(temperature=0.05, seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +64,7 @@ def draft_model(files: dict[str, Path], which: str, *, speculation: Speculation 
 
 async def generate(
     port: int, *, drafters: Callable[[tuple[int, ...]], Drafter | None] | None, metrics: GatewayMetrics,
-    cancel_after: int = 0,
+    cancel_after: int = 0, sampling: Sampling = GREEDY,
 ) -> tuple[tuple[int, ...], str]:  # fmt: skip
     """The tokens of one greedy request and how it finished ("cancelled" when cancelled after `cancel_after`)."""
     ready = asyncio.Event()
@@ -75,7 +78,7 @@ async def generate(
         await asyncio.wait_for(ready.wait(), timeout=30)
         freed = asyncio.Event()
         generation = pipeline.submit(
-            slot=0, prompt=PROMPT, max_tokens=NEW_TOKENS, sampling=Sampling(), stop_ids=frozenset(), on_freed=freed.set
+            slot=0, prompt=PROMPT, max_tokens=NEW_TOKENS, sampling=sampling, stop_ids=frozenset(), on_freed=freed.set
         )
         tokens: list[int] = []
         finish = "cancelled"
@@ -100,25 +103,28 @@ def counted(metrics: GatewayMetrics, name: str) -> float:
     return value
 
 
-# Stages, the draft, and the share of drafted tokens the target must accept at least.
+# Stages, the draft, the request's sampling, and the share of drafted tokens the target must accept at least.
 OUTPUT_CASES = {
-    "one stage, the target drafting for itself": (1, "target", 0.9),
-    "two stages, the target drafting for itself": (2, "target", 0.9),
-    "one stage, another model of the same vocabulary": (1, "other model", 0.0),
-    "two stages, another model of the same vocabulary": (2, "other model", 0.0),
+    "one stage, the target drafting for itself": (1, "target", GREEDY, 0.9),
+    "two stages, the target drafting for itself": (2, "target", GREEDY, 0.9),
+    "one stage, another model of the same vocabulary": (1, "other model", GREEDY, 0.0),
+    "two stages, another model of the same vocabulary": (2, "other model", GREEDY, 0.0),
+    "two stages, sampled with a seed, the target drafting for itself": (2, "target", SAMPLED, 0.0),
 }
 
 
-@pytest.mark.parametrize(("stage_count", "draft", "acceptance"), OUTPUT_CASES.values(), ids=OUTPUT_CASES.keys())
-def test_greedy_tokens_are_the_same_with_a_draft_model_as_without_speculation(
-    files: dict[str, Path], stage_count: int, draft: str, acceptance: float
+@pytest.mark.parametrize(
+    ("stage_count", "draft", "sampling", "acceptance"), OUTPUT_CASES.values(), ids=OUTPUT_CASES.keys()
+)
+def test_tokens_are_the_same_with_a_draft_model_as_without_speculation(
+    files: dict[str, Path], stage_count: int, draft: str, sampling: Sampling, acceptance: float
 ) -> None:
     drafts = draft_model(files, draft)
     metrics = GatewayMetrics()
     with local_pipeline(files["target"], SPANS[stage_count], context=CONTEXT) as stages:
         port = stages[0].port
-        off = asyncio.run(generate(port, drafters=None, metrics=GatewayMetrics()))
-        on = asyncio.run(generate(port, drafters=drafts.drafter, metrics=metrics))
+        off = asyncio.run(generate(port, drafters=None, metrics=GatewayMetrics(), sampling=sampling))
+        on = asyncio.run(generate(port, drafters=drafts.drafter, metrics=metrics, sampling=sampling))
     assert on == off
     assert off[1] == "length"
     drafted, accepted = counted(metrics, "drafted"), counted(metrics, "accepted")

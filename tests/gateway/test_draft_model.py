@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -131,6 +132,52 @@ def test_tokens_are_the_same_with_a_draft_model_as_without_speculation(
     assert drafted > 0
     assert accepted >= acceptance * drafted, f"{accepted} of {drafted} drafted tokens accepted"
     assert drafts.free_slots == 2, "the finished request gave its draft slot back"
+
+
+class GatedDrafter:
+    """A drafter that computes, whose every proposal waits for a coroutine on the driver's loop to open its gate:
+    run on the loop itself, it would wait out its timeout instead, and say so."""
+
+    computes = True
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.proposals = 0
+        self.blocked = 0  # proposals whose gate the loop did not open: they ran on the loop
+
+    def extend(self, tokens: object) -> None:
+        pass
+
+    def propose(self, limit: int) -> tuple[int, ...]:
+        self.proposals += 1
+        self.gate.clear()  # only an opening after this one counts
+        if not self.gate.wait(timeout=2):
+            self.blocked += 1
+        return ()
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_drafter_that_computes_proposes_off_the_drivers_loop(files: dict[str, Path]) -> None:
+    drafter = GatedDrafter()
+
+    async def run(port: int) -> None:
+        async def open_gates() -> None:
+            while True:
+                drafter.gate.set()
+                await asyncio.sleep(0.005)
+
+        opener = asyncio.create_task(open_gates())
+        try:
+            await generate(port, drafters=lambda prompt: drafter, metrics=GatewayMetrics())
+        finally:
+            opener.cancel()
+
+    with local_pipeline(files["target"], SPANS[1], context=CONTEXT) as stages:
+        asyncio.run(run(stages[0].port))
+    assert drafter.proposals >= NEW_TOKENS - 1
+    assert drafter.blocked == 0, f"{drafter.blocked} proposals ran on the driver's loop"
 
 
 def test_a_cancelled_request_gives_its_draft_slot_back(files: dict[str, Path]) -> None:

@@ -16,15 +16,17 @@ costs the draft the accepted run plus one position for each further guess.
 Refused at start-up, naming both files: a draft whose vocabulary differs from the target's in size or in any
 token's text, since its token ids would mean other text than the target's.
 
-It runs on the driver's event loop, between a step's reply and the next step, as n-gram lookup does: while it
-computes, the gateway's loop does nothing else. Drafting the next run while the stages verify this one ("tail
-drafting") is the next piece; until then the method pays where the draft is much cheaper than a pipeline step.
+The driver asks for a proposal in a worker thread (a DraftModelDrafter `computes`), so the gateway's event loop
+serves everything else while the draft runs; one lock keeps the draft's engine to one thread at a time, since the
+drivers of several pipelines share it. Drafting the next run while the stages verify this one ("tail drafting") is
+the next piece; until then the method pays where the draft is much cheaper than a pipeline step.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -92,6 +94,9 @@ class DraftModel:
         self.name = name
         self._free = list(range(engine.pool.parallel - 1, -1, -1))  # popped from the end: slot 0 first
         self._short = False  # a request went without a draft slot since one was last free (warned once)
+        # The engine and the free slots, for one thread at a time: proposals run in worker threads, and the
+        # drivers of several pipelines share this draft.
+        self.lock = threading.Lock()
 
     @property
     def free_slots(self) -> int:
@@ -99,7 +104,9 @@ class DraftModel:
 
     def drafter(self, prompt: Sequence[int]) -> DraftModelDrafter | None:
         """A drafter on a free slot; None when every slot drafts for a request (this one then decodes without)."""
-        if not self._free:
+        with self.lock:
+            slot = self._free.pop() if self._free else None
+        if slot is None:
             if not self._short:
                 log.warning(
                     "all %d slots of draft model %s are in use: new requests decode without drafts until one frees",
@@ -109,15 +116,19 @@ class DraftModel:
             self._short = True
             return None
         self._short = False
-        return DraftModelDrafter(self, slot=self._free.pop(), prompt=prompt)
+        return DraftModelDrafter(self, slot=slot, prompt=prompt)
 
     def release(self, slot: int) -> None:
-        self.engine.pool.reset(slot)
-        self._free.append(slot)
+        """Reset the slot and free it; waits for a proposal running on it in a worker thread to end first."""
+        with self.lock:
+            self.engine.pool.reset(slot)
+            self._free.append(slot)
 
 
 class DraftModelDrafter:
     """One request's drafter (the interface of strata.gateway.speculation.Drafter) on its slot of the draft model."""
+
+    computes = True  # a proposal runs the draft model: the driver asks for it in a worker thread
 
     def __init__(self, model: DraftModel, *, slot: int, prompt: Sequence[int]) -> None:
         self._model = model
@@ -137,7 +148,8 @@ class DraftModelDrafter:
         if self.closed or limit < s.min_draft or not self.tokens:
             return ()
         try:
-            draft = self._guess(limit, p_min=s.p_min)
+            with self._model.lock:
+                draft = () if self.closed else self._guess(limit, p_min=s.p_min)
         except StageError as exc:  # the draft's own pool refused (context, window): the request goes on undrafted
             name = self._model.name
             log.warning("draft model %s failed on slot %d; its request decodes undrafted: %s", name, self.slot, exc)

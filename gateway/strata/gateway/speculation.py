@@ -78,7 +78,10 @@ class DraftSource:
 
 class Drafter(Protocol):
     """What the driver asks of a request's drafter (strata.gateway.pipeline): each token the request produced, in
-    order; a proposal before each decode step; and close once the request ends (finished, cancelled, abandoned)."""
+    order; a proposal before each decode step; and close once the request ends (finished, cancelled, abandoned).
+    `computes`: its proposals run a model, so the driver asks for them in a worker thread, never on its loop."""
+
+    computes: bool
 
     def extend(self, tokens: Iterable[int]) -> None: ...
 
@@ -90,6 +93,8 @@ class Drafter(Protocol):
 class NgramDrafter:
     """The tokens of one generation so far (prompt, then output), indexed so that a proposal costs a few dictionary
     lookups however long the context: for each n-gram size, where the token after its latest earlier occurrence is."""
+
+    computes = False  # a few dictionary lookups: on the driver's loop
 
     def __init__(self, prompt: Sequence[int], *, speculation: Speculation) -> None:
         self.speculation = speculation

@@ -15,7 +15,7 @@ import pytest
 from kubernetes import client
 from strata.draining import DRAIN_S
 from strata.gateway.settings import from_environment
-from strata.gateway.speculation import Speculation
+from strata.gateway.speculation import DraftSource, Speculation
 from strata.lease import LeaseElector, LeaseTiming
 from strata.operator.children import Owner, coordinator_lease, gateway_access, gateway_deployment, stage_statefulset
 from strata.operator.cluster_cache import ClusterCache
@@ -24,7 +24,16 @@ from strata.operator.kube import Cluster
 from strata.operator.models import ModelCache
 from strata.operator.names import Names
 from strata.operator.reconcile import Outcome, Reconciler
-from strata.operator.spec import GROUP, PLURAL, ModelDeploymentSpec, Rollout, Speculative, SpeculativeMethod
+from strata.operator.spec import (
+    GROUP,
+    PLURAL,
+    ModelDeploymentSpec,
+    ModelSource,
+    Rollout,
+    SecretKeyRef,
+    Speculative,
+    SpeculativeMethod,
+)
 from strata.operator.status import Coordinator, EventReason, ModelDeploymentStatus, PlanSummary, StageSummary
 from strata.plan import Backend, Plan
 from strata.plan import Stage as StagePlan
@@ -87,6 +96,19 @@ def test_the_gateway_drains_a_leaving_pipeline_for_the_specs_drain(rollout: dict
     values = {e["name"]: e["value"] for e in _containers(spec, owner)[0]["env"] if "value" in e}
     assert from_environment({}, values).drain_seconds == drain_s
     assert spec.rollout.drain_seconds == drain_s
+
+
+def test_the_gateway_reads_the_specs_draft_model_from_the_environment_the_operator_sets() -> None:
+    owner = Owner(name="tiny", namespace="models", uid="u")
+    draft = ModelSource(url="hf://org/small/small.gguf", tokenSecretRef=SecretKeyRef(name="hf"))
+    speculative = Speculative(method=SpeculativeMethod.DRAFT, draftModel=draft, pMin=0.2)
+    env = _containers(SPEC.model_copy(update={"speculative": speculative}), owner)[0]["env"]
+    values = {e["name"]: e["value"] for e in env if "value" in e}
+    secrets = {e["name"]: e["valueFrom"] for e in env if "valueFrom" in e}
+    assert secrets["STRATA_DRAFT_MODEL_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+    settings = from_environment({}, values | {"STRATA_DRAFT_MODEL_TOKEN": "from-the-secret"})
+    assert settings.speculation() == Speculation(p_min=0.2)
+    assert settings.draft_source() == DraftSource(url=draft.url, token="from-the-secret")
 
 
 def _containers(spec: ModelDeploymentSpec, owner: Owner) -> list[dict[str, Any]]:

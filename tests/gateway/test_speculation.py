@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
-from strata.gateway.settings import GatewaySettings
-from strata.gateway.speculation import NgramDrafter, Speculation, drafts_for
+from strata.gateway.settings import GatewaySettings, from_environment
+from strata.gateway.speculation import DraftSource, NgramDrafter, Speculation, drafts_for
 from strata.stage_worker.engine import accept
 from strata.stage_worker.sampling import Sampled
 
@@ -80,13 +80,15 @@ BAD_BOUNDS = {
     "n-gram min above max": {"ngram_min": 3, "ngram_max": 2},
     "no slots": {"max_slots": 0},
     "no lookback": {"lookback": 0},
+    "a probability floor above 1": {"p_min": 1.5},
+    "a negative probability floor": {"p_min": -0.1},
 }
 
 
 @pytest.mark.parametrize("bounds", BAD_BOUNDS.values(), ids=BAD_BOUNDS.keys())
-def test_bounds_out_of_range_are_refused(bounds: dict[str, int]) -> None:
+def test_bounds_out_of_range_are_refused(bounds: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="speculation needs"):
-        Speculation(**bounds)
+        Speculation(**bounds)  # type: ignore[arg-type]
 
 
 REQUESTS = {
@@ -104,9 +106,24 @@ def test_only_requests_whose_picks_depend_on_their_own_logits_are_drafted(
 
 
 SETTINGS = {
-    "an unknown method": ({"speculative": "draft"}, "not one of: ngram"),
+    "an unknown method": ({"speculative": "eagle"}, "not one of: ngram, draft"),
     "draft bounds without speculation": ({"max_draft": 8}, "speculative decoding, which is off"),
     "a min draft above the max": ({"speculative": "ngram", "min_draft": 6}, "speculation needs"),
+    "the draft method without a draft model": ({"speculative": "draft"}, "method draft needs the draft model's file"),
+    "a draft model with the n-gram method": (
+        {"speculative": "ngram", "draft_model": "d.gguf"},
+        "a draft model apply to speculative decoding method draft only, not with method ngram",
+    ),
+    "a draft model without speculation": ({"draft_model": "d.gguf"}, "not with speculative decoding off"),
+    "a probability floor with the n-gram method": (
+        {"speculative": "ngram", "p_min": 0.5},
+        "a draft probability floor \\(p min\\) apply to speculative decoding method draft only",
+    ),
+    "a draft device without a draft": ({"draft_device": "cuda"}, "a draft device apply"),
+    "a probability floor above 1": (
+        {"speculative": "draft", "draft_model": "d.gguf", "p_min": 2.0},
+        "probability floor \\(p min\\) within \\[0, 1\\]",
+    ),
 }
 
 
@@ -122,3 +139,16 @@ def test_the_gateway_builds_its_speculation_from_its_settings() -> None:
     )
     assert settings.speculation() == Speculation(max_draft=6, min_draft=2)
     assert GatewaySettings(model_url="m.gguf", first_stage="127.0.0.1:1", context=64).speculation() is None
+
+
+def test_the_gateway_builds_its_draft_source_from_its_settings_and_environment() -> None:
+    environ = {
+        "STRATA_MODEL_URL": "m.gguf", "STRATA_FIRST_STAGE": "127.0.0.1:1", "STRATA_CONTEXT": "64",
+        "STRATA_SPECULATIVE": "draft", "STRATA_DRAFT_MODEL_URL": "hf://org/repo/d.gguf", "STRATA_P_MIN": "0.5",
+        "STRATA_DRAFT_MODEL_TOKEN": "secret",
+    }  # fmt: skip
+    settings = from_environment({}, environ)
+    assert settings.speculation() == Speculation(p_min=0.5)
+    assert settings.draft_source() == DraftSource(url="hf://org/repo/d.gguf", token="secret", device="cpu")
+    ngram = GatewaySettings(model_url="m.gguf", first_stage="127.0.0.1:1", context=64, speculative="ngram")
+    assert ngram.draft_source() is None

@@ -62,10 +62,34 @@ def test_the_valid_example_parses_with_the_handlers_model() -> None:
     assert spec.placement.headroom_percent == 10
 
 
-def test_the_handlers_refuse_speculative_draft_bounds_the_api_server_would() -> None:
-    manifest = _with("spec.speculative", {"method": "ngram", "minDraft": 5, "maxDraft": 2})["spec"]
-    with pytest.raises(ValueError, match="minDraft <= maxDraft"):
-        ModelDeploymentSpec.from_manifest(manifest)
+DRAFT_MODEL = {"url": "hf://org/small/small.gguf"}
+SPECULATIVE_REFUSALS = {
+    "draft bounds out of order": ({"method": "ngram", "minDraft": 5, "maxDraft": 2}, "minDraft <= maxDraft"),
+    "the draft method without a draft model": ({"method": "draft"}, "draftModel is required with method draft"),
+    "a draft model with n-gram lookup": ({"method": "ngram", "draftModel": DRAFT_MODEL}, "applies to it only"),
+    "a probability floor with n-gram lookup": ({"method": "ngram", "pMin": 0.5}, "pMin applies to method draft only"),
+    "a probability floor above 1": ({"method": "draft", "draftModel": DRAFT_MODEL, "pMin": 1.5}, "pMin"),
+    "a draft token Secret over plain http": (
+        {"method": "draft", "draftModel": {"url": "http://m.svc/d.gguf", "tokenSecretRef": {"name": "t"}}},
+        "tokenSecretRef applies to https:// and hf:// sources only",
+    ),
+}
+
+
+@pytest.mark.parametrize(("speculative", "problem"), SPECULATIVE_REFUSALS.values(), ids=SPECULATIVE_REFUSALS.keys())
+def test_the_handlers_refuse_speculative_settings_the_api_server_would(
+    speculative: dict[str, Any], problem: str
+) -> None:
+    with pytest.raises(ValueError, match=problem):
+        ModelDeploymentSpec.from_manifest(_with("spec.speculative", speculative)["spec"])
+
+
+def test_the_draft_method_takes_its_draft_model_as_the_model_is_given() -> None:
+    speculative = {"method": "draft", "draftModel": {**DRAFT_MODEL, "tokenSecretRef": {"name": "hf"}}, "pMin": 0.2}
+    spec = ModelDeploymentSpec.from_manifest(_with("spec.speculative", speculative)["spec"])
+    assert spec.speculative is not None
+    assert spec.speculative.draft_model is not None
+    assert (spec.speculative.draft_model.url, spec.speculative.p_min) == (DRAFT_MODEL["url"], 0.2)
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +160,25 @@ INVALID = [
     pytest.param(_with("spec.rollout.maxUnavailable", 0), "spec.rollout.maxUnavailable", id="a rollout must move"),
     pytest.param({**VALID, "spec": {"parallel": 2}}, "spec.model", id="a manifest without a model is refused"),
     pytest.param(
-        _with("spec.speculative", {"method": "draft"}), "spec.speculative.method", id="a drafter not built is refused"
+        _with("spec.speculative", {"method": "draft"}),
+        "spec.speculative.draftModel",
+        id="the draft method without a draft model is refused",
+    ),
+    pytest.param(
+        _with("spec.speculative", {"method": "ngram", "pMin": 0.5}),
+        "spec.speculative.pMin",
+        id="a probability floor with n-gram lookup is refused",
+    ),
+    pytest.param(
+        _with(
+            "spec.speculative",
+            {"method": "draft", "draftModel": {"url": "http://m.svc/d.gguf", "tokenSecretRef": {"name": "t"}}},
+        ),
+        "spec.speculative.draftModel.tokenSecretRef",
+        id="a draft token Secret over plain http is refused",
+    ),
+    pytest.param(
+        _with("spec.speculative", {"method": "eagle"}), "spec.speculative.method", id="a drafter not built is refused"
     ),
     pytest.param(
         _with("spec.speculative", {"method": "ngram", "minDraft": 5, "maxDraft": 2}),

@@ -54,10 +54,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run(args: argparse.Namespace) -> int:
     from strata.gateway.server import bind, build, serve
     from strata.gateway.settings import from_environment
+    from strata.gateway.speculation import DraftModelError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = from_environment(vars(args))
-    app, serving = build(settings)
+    try:
+        app, serving = build(settings)
+    except DraftModelError as exc:
+        raise SystemExit(f"strata gateway: {exc}") from exc
     sock = bind(settings.listen)
     host, port = sock.getsockname()[:2]
     print(f"gateway serving {serving.model_name!r} on http://{host}:{port}/v1", flush=True)

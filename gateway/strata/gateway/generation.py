@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from strata.gateway.errors import GatewayError
 from strata.gateway.grammar import Constraint
-from strata.gateway.speculation import NgramDrafter
+from strata.gateway.speculation import Drafter
 from strata.rpc.v1 import stage_pb2
 
 
@@ -93,7 +93,8 @@ class Generation:
     generated: Counter[int] = field(default_factory=Counter)  # token -> times generated, for the penalties
     # The prompt's distinct tokens, which a repetition penalty applies to (empty without one).
     prompt_tokens: frozenset[int] = field(init=False, default=frozenset())
-    drafter: NgramDrafter | None = None  # proposes tokens to verify, when speculation applies to this request
+    drafter: Drafter | None = None  # proposes tokens to verify, when speculation applies to this request
+    proposed: tuple[int, ...] | None = None  # a computing drafter's proposal, made off the loop before the step
 
     def __post_init__(self) -> None:
         if self.sampling.repetition_penalty != 1.0:

@@ -26,9 +26,10 @@ a person looks (strata.gateway.events).
 
 With a prefix chunk set, the driver also runs the prefix cache (strata.gateway.prefix_caching) between steps.
 
-With a Speculation, a generation's decode chunk carries its last token and the tokens that n-gram lookup over
-its context proposes after it (strata.gateway.speculation); the reply then holds one to all of those tokens plus one,
-dispatched in order as if each had come from a step of its own, and the slot's next chunk starts after them.
+With a Speculation, a generation's decode chunk carries its last token and the tokens its drafter proposes after
+it (n-gram lookup over its context, strata.gateway.speculation, unless `drafters` makes another kind, which then
+proposes in a worker thread); the reply then holds one to all of those tokens plus one, dispatched in order as if
+each had come from a step of its own, and the slot's next chunk starts after them.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from strata.gateway.grammar import Constraint
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.prefix_caching import PrefixCaching
 from strata.gateway.prefix_index import PrefixIndex
-from strata.gateway.speculation import NgramDrafter, Speculation, drafts_for
+from strata.gateway.speculation import Drafter, NgramDrafter, Speculation, drafts_for
 from strata.gateway.stage_stream import CHANNEL_OPTIONS, DroppedStreamError, LapsedTermError, Step
 from strata.gateway.stepping import Stepping
 from strata.lease import FencingToken
@@ -71,6 +72,8 @@ class Pipeline(Stepping, PrefixCaching):
         prefix_chunk: int = 0,  # tokens per prefix-cache chunk; 0: no prefix cache
         micro_batches: int = 1,  # steps in flight at once, of disjoint slots; used only with two stages or more
         speculation: Speculation | None = None,  # None: one position a decode step
+        # A request's drafter, given its prompt; None: n-gram lookup. It may answer None (no draft for that request).
+        drafters: Callable[[tuple[int, ...]], Drafter | None] | None = None,
         metrics: GatewayMetrics | None = None,  # None: figures of its own, unread
         step_timeout_s: float = 120.0,
         probe_interval_s: float = 0.5,
@@ -88,6 +91,7 @@ class Pipeline(Stepping, PrefixCaching):
         self.micro_batches = micro_batches
         self._groups = 1  # micro_batches once the first stage says a next stage follows it
         self.speculation = speculation
+        self._drafters = drafters
         self.prefixes = PrefixIndex(chunk=prefix_chunk) if prefix_chunk > 0 else None
         self.metrics = metrics or GatewayMetrics()
         self.step_timeout_s = step_timeout_s
@@ -126,6 +130,9 @@ class Pipeline(Stepping, PrefixCaching):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._driver
         self._drop_stream()
+        for g in self._active.values():
+            if g.drafter is not None:
+                g.drafter.close()
         if self._channel is not None:
             await self._channel.close()
 
@@ -201,7 +208,9 @@ class Pipeline(Stepping, PrefixCaching):
         )
         s = self.speculation
         if s is not None and drafts_for(penalised=sampling.penalised, constrained=constraint is not None):
-            generation.drafter = NgramDrafter(prompt, speculation=s)
+            generation.drafter = (
+                NgramDrafter(prompt, speculation=s) if self._drafters is None else self._drafters(prompt)
+            )
         self._active[slot] = generation
         self._wake.set()
         return generation
@@ -234,6 +243,7 @@ class Pipeline(Stepping, PrefixCaching):
     async def _send_steps(self) -> None:
         """Write a step for the slots without one in flight, and another, until `_groups` steps are in flight."""
         while len(self._in_flight) < self._groups:
+            await self._propose_off_loop()
             chunks = self._chunks()
             if not chunks:
                 return
@@ -257,6 +267,8 @@ class Pipeline(Stepping, PrefixCaching):
     def _release(self, slot: int) -> None:
         g = self._active.pop(slot, None)
         if g is not None:
+            if g.drafter is not None:
+                g.drafter.close()
             g.on_freed()
 
     async def _fail_all(self, exc: grpc.RpcError) -> None:

@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from strata.fit import DEFAULT_CACHE_TYPE
-from strata.gateway.settings import DEFAULT_MICRO_BATCHES, SPECULATIVE_METHODS
-from strata.gateway.speculation import DEFAULTS as DRAFT_DEFAULTS
+from strata.gateway import serve_speculation
+from strata.gateway.settings import DEFAULT_MICRO_BATCHES
 from strata.gateway.supervision import RestartPolicy
 from strata.gguf.model import CacheType
 
@@ -112,19 +112,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="steps of disjoint lanes in flight at once, so two stages or more compute at the same time "
         f"(default {DEFAULT_MICRO_BATCHES}: one step at a time; a single stage always steps whole)",
     )
-    parser.add_argument(
-        "--speculative",
-        choices=[method for method in SPECULATIVE_METHODS if method],
-        default="",
-        help="speculative decoding: requests without penalties or a grammar send tokens that n-gram lookup over their "
-        "context proposes, and the stages verify them in one step (default: off)",
-    )
-    parser.add_argument(
-        "--max-draft", type=int, default=DRAFT_DEFAULTS.max_draft, help="tokens a step proposes, at most"
-    )
-    parser.add_argument(
-        "--min-draft", type=int, default=DRAFT_DEFAULTS.min_draft, help="shorter proposals are not sent"
-    )
+    serve_speculation.add_arguments(parser)
     parser.add_argument(
         "--load-timeout-seconds",
         type=float,
@@ -165,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
     from strata.gateway.serve_watch import ServeWatch
     from strata.gateway.server import bind, build
     from strata.gateway.settings import GatewaySettings, api_keys
+    from strata.gateway.speculation import DraftModelError
     from strata.gateway.supervision import StageSupervisor
     from strata.gguf import GGUFError, check_executable, describe, read_model_header
     from strata.plan import GB
@@ -179,6 +168,9 @@ def run(args: argparse.Namespace) -> int:
         check_executable(
             info.architecture, unsupported=info.unsupported
         )  # the check `strata inspect` shows and the operator makes
+        refused = serve_speculation.refusal(args, target=header, target_url=model)
+        if refused is not None:
+            raise ValueError(refused)
         if args.devices and args.device != "cpu":
             raise ValueError("give --device or --devices, not both")
         stages_on = stage_devices(
@@ -257,9 +249,15 @@ def run(args: argparse.Namespace) -> int:
             speculative=args.speculative,
             max_draft=args.max_draft,
             min_draft=args.min_draft,
+            draft_model=args.draft,
+            draft_device=args.draft_device,
+            p_min=args.p_min,
             api_keys=api_keys(environ=os.environ, keys_file=args.api_keys_file),
         )
-        app, serving = build(settings, header=header)
+        try:
+            app, serving = build(settings, header=header)
+        except DraftModelError as exc:  # its weights failed to load: the header was checked before the stages
+            raise SystemExit(f"strata serve: {exc}") from exc
         sock = bind(settings.listen)
         host, port = sock.getsockname()[:2]
         base = f"http://{host}:{port}/v1"

@@ -27,6 +27,7 @@ from strata.gateway.pipeline import Pipeline
 from strata.gateway.pipelines import PipelineEntry, Pipelines
 from strata.gateway.serving import Serving
 from strata.gateway.settings import GatewaySettings
+from strata.gateway.speculation import Drafter
 from strata.gateway.tokenizer import GGUFTokenizer, TokenizerSpec
 from strata.gguf import read_model_header
 from strata.gguf.header import GGUFHeader
@@ -62,6 +63,7 @@ def build(settings: GatewaySettings, *, header: GGUFHeader | None = None) -> tup
     )
     metrics = GatewayMetrics()
     events = event_recorder(settings)
+    drafters = draft_model(settings, target=header)
 
     def driver(entry: PipelineEntry, fence: FencingToken | None, on_ready_change: Callable[[bool], None]) -> Pipeline:
         return Pipeline(
@@ -73,6 +75,7 @@ def build(settings: GatewaySettings, *, header: GGUFHeader | None = None) -> tup
             prefix_chunk=settings.prefix_cache_chunk,
             micro_batches=settings.micro_batches,
             speculation=settings.speculation(),
+            drafters=drafters,
             metrics=metrics.for_pipeline(entry.index),
             on_ready_change=on_ready_change,
             on_fenced=events.fenced if events is not None else lambda _fence, _details: None,
@@ -119,6 +122,28 @@ def build(settings: GatewaySettings, *, header: GGUFHeader | None = None) -> tup
     )
     app = create_app(serving, api_keys=settings.api_keys, lifespan_hooks=hooks, relay=relay)
     return app, serving
+
+
+def draft_model(settings: GatewaySettings, *, target: GGUFHeader) -> Callable[[tuple[int, ...]], Drafter | None] | None:
+    """With method "draft": the loaded draft model's drafter factory, one draft slot a lane; else None (n-gram
+    lookup, or no speculation). Raises DraftModelError for a draft that cannot draft for the target."""
+    source = settings.draft_source()
+    if source is None:
+        return None
+    from strata.gateway.draft_model import load_draft_model  # torch and the stage engine, only when drafting
+
+    speculation = settings.speculation()
+    assert speculation is not None, "method draft is speculative decoding"
+    loaded = load_draft_model(
+        source,
+        target=target,
+        target_url=settings.model_url,
+        speculation=speculation,
+        context=settings.context,
+        slots=settings.parallel,
+    )
+    log.info("draft model %s loaded on %s: %d slots", source.url, source.device, settings.parallel)
+    return loaded.drafter
 
 
 def first_pipeline(settings: GatewaySettings) -> PipelineEntry:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from strata.draining import DRAIN_S
 from strata.gateway.speculation import DEFAULTS as DRAFT_DEFAULTS
-from strata.gateway.speculation import Speculation
+from strata.gateway.speculation import DraftSource, Speculation
 from strata.lease import FencingToken, LeaseTiming
 from strata.settings import Option, resolve_options
 
@@ -34,8 +34,9 @@ from strata.settings import Option, resolve_options
 # the target GPUs says it pays; a pipeline of one stage ignores it.
 DEFAULT_MICRO_BATCHES = 1
 
-# Speculative decoding's methods: n-gram lookup over the request's own context. A draft model is not built yet.
-SPECULATIVE_METHODS = ("", "ngram")
+# Speculative decoding's methods: n-gram lookup over the request's own context, or a draft model of the target's
+# vocabulary run in the gateway process (strata.gateway.draft_model).
+SPECULATIVE_METHODS = ("", "ngram", "draft")
 
 # Flag, environment variable, type, default (None: required).
 OPTIONS: tuple[Option, ...] = tuple(
@@ -68,6 +69,9 @@ OPTIONS: tuple[Option, ...] = tuple(
         ("--speculative", "STRATA_SPECULATIVE", str, ""),
         ("--max-draft", "STRATA_MAX_DRAFT", int, DRAFT_DEFAULTS.max_draft),
         ("--min-draft", "STRATA_MIN_DRAFT", int, DRAFT_DEFAULTS.min_draft),
+        ("--draft-model", "STRATA_DRAFT_MODEL_URL", str, ""),
+        ("--draft-device", "STRATA_DRAFT_DEVICE", str, "cpu"),
+        ("--p-min", "STRATA_P_MIN", float, DRAFT_DEFAULTS.p_min),
         ("--cold-start-seconds", "STRATA_COLD_START_SECONDS", float, 0.0),
         ("--drain-seconds", "STRATA_DRAIN_SECONDS", float, DRAIN_S),
     )
@@ -107,9 +111,12 @@ class GatewaySettings:
     prefix_cache_chunk: int = 256  # tokens per prefix-cache chunk (snapshots are taken at multiples); 0: off
     micro_batches: int = DEFAULT_MICRO_BATCHES  # steps of disjoint slots in flight at once (with 2+ stages)
     pipelines_poll_seconds: float = 0.0  # how often the deployment's serving pipelines are read; 0: one pipeline
-    speculative: str = ""  # "ngram": requests decode from n-gram lookup drafts (strata.gateway.speculation)
+    speculative: str = ""  # "ngram" or "draft": how requests' drafts are made (strata.gateway.speculation)
     max_draft: int = DRAFT_DEFAULTS.max_draft
     min_draft: int = DRAFT_DEFAULTS.min_draft
+    draft_model: str = ""  # the draft GGUF of method "draft": a path or URL, as the model's own
+    draft_device: str = "cpu"  # where the draft computes, in the gateway process
+    p_min: float = DRAFT_DEFAULTS.p_min  # a draft's proposal stops before its first pick less likely than this
     # While no pipeline serves, a request is held this long for one to load (the operator scales up on the demand
     # this gateway reports); 0: answered 503 at once, and the gateway is not ready without a pipeline.
     cold_start_seconds: float = 0.0
@@ -117,6 +124,7 @@ class GatewaySettings:
     drain_seconds: float = DRAIN_S
     api_keys: frozenset[str] = field(default=frozenset(), repr=False)
     model_token: str | None = field(default=None, repr=False)
+    draft_model_token: str | None = field(default=None, repr=False)
     fence: FencingToken = field(default_factory=local_fence)
 
     def __post_init__(self) -> None:
@@ -132,10 +140,17 @@ class GatewaySettings:
                 "deployment name whose status lists the pipelines"
             )
         if self.speculative not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative decoding method {self.speculative!r} is not one of: ngram, or empty for off")
+            raise ValueError(
+                f"speculative decoding method {self.speculative!r} is not one of: ngram, draft, or empty for off"
+            )
         default = DRAFT_DEFAULTS
         if not self.speculative and (self.max_draft, self.min_draft) != (default.max_draft, default.min_draft):
             raise ValueError("draft bounds (max draft, min draft) apply to speculative decoding, which is off")
+        refusal = draft_model_refusal(
+            speculative=self.speculative, draft_model=self.draft_model, draft_device=self.draft_device, p_min=self.p_min
+        )
+        if refusal is not None:
+            raise ValueError(refusal)
         self.speculation()  # refuses draft bounds out of range at start-up
         if self.cold_start_seconds < 0 or (self.cold_start_seconds and not self.pipelines_poll_seconds):
             raise ValueError(
@@ -150,7 +165,13 @@ class GatewaySettings:
     def speculation(self) -> Speculation | None:
         if not self.speculative:
             return None
-        return Speculation(max_draft=self.max_draft, min_draft=self.min_draft)
+        return Speculation(max_draft=self.max_draft, min_draft=self.min_draft, p_min=self.p_min)
+
+    def draft_source(self) -> DraftSource | None:
+        """The draft model to load, with speculative decoding's method "draft"."""
+        if self.speculative != "draft":
+            return None
+        return DraftSource(url=self.draft_model, token=self.draft_model_token, device=self.draft_device)
 
     def lease_timing(self) -> LeaseTiming:
         return LeaseTiming(
@@ -168,6 +189,27 @@ class GatewaySettings:
     def host_port(self) -> tuple[str, int]:
         host, _, port = self.listen.rpartition(":")
         return host or "0.0.0.0", int(port)  # noqa: S104 (a server listens on every interface by default)
+
+
+def draft_model_refusal(*, speculative: str, draft_model: str, draft_device: str, p_min: float) -> str | None:
+    """Why the draft-model options do not fit together (None when they do): method "draft" needs a draft model, and
+    the draft's options (file, device, probability floor) mean nothing to another method."""
+    drafting = speculative == "draft"
+    if drafting and not draft_model:
+        return "speculative decoding method draft needs the draft model's file (--draft-model, STRATA_DRAFT_MODEL_URL)"
+    given = [
+        name
+        for name, set_ in (
+            ("a draft model", bool(draft_model)),
+            ("a draft device", draft_device != "cpu"),
+            ("a draft probability floor (p min)", p_min != DRAFT_DEFAULTS.p_min),
+        )
+        if set_
+    ]
+    if given and not drafting:
+        method = f"method {speculative}" if speculative else "speculative decoding off"
+        return f"{' and '.join(given)} apply to speculative decoding method draft only, not with {method}"
+    return None
 
 
 def resolve(values: Mapping[str, object], environ: Mapping[str, str], *, command: str) -> dict[str, object]:
@@ -189,6 +231,11 @@ def from_environment(values: Mapping[str, object], environ: Mapping[str, str] | 
     except OSError as exc:
         raise SystemExit(f"strata gateway: cannot read the API keys file: {exc.strerror}") from exc
     try:
-        return GatewaySettings(**resolved, api_keys=keys, model_token=env.get("STRATA_MODEL_TOKEN"))  # type: ignore[arg-type]
+        return GatewaySettings(
+            **resolved,  # type: ignore[arg-type]
+            api_keys=keys,
+            model_token=env.get("STRATA_MODEL_TOKEN"),
+            draft_model_token=env.get("STRATA_DRAFT_MODEL_TOKEN"),
+        )
     except ValueError as exc:
         raise SystemExit(f"strata gateway: {exc}") from exc

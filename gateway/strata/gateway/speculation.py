@@ -8,7 +8,9 @@ one and max_draft + 1 tokens. The tokens are exactly those that decoding one pos
 so speculation changes speed, never text (up to the rounding of a different batch shape, as any batching does);
 a sampled pick is the same seeded draw as without speculation, and a draft counts only where the draw is the draft.
 
-The guess is prompt lookup (as llama.cpp's lookup decoding and vLLM's n-gram proposer do): find the last place where
+Drafters sit behind one small interface (`Drafter`): this module's n-gram lookup, and a draft model sharing the
+target's vocabulary (strata.gateway.draft_model). The n-gram guess is prompt lookup (as llama.cpp's lookup decoding
+and vLLM's n-gram proposer do): find the last place where
 the generation's latest n tokens occurred before, for n from `ngram_max` down to `ngram_min`, and propose what
 followed them there. Agents and editors repeat their context (code being edited, tool results quoted back,
 structured output), which is where it pays; on text that does not repeat it proposes nothing and costs nothing.
@@ -22,7 +24,10 @@ weights, and extra positions would cost what they save.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from strata.gguf.model import CacheType
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +41,12 @@ class Speculation:
     # entries a token and is built in the gateway's event loop when a request starts, so a 128K-token prompt is not
     # indexed whole.
     lookback: int = 8192
+    # A draft model stops proposing at its first pick whose probability is under this (llama.cpp's --draft-p-min).
+    # 0.3: such a pick is more likely wrong than right even for a draft that agrees with its target wherever it is
+    # sure, and every draft token after a wrong one is computed for nothing, by the draft and by every stage. It is
+    # lower than llama.cpp's 0.75 because a stage verifies a few more positions for about the price of one, so a
+    # longer, riskier run costs the target little; a measurement on the target GPUs should set it.
+    p_min: float = 0.3
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_draft <= self.max_draft:
@@ -44,14 +55,46 @@ class Speculation:
             raise ValueError(f"speculation needs 1 <= n-gram min ({self.ngram_min}) <= max ({self.ngram_max})")
         if self.max_slots < 1 or self.lookback < 1:
             raise ValueError(f"speculation needs max slots ({self.max_slots}) and lookback ({self.lookback}) >= 1")
+        if not 0.0 <= self.p_min <= 1.0:
+            raise ValueError(f"speculation needs a draft probability floor (p min) within [0, 1], not {self.p_min}")
 
 
 DEFAULTS = Speculation()  # what the gateway's options start from
 
 
+class DraftModelError(ValueError):
+    """A draft model that cannot draft for the target (another vocabulary, a file that fails): names both files."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftSource:
+    """Where the draft model of method "draft" comes from and where it runs (strata.gateway.draft_model)."""
+
+    url: str  # a path, file://, http(s):// or hf:// URL, as the model's own source
+    token: str | None = field(default=None, repr=False)  # bearer token for https:// and hf:// sources
+    device: str = "cpu"  # torch device the draft computes on
+    cache_type: CacheType = CacheType.Q8_0  # the draft's KV, as a stage's (its errors cost acceptance, never text)
+
+
+class Drafter(Protocol):
+    """What the driver asks of a request's drafter (strata.gateway.pipeline): each token the request produced, in
+    order; a proposal before each decode step; and close once the request ends (finished, cancelled, abandoned).
+    `computes`: its proposals run a model, so the driver asks for them in a worker thread, never on its loop."""
+
+    computes: bool
+
+    def extend(self, tokens: Iterable[int]) -> None: ...
+
+    def propose(self, limit: int) -> tuple[int, ...]: ...
+
+    def close(self) -> None: ...
+
+
 class NgramDrafter:
     """The tokens of one generation so far (prompt, then output), indexed so that a proposal costs a few dictionary
     lookups however long the context: for each n-gram size, where the token after its latest earlier occurrence is."""
+
+    computes = False  # a few dictionary lookups: on the driver's loop
 
     def __init__(self, prompt: Sequence[int], *, speculation: Speculation) -> None:
         self.speculation = speculation
@@ -83,6 +126,9 @@ class NgramDrafter:
                 period = len(self.tokens) - start
                 return tuple(self.tokens[start + i % period] for i in range(limit))
         return ()
+
+    def close(self) -> None:
+        """Nothing to give back: the index is this object's own."""
 
 
 def drafts_for(*, penalised: bool, constrained: bool) -> bool:

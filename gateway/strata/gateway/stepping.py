@@ -10,6 +10,7 @@ sample the end-of-text token.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections import defaultdict
 
@@ -56,7 +57,7 @@ class Stepping(StageStream):
                     sampling=g.sampling.to_proto(g.generated, g.prompt_tokens),
                 )
             else:
-                draft = self._draft(g, used=used) if drafting else ()
+                draft = self._draft(g, used=used, drafting=drafting)
                 chunk = stage_pb2.SlotChunk(
                     slot=slot,
                     start_position=g.fed,
@@ -73,13 +74,32 @@ class Stepping(StageStream):
             chunks.append(chunk)
         return self._with_masks(chunks)
 
-    def _draft(self, g: Generation, *, used: int) -> tuple[int, ...]:
-        """The tokens g's drafter proposes after its last one: no more than g may still produce after the one this
-        step picks anyway, nor than the pool and the context have room for."""
-        if g.drafter is None:
+    async def _propose_off_loop(self) -> None:
+        """Each decoding generation whose drafter runs a model gets its proposal in a worker thread, so the loop
+        serves every other request meanwhile; `_draft` takes it, cut to the room the step leaves."""
+        if self.speculation is None:
+            return
+        for g in list(self._active.values()):
+            d = g.drafter
+            if d is None or not d.computes or g.proposed is not None or g.cancelled or g.in_flight or g.held:
+                continue
+            if g.fed >= len(g.prompt):
+                limit = min(g.max_tokens - g.produced, self.context - g.fed) - 1
+                g.proposed = await asyncio.to_thread(d.propose, limit)
+
+    def _draft(self, g: Generation, *, used: int, drafting: bool) -> tuple[int, ...]:
+        """The tokens g's drafter proposes after its last one (none while the step does not draft): no more than g
+        may still produce after the one this step picks anyway, nor than the pool and the context have room for.
+        A proposal made off the loop serves this step only: the step changes the tokens it followed."""
+        proposed, g.proposed = g.proposed or (), None
+        if g.drafter is None or self.speculation is None or not drafting:
             return ()
         room = min(g.max_tokens - g.produced, self.context - used, self.context - g.fed) - 1
-        draft = g.drafter.propose(room)
+        if g.drafter.computes:
+            proposed = proposed[: max(room, 0)]
+            draft = proposed if len(proposed) >= self.speculation.min_draft else ()
+        else:
+            draft = g.drafter.propose(room)
         if draft:
             self.metrics.speculative_drafted.inc(len(draft))
         return draft

@@ -22,6 +22,7 @@ from strata.operator.names import (
     stage_labels,
 )
 from strata.operator.spec import GROUP, KIND, PLURAL, VERSION, ModelDeploymentSpec, Resources
+from strata.operator.speculative_env import speculative_env
 from strata.operator.status import PlanSummary
 from strata.plan import Backend, Plan
 from strata.plan import Stage as StagePlan
@@ -328,14 +329,7 @@ def gateway_deployment(
             "STRATA_PIPELINES_POLL_SECONDS": spec.coordination.retry_period_seconds,
         }
     )
-    if spec.speculative is not None:
-        env += _env(
-            {
-                "STRATA_SPECULATIVE": spec.speculative.method.value,
-                "STRATA_MAX_DRAFT": spec.speculative.max_draft,
-                "STRATA_MIN_DRAFT": spec.speculative.min_draft,
-            }
-        )
+    env += speculative_env(spec.speculative)
     if spec.autoscaling is not None:
         # With no pipeline serving (scaled to zero, or all loading) the gateway stays ready and holds a request this
         # long, reporting it as demand on the coordinator Lease so that the operator brings a pipeline up.

@@ -343,6 +343,7 @@ class Autoscaling(_Spec):
 
 class SpeculativeMethod(StrEnum):
     NGRAM = "ngram"
+    DRAFT = "draft"
 
 
 class Speculative(_Spec):
@@ -350,7 +351,21 @@ class Speculative(_Spec):
         extra="forbid",
         populate_by_name=True,
         json_schema_extra={
-            "x-kubernetes-validations": [cel("self.minDraft <= self.maxDraft", "minDraft must not exceed maxDraft")]
+            "x-kubernetes-validations": [
+                cel("self.minDraft <= self.maxDraft", "minDraft must not exceed maxDraft"),
+                cel(
+                    "self.method == 'draft' ? has(self.draftModel) : !has(self.draftModel)",
+                    "draftModel is required with method draft and applies to it only",
+                    ".draftModel",
+                ),
+                cel("!has(self.pMin) || self.method == 'draft'", "pMin applies to method draft only", ".pMin"),
+                cel(
+                    "!has(self.draftModel) || !has(self.draftModel.tokenSecretRef) "
+                    "|| self.draftModel.url.startsWith('https://') || self.draftModel.url.startsWith('hf://')",
+                    "draftModel.tokenSecretRef applies to https:// and hf:// sources only, as model.tokenSecretRef",
+                    ".draftModel.tokenSecretRef",
+                ),
+            ]
         },
     )
 
@@ -358,9 +373,28 @@ class Speculative(_Spec):
         description=(
             "ngram: the gateway proposes the tokens that followed the latest earlier occurrence of a request's last "
             "tokens in its own prompt and output (code edits, quoted tool results, structured output repeat "
-            "themselves); the stages verify them in one step. Applies to requests without a grammar or penalties; the "
-            "text is the same as without it, sampled text included."
+            "themselves); the stages verify them in one step. draft: a small GGUF of the target's vocabulary "
+            "(draftModel), run in each gateway pod on its CPU, proposes its greedy continuation. Applies to requests "
+            "without a grammar or penalties; the text is the same as without it, sampled text included."
         )
+    )
+    draft_model: ModelSource | None = Field(
+        default=None,
+        alias="draftModel",
+        description=(
+            "The draft GGUF of method draft, given as spec.model is; its vocabulary must be the model's (the gateway "
+            "refuses another at start-up, naming both files)."
+        ),
+    )
+    p_min: float | None = Field(
+        default=None,
+        alias="pMin",
+        ge=0.0,
+        le=1.0,
+        description=(
+            "Method draft: a proposal stops before the draft's first pick less likely than this (default 0.3: such a "
+            "pick is more often wrong than right, and every draft token after a wrong one is wasted)."
+        ),
     )
     max_draft: WholeNumber = Field(
         default=4, alias="maxDraft", ge=1, le=16, description="Tokens proposed a step, at most."
@@ -374,6 +408,11 @@ class Speculative(_Spec):
         """The CEL rule again, for manifests that reach the handlers without the API server's check."""
         if self.min_draft > self.max_draft:
             raise ValueError("speculative needs minDraft <= maxDraft")
+        drafting = self.method is SpeculativeMethod.DRAFT
+        if drafting != (self.draft_model is not None):
+            raise ValueError("speculative draftModel is required with method draft and applies to it only")
+        if self.p_min is not None and not drafting:
+            raise ValueError("speculative pMin applies to method draft only")
         return self
 
 

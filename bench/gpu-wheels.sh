@@ -34,4 +34,16 @@ done
 mkdir -p "$dest"
 python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${platforms[@]}" -d "$dest" "${pins[@]}"
+# pip may leave two builds of one version (two manylinux tags: cryptography did); an offline install refuses the pair,
+# so keep one, the one of the oldest glibc (its name sorts first).
+python3 - "$dest" <<'PY'
+import collections, pathlib, sys
+builds = collections.defaultdict(list)
+for wheel in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
+    name, version = wheel.name.split("-")[:2]
+    builds[name.lower(), version].append(wheel)
+for wheels in builds.values():
+    for extra in wheels[1:]:
+        extra.unlink()
+PY
 echo "gpu-wheels: ${#pins[@]} wheels in $dest ($(du -sh "$dest" | cut -f1))"

@@ -126,6 +126,9 @@ def test_a_rollout_of_two_pipelines_replaces_one_at_a_time_and_one_always_serves
             break
         assert time.monotonic() < deadline, f"the rollout did not finish in 180 s: {pipelines}"
         time.sleep(0.2)
-    assert replacing_seen == {0, 1}
-    reasons = [e.reason for e in client.CoreV1Api(cluster).list_namespaced_event(namespace=namespace).items]
-    assert reasons.count("Replanned") >= 1
+    # Sampling the status may miss a pipeline's replacement on a loaded machine (kwok makes pods ready at once); the
+    # Events say that each pipeline was re-planned.
+    assert replacing_seen <= {0, 1}
+    events = client.CoreV1Api(cluster).list_namespaced_event(namespace=namespace).items
+    replanned = [e.message for e in events if e.reason == "Replanned"]
+    assert all(any(m.startswith(f"pipeline {i}:") for m in replanned) for i in (0, 1)), replanned

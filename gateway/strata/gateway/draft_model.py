@@ -37,9 +37,10 @@ from strata.gguf.header import GGUFHeader
 from strata.gguf.sources import open_source
 from strata.stage_worker.engine import Chunk, Engine
 from strata.stage_worker.errors import StageError
-from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.loader import LoadProgress, config_from_header, load_stage
 from strata.stage_worker.sampling import Sampled
+from strata.stage_worker.settings import default_dtype
+from strata.stage_worker.stage_load import stage_pool
 from strata.stage_worker.warm_up import warm_engine
 
 log = logging.getLogger(__name__)
@@ -209,7 +210,7 @@ def load_draft_model(
 def _load(source: DraftSource, *, header: GGUFHeader, speculation: Speculation, context: int, slots: int) -> DraftModel:
     config = config_from_header(header)
     device = torch.device(source.device)
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    dtype = default_dtype(device)
     with open_source(source.url, token=source.token) as byte_source:
         model = load_stage(
             source=byte_source,
@@ -220,18 +221,14 @@ def _load(source: DraftSource, *, header: GGUFHeader, speculation: Speculation, 
             device=device,
             progress=LoadProgress(),
         )
-    pool = KVPool(
-        n_layers=config.n_layer,
+    pool = stage_pool(
+        config,
+        layers=range(config.n_layer),
         context=context,
         parallel=slots,
-        key_width=config.kv_dim,
-        value_width=config.kv_dim,
-        type_k=source.cache_type,
-        type_v=source.cache_type,
+        cache_types=(source.cache_type, source.cache_type),
         dtype=dtype,
         device=device,
-        window=config.sliding_window,
-        sliding=tuple(config.is_sliding(il) for il in range(config.n_layer)),
     )
     engine = warm_engine(model=model, pool=pool, device=device, dtype=dtype, stage_index=0)
     return DraftModel(engine=engine, speculation=speculation, name=source.url)

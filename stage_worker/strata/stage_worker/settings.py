@@ -14,6 +14,11 @@ from strata.gguf.model import CacheType
 COMPUTE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def default_dtype(device: torch.device) -> torch.dtype:
+    """The compute dtype where none is asked for: float32 on the CPU, bfloat16 on GPUs."""
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
 @dataclass(frozen=True)
 class StageSettings:
     stage_index: int
@@ -62,4 +67,4 @@ class StageSettings:
     def compute_dtype(self) -> torch.dtype:
         if self.dtype:
             return COMPUTE_DTYPES[self.dtype]
-        return torch.float32 if self.torch_device.type == "cpu" else torch.bfloat16
+        return default_dtype(self.torch_device)

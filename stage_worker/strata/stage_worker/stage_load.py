@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import threading
 
+import torch
 from strata.gguf import read_header
+from strata.gguf.model import CacheType
 from strata.gguf.sources import open_source
 from strata.stage_worker.engine import Engine
 from strata.stage_worker.errors import InvalidRequestError
 from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.loader import LoadProgress, load_stage
+from strata.stage_worker.model_config import ModelConfig
 from strata.stage_worker.settings import StageSettings
 from strata.stage_worker.warm_up import warm_engine
 
@@ -44,17 +47,40 @@ def build_engine(
             f"layers [{s.layer_start}, {s.layer_end}) of {c.n_layer} "
             + ("end the model, yet a next stage is set" if model.is_last else "need a next stage")
         )
-    pool = KVPool(
-        n_layers=s.layer_end - s.layer_start,
+    pool = stage_pool(
+        c,
+        layers=range(s.layer_start, s.layer_end),
         context=s.context,
         parallel=s.parallel,
-        key_width=c.kv_dim,
-        value_width=c.kv_dim,
-        type_k=s.cache_type_k,
-        type_v=s.cache_type_v,
+        cache_types=(s.cache_type_k, s.cache_type_v),
         dtype=s.compute_dtype,
         device=s.torch_device,
-        window=c.sliding_window,
-        sliding=tuple(c.is_sliding(il) for il in range(s.layer_start, s.layer_end)),
     )
     return warm_engine(model=model, pool=pool, device=s.torch_device, dtype=s.compute_dtype, stage_index=s.stage_index)
+
+
+def stage_pool(
+    config: ModelConfig,
+    *,
+    layers: range,
+    context: int,
+    parallel: int,
+    cache_types: tuple[CacheType, CacheType],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> KVPool:
+    """The KV pool of the model's `layers`: K and V in their cache types, the sliding-window layers in a space of
+    their own."""
+    return KVPool(
+        n_layers=len(layers),
+        context=context,
+        parallel=parallel,
+        key_width=config.kv_dim,
+        value_width=config.kv_dim,
+        type_k=cache_types[0],
+        type_v=cache_types[1],
+        dtype=dtype,
+        device=device,
+        window=config.sliding_window,
+        sliding=tuple(config.is_sliding(il) for il in layers),
+    )

@@ -21,17 +21,6 @@ ROUND: tl.constexpr = tl.constexpr(12582912.0)
 
 
 @triton.jit
-def _quantise_row(src_ptr, row, stride_src, dst_ptr, scales_ptr, cell, stride_dst, stride_sc, n_blocks,
-                  BLOCKS: tl.constexpr):  # fmt: skip
-    b = tl.arange(0, BLOCKS)
-    e = tl.arange(0, 32)
-    ok = b < n_blocks
-    columns = b[:, None] * 32 + e[None, :]
-    x = tl.load(src_ptr + row * stride_src + columns, mask=ok[:, None], other=0.0).to(tl.float32)
-    _store_q8(x, ok, columns, dst_ptr, scales_ptr, cell, stride_dst, stride_sc, BLOCKS)
-
-
-@triton.jit
 def _store_q8(x, ok, columns, dst_ptr, scales_ptr, cell, stride_dst, stride_sc, BLOCKS: tl.constexpr):
     """x [BLOCKS, 32] f32, one row's blocks (ok: [BLOCKS] inside the row), as block_q8_0 into `cell`."""
     b = tl.arange(0, BLOCKS)
@@ -50,9 +39,9 @@ def _write_q8(k_ptr, v_ptr, cells_ptr, kv_ptr, ks_ptr, vv_ptr, vs_ptr,
     row = tl.program_id(0)
     cell = tl.load(cells_ptr + row).to(tl.int64)
     if tl.program_id(1) == 0:
-        _quantise_row(k_ptr, row, stride_k, kv_ptr, ks_ptr, cell, stride_kv, stride_ks, k_blocks, K_BLOCKS)
+        _write_row(k_ptr, row, stride_k, cell, kv_ptr, ks_ptr, stride_kv, stride_ks, 32 * k_blocks, K_BLOCKS, True)
     else:
-        _quantise_row(v_ptr, row, stride_v, vv_ptr, vs_ptr, cell, stride_vv, stride_vs, v_blocks, V_BLOCKS)
+        _write_row(v_ptr, row, stride_v, cell, vv_ptr, vs_ptr, stride_vv, stride_vs, 32 * v_blocks, V_BLOCKS, True)
 
 
 def write_q8(
@@ -128,8 +117,9 @@ def _write_k(k_ptr, row, stride_k, cos_ptr, sin_ptr, stride_angle, cell, kv_ptr,
 
 
 @triton.jit
-def _write_v(v_ptr, row, stride_v, cell, vv_ptr, vs_ptr, stride_vv, stride_vs, kv_width, KV_BLOCKS: tl.constexpr,
-             V_Q8: tl.constexpr):  # fmt: skip
+def _write_row(v_ptr, row, stride_v, cell, vv_ptr, vs_ptr, stride_vv, stride_vs, kv_width, KV_BLOCKS: tl.constexpr,
+               V_Q8: tl.constexpr):  # fmt: skip
+    """One row of `kv_width` values into `cell` as it is: q8_0 (V_Q8) or the store's plain type."""
     columns = tl.arange(0, KV_BLOCKS)[:, None] * 32 + tl.arange(0, 32)[None, :]
     ok = columns < kv_width
     x = tl.load(v_ptr + row * stride_v + columns, mask=ok, other=0.0).to(tl.float32)
@@ -155,7 +145,7 @@ def _rope_write(q_ptr, k_ptr, v_ptr, out_ptr, cos_ptr, sin_ptr, cells_ptr, kv_pt
                  kv_width, head_dim, rope_dim, KV_BLOCKS, NEOX, K_Q8)  # fmt: skip
     else:
         cell = tl.load(cells_ptr + row).to(tl.int64)
-        _write_v(v_ptr, row, stride_v, cell, vv_ptr, vs_ptr, stride_vv, stride_vs, kv_width, KV_BLOCKS, V_Q8)
+        _write_row(v_ptr, row, stride_v, cell, vv_ptr, vs_ptr, stride_vv, stride_vs, kv_width, KV_BLOCKS, V_Q8)
 
 
 def rope_write(

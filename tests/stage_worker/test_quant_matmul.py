@@ -9,6 +9,10 @@ kernel up to GEMM_MAX_ROWS, the dequantised weight beyond.
 
 The check: every output within `tolerance(dtype)` of `x.float() @ dequantize(planes).T`, as a share of
 sum |x| |w| over that output (what an accumulation error scales with), so a wrong value anywhere in a row shows.
+
+`kernel_normed` forms a decode step's norm (and the residual add before it) in the fused kernel's load of x: its
+cases check the product against `rms_norm(h) * g @ W.T` (the reference rounds the normed x to x's dtype, the kernel
+does not) and h, the new residual stream, against x + residual bit for bit.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from strata.stage_worker.kernels.quant_matmul import (
     activated,
     dequantize_as,
     kernel,
+    kernel_normed,
+    normed_reference,
     quant_linear,
     reference,
 )
@@ -247,3 +253,91 @@ def test_a_gate_that_is_not_formed_fails_the_check(device: torch.device) -> None
     gate_up = torch.randn(1, 192)
     ungated = kernel(gate_up[:, :96].to(device), [p.to(device) for p in planes.values()], Q.Q8_0, columns=96)
     assert relative_error(ungated.cpu(), activated(gate_up, Gate.SILU), w) > 1e-2
+
+
+@dataclass(frozen=True)
+class NormedCase:
+    name: str
+    ggml_type: GGMLQuantizationType
+    m: int  # 1-4: the fused kernel; 6, 65: torch forms the norm, then the tensor-core or dequantised product
+    residual: bool = True
+    x: str = "normal"  # "normal"; "large" (|x| to 1e4: squares past f16's range, summed in f32); "zero row"
+    weight: str = "normal"  # the norm's weight: "normal" around 1, "signed" (negative values too)
+
+
+NORMED_CASES = [
+    NormedCase(f"{t.name} M={m}", t, m) for t in (Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q4_0, Q.Q5_K) for m in (1, 3, 4)
+] + [
+    NormedCase("Q8_0 M=1, no residual (a stage's first block)", Q.Q8_0, 1, residual=False),
+    NormedCase("Q4_K M=3, no residual", Q.Q4_K, 3, residual=False),
+    NormedCase("Q8_0 M=2, large x", Q.Q8_0, 2, x="large"),
+    NormedCase("Q4_K M=1, large x", Q.Q4_K, 1, x="large"),
+    NormedCase("Q6_K M=3, a zero row", Q.Q6_K, 3, x="zero row"),
+    NormedCase("Q4_K M=4, signed weight", Q.Q4_K, 4, weight="signed"),
+    NormedCase("Q8_0 M=6 through torch, then tensor cores", Q.Q8_0, 6),
+    NormedCase("Q4_K M=65 through torch, then the dequantised weight", Q.Q4_K, 65),
+]
+
+EPS = 1e-6
+
+
+def _inputs(case: NormedCase, k: int, dtype: torch.dtype, rng: np.random.Generator) -> tuple[torch.Tensor, ...]:
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.from_numpy(rng.standard_normal(shape)).float()
+
+    spread = 1e4 if case.x == "large" else 1.0
+    x = (normal(case.m, k) * spread).to(dtype)
+    residual = (normal(case.m, k) * spread).to(dtype)
+    if case.x == "zero row":
+        x[1], residual[1] = 0.0, 0.0
+    weight = 1.0 + 0.1 * normal(k) if case.weight == "normal" else normal(k)
+    return x, residual, weight.to(dtype)
+
+
+@pytest.mark.parametrize(
+    ("case", "dtype"),
+    [pytest.param(c, d, id=f"{c.name}-{str(d).removeprefix('torch.')}") for c in NORMED_CASES for d in dtypes()],
+)
+def test_normed_product_matches_the_norm_then_the_product(
+    case: NormedCase, dtype: torch.dtype, device: torch.device
+) -> None:
+    plain = Case("", case.ggml_type, case.m, 21, _k(case.ggml_type, long=True), "normal")
+    rng = np.random.default_rng(case.m * 31 + int(case.ggml_type))
+    planes = random_planes(plain, rng)
+    w = dequantize(planes, case.ggml_type)
+    x, residual, weight = _inputs(case, plain.k, dtype, rng)
+    given = residual if case.residual else None
+    out, h = kernel_normed(
+        x.to(device), None if given is None else given.to(device), [p.to(device) for p in planes.values()],
+        case.ggml_type, columns=plain.k, weight=weight.to(device), eps=EPS,
+    )  # fmt: skip
+    expected_h, normed = normed_reference(x, given, weight, EPS)
+    assert torch.equal(h.cpu(), expected_h), f"{case.name}: h is not x + residual"
+    assert out.shape == (case.m, plain.n)
+    assert out.dtype == dtype
+    error = relative_error(out.cpu(), normed, w)
+    assert error <= tolerance(dtype), f"{case.name}: relative error {error:.2e} over {tolerance(dtype):.0e}"
+
+
+def test_a_norm_left_out_fails_the_check(device: torch.device) -> None:
+    """The check can fail: the product of h itself (no norm) is far from the normed one."""
+    plain = Case("", Q.Q8_0, 1, 21, 96, "normal")
+    planes = random_planes(plain, np.random.default_rng(6))
+    w = dequantize(planes, Q.Q8_0)
+    x, residual = torch.randn(1, 96) * 5, torch.randn(1, 96) * 5
+    _, normed = normed_reference(x, residual, torch.ones(96), EPS)
+    plain_product = kernel((x + residual).to(device), [p.to(device) for p in planes.values()], Q.Q8_0, columns=96)
+    assert relative_error(plain_product.cpu(), normed, w) > 1e-2
+
+
+@pytest.mark.parametrize("m", [1, 6])
+def test_the_normed_op_passes_opcheck(m: int, device: torch.device) -> None:
+    """Its schema and fake implementation hold (what torch.compile relies on), with and without a residual."""
+    from strata.stage_worker.kernels import quant_matmul
+
+    plain = Case("", Q.Q8_0, m, 5, 64, "normal")
+    planes = [p.to(device) for p in random_planes(plain, np.random.default_rng(7)).values()]
+    x, residual, weight = (torch.randn(m, 64, device=device), torch.randn(m, 64, device=device),
+                           torch.randn(64, device=device))  # fmt: skip
+    for given in (residual, None):
+        torch.library.opcheck(quant_matmul._quant_linear_normed_op, (x, given, weight, EPS, planes, int(Q.Q8_0), 64))

@@ -198,12 +198,16 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
 
     def forward(self, x: Tensor, *, rope: Rope, cos: Tensor, sin: Tensor, cache: LayerCache, layout: Layout) -> Tensor:
+        return self.attend(self.wqkv(x), rope=rope, cos=cos, sin=sin, cache=cache, layout=layout)
+
+    def attend(self, qkv: Tensor, *, rope: Rope, cos: Tensor, sin: Tensor, cache: LayerCache, layout: Layout) -> Tensor:
+        """From the q/k/v projection of x on: `Block` may form that projection with the norm before it."""
         c = self.config
-        n = x.shape[0]
-        q, k, v = self.wqkv(x).split((c.q_dim, c.kv_dim, c.kv_dim), dim=-1)
-        q = q.unflatten(-1, (c.n_head, c.head_dim))  # [N, H, hd]
-        k = k.unflatten(-1, (c.n_head_kv, c.head_dim))  # [N, Hkv, hd]
-        v = v.unflatten(-1, (c.n_head_kv, c.head_dim))  # [N, Hkv, hd]
+        n = qkv.shape[0]
+        q, k, v = torch.split(qkv, [c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
+        q = q.view(n, c.n_head, c.head_dim)  # [N, H, hd]
+        k = k.view(n, c.n_head_kv, c.head_dim)  # [N, Hkv, hd]
+        v = v.view(n, c.n_head_kv, c.head_dim)  # [N, Hkv, hd]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = rotate_and_write(q=q, k=k, v=v, cos=cos, sin=sin, cells=layout.write_cells, cache=cache, rope=rope)
@@ -223,11 +227,14 @@ class FeedForward(nn.Module):
         self.w_down: nn.Module = nn.Linear(config.ffn_dim, config.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate_up = self.w_gate_up(x)
+        return self.down(self.w_gate_up(x))
+
+    def down(self, gate_up: Tensor) -> Tensor:
+        """From the gate/up projection of x on: `Block` may form that projection with the norm before it."""
         if isinstance(self.w_down, PackedLinear) and self.w_down.forms_gate(gate_up):
             # On a GPU the activation is formed in the down projection's load of x: one launch a layer fewer.
             return self.w_down.gated(gate_up, self.gate)
-        gate, up = gate_up.split(self.ffn_dim, dim=-1)
+        gate, up = torch.split(gate_up, self.ffn_dim, dim=-1)
         out: Tensor = self.w_down(self.activation(gate) * up)
         return out
 
@@ -237,6 +244,17 @@ def feed_forward(config: ModelConfig) -> nn.Module:
     if not config.n_expert:
         return FeedForward(config)
     return MixtureOfExperts(config, activation=ACTIVATIONS[config.activation])
+
+
+def normed_projection(linear: nn.Module, norm: RMSNorm, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(h, linear(norm(h))) with h = x + residual (x for a stage's first block). On a GPU, for a decode step's few
+    rows of quantised matrices, the add and the norm happen in the product's load of x: two launches a layer fewer."""
+    if isinstance(linear, PackedLinear) and linear.takes_norm(x):
+        out, h = linear.normed(x, residual, weight=norm.weight, eps=norm.eps)
+        return h, out
+    h = x if residual is None else x + residual
+    projected: Tensor = linear(norm(h))
+    return h, projected
 
 
 class Block(nn.Module):
@@ -263,12 +281,16 @@ class Block(nn.Module):
         """x [N, D] plus `residual` (the previous block's stream, None for the first) -> (this block's
         feed-forward output, its stream): the caller adds the two, or the next block does, so that the add fuses
         into the next block's norm."""
-        h = x if residual is None else x + residual
-        attended = self.attn(self.attn_norm(h), rope=rope, cos=cos, sin=sin, cache=cache, layout=layout)
+        h, qkv = normed_projection(self.attn.wqkv, self.attn_norm, x, residual)
+        attended = self.attn.attend(qkv, rope=rope, cos=cos, sin=sin, cache=cache, layout=layout)
         if self.attn_post_norm is not None:
             attended = self.attn_post_norm(attended)
-        h = h + attended
-        fed = self.ffn(self.ffn_norm(h))
+        if isinstance(self.ffn, FeedForward):
+            h, gate_up = normed_projection(self.ffn.w_gate_up, self.ffn_norm, attended, h)
+            fed = self.ffn.down(gate_up)
+        else:
+            h = h + attended
+            fed = self.ffn(self.ffn_norm(h))
         if self.ffn_post_norm is not None:
             fed = self.ffn_post_norm(fed)
         return fed, h

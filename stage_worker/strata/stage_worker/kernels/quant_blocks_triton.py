@@ -112,6 +112,28 @@ def x_values(pointers, mask, gate_offset, GATE: tl.constexpr):
     return tl.permute(gated_load(pointers, mask, gate_offset, GATE).to(tl.float32), (1, 0, 2))
 
 
+# What is done to x before the product (the `NORM` constexpr): nothing; the RMS norm of x times a weight; or the
+# norm of h = x + residual, h stored as the block's new stream. A decode step's norms and residual adds were two
+# compiled kernels a layer; in the next matrix's load of x they cost no launch. A program reads every column of x once,
+# so it sums h^2 beside its products and scales its outputs by 1 / rms at the end: (h g . w) / rms = (h / rms) g . w.
+NORM_NONE: tl.constexpr = tl.constexpr(0)
+NORM_RMS: tl.constexpr = tl.constexpr(1)
+NORM_ADD_RMS: tl.constexpr = tl.constexpr(2)
+
+
+@triton.jit
+def normed_values(pointers, mask, residuals, weights, h_out, store, NORM: tl.constexpr):
+    """h * g as f32 [BLOCK_M, C, 8] (see `x_values`) with h = x (+ the residual, rounded to x's dtype as the stream
+    is kept, and stored at h_out where `store`), and h^2 summed over the 8 values, [BLOCK_M, C]."""
+    h = tl.load(pointers, mask=mask, other=0.0)
+    if NORM == NORM_ADD_RMS:
+        h = (h.to(tl.float32) + tl.load(residuals, mask=mask, other=0.0).to(tl.float32)).to(h.dtype)
+        tl.store(h_out, h, mask=mask & store)
+    values = tl.permute(h.to(tl.float32), (1, 0, 2))
+    g = tl.permute(tl.load(weights, mask=mask, other=0.0).to(tl.float32), (1, 0, 2))
+    return values * g, tl.sum(values * values, axis=2)
+
+
 @triton.jit
 def read_chunk(FAMILY: tl.constexpr, BITS: tl.constexpr, MINIMUMS: tl.constexpr,
            q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr, sq, sh, sd, sd2, ssc, smn,

@@ -120,6 +120,54 @@ def _(x: Tensor, planes: list[Tensor], ggml_type: int, columns: int, gate: int) 
     return x.new_empty((x.shape[0], planes[0].shape[0]))
 
 
+def normed_reference(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(h, rms_norm(h) * weight) with h = x (+ residual), as the model's RMSNorm computes it: the norm in f32,
+    rounded to x's dtype, then times the weight."""
+    h = x if residual is None else x + residual
+    normed = F.rms_norm(h.float(), (h.shape[-1],), eps=eps).to(h.dtype)
+    return h, (weight * normed).to(h.dtype)
+
+
+@torch.library.custom_op("strata::quant_linear_normed", mutates_args=())
+def _quant_linear_normed_op(
+    x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, planes: list[Tensor], ggml_type: int, columns: int
+) -> tuple[Tensor, Tensor]:
+    from strata.stage_worker.kernels import quant_matmul_triton
+
+    t = GGMLQuantizationType(ggml_type)
+    with _device(x):
+        if x.shape[0] <= FUSED_MAX_ROWS and t in FUSED_TYPES:
+            norm = quant_matmul_triton.Norm(weight=weight, eps=eps, residual=residual)
+            out, h = quant_matmul_triton.quant_matmul_normed(x, planes, t, columns=columns, norm=norm)
+            return out, x.new_empty(0) if h is None else h
+        h, normed = normed_reference(x, residual, weight, eps)
+        out = _quant_linear_op(normed, planes, ggml_type, columns, int(Gate.NONE))
+        return out, x.new_empty(0) if residual is None else h
+
+
+@_quant_linear_normed_op.register_fake
+def _(
+    x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, planes: list[Tensor], ggml_type: int, columns: int
+) -> tuple[Tensor, Tensor]:
+    return x.new_empty((x.shape[0], planes[0].shape[0])), x.new_empty(0) if residual is None else torch.empty_like(x)
+
+
+def kernel_normed(
+    x: Tensor,
+    residual: Tensor | None,
+    planes: Sequence[Tensor],
+    ggml_type: GGMLQuantizationType,
+    *,
+    columns: int,
+    weight: Tensor,
+    eps: float,
+) -> tuple[Tensor, Tensor]:
+    """(rms_norm(h) * weight @ W.T, h) with h = x (+ residual), x [M, K], on the Triton path: for up to
+    FUSED_MAX_ROWS rows one launch, the norm (and the residual add) formed in the fused kernel's load of x."""
+    out, h = _quant_linear_normed_op(x, residual, weight, eps, list(planes), int(ggml_type), columns)
+    return out, x if residual is None else h
+
+
 def kernel(
     x: Tensor, planes: Sequence[Tensor], ggml_type: GGMLQuantizationType, *, columns: int, gate: Gate = Gate.NONE
 ) -> Tensor:

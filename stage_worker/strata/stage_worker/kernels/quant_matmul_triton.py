@@ -17,7 +17,7 @@ once.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -25,6 +25,9 @@ import triton.language as tl
 from gguf import GGMLQuantizationType
 from strata.stage_worker.kernels.quant_blocks_triton import (
     LAYOUTS,
+    NORM_ADD_RMS,
+    NORM_NONE,
+    NORM_RMS,
     Q,
     checked_rows,
     chunk_count,
@@ -32,6 +35,7 @@ from strata.stage_worker.kernels.quant_blocks_triton import (
     kernel_planes,
     layout_constexprs,
     nibble_values,
+    normed_values,
     pair_columns,
     read_chunk,
     split_k,
@@ -44,15 +48,17 @@ from torch import Tensor
 
 @triton.jit
 def _gemv(
-    x_ptr, out_ptr, q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr,
-    M, N, n_chunks, chunks_per_split, gate_offset,
-    sxm, sos, som, sq, sh, sd, sd2, ssc, smn,
+    x_ptr, out_ptr, q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr, r_ptr, g_ptr, hs_ptr,
+    M, N, n_chunks, chunks_per_split, columns, eps,
+    sxm, sos, som, sq, sh, sd, sd2, ssc, smn, srm, shm,
     FAMILY: tl.constexpr, BITS: tl.constexpr, MINIMUMS: tl.constexpr, HALF_STRIDE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, EVEN_K: tl.constexpr, GATE: tl.constexpr,
+    NORM: tl.constexpr,
 ):  # fmt: skip
     """out[split, m, n] = sum over the split's chunks of x[m] . W[n], for the M (<= BLOCK_M) rows of x at once
     (x formed on load from a gated feed-forward's gate and up where GATE says so: quant_blocks_triton's
-    `gated_load`).
+    `gated_load`; or x's RMS norm times g, of x + r stored at hs where NORM says so, in one split:
+    `normed_values`).
 
     One row of x: the sums of (u 2^-24) x and of x per sub-block half, scaled once a chunk. More rows: each value
     a u + b is formed once (one FMA) and multiplied by every row's x."""
@@ -63,7 +69,12 @@ def _gemv(
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_in = tl.minimum(rows, N - 1)  # rows past N read row N - 1 and are not stored: no masked weight loads
     m = tl.arange(0, BLOCK_M)
-    x_rows = x_ptr + tl.minimum(m, M - 1)[None, :, None] * sxm  # [1, BLOCK_M, 1]: see `x_values`
+    row = tl.minimum(m, M - 1)[None, :, None]
+    x_rows = x_ptr + row * sxm  # [1, BLOCK_M, 1]: see `x_values`
+    r_rows = r_ptr + row * srm
+    h_rows = hs_ptr + row * shm
+    stores_h = (m < tl.where(pid_n + pid_k == 0, M, 0))[None, :, None]  # one program writes h, its real rows
+    squares = tl.zeros((BLOCK_M, CHUNKS), dtype=tl.float32)
     offs_c = tl.arange(0, CHUNKS)
     offs_w = tl.arange(0, 4 * CHUNKS)
     eight = tl.arange(0, 8)[None, None, :]
@@ -92,8 +103,20 @@ def _gemv(
         for h in tl.static_range(NIBBLES):
             # A nibble's 16 values of x are consecutive columns: two 16-byte loads, words 0-1 and 2-3.
             column = base[:, None, None] + HALF_STRIDE * h + eight
-            first_words = pair_columns(x_values(x_rows + column, xmask, gate_offset, GATE))
-            last_words = pair_columns(x_values(x_rows + column + 8, xmask, gate_offset, GATE))
+            if NORM == NORM_NONE:
+                first_x = x_values(x_rows + column, xmask, columns, GATE)
+                last_x = x_values(x_rows + column + 8, xmask, columns, GATE)
+            else:
+                first_x, first_squares = normed_values(
+                    x_rows + column, xmask, r_rows + column, g_ptr + column, h_rows + column, stores_h, NORM
+                )
+                last_x, last_squares = normed_values(
+                    x_rows + column + 8, xmask, r_rows + column + 8, g_ptr + column + 8, h_rows + column + 8,
+                    stores_h, NORM,
+                )  # fmt: skip
+                squares += first_squares + last_squares
+            first_words = pair_columns(first_x)
+            last_words = pair_columns(last_x)
             for i in tl.static_range(4):
                 x_columns = first_words[i] if i < 2 else last_words[i - 2]
                 if SPLIT_HALVES and h == 1:
@@ -125,6 +148,8 @@ def _gemv(
             if NIBBLES == 2:
                 acc += a_hi * unit_of(BITS, 1) * f_hi + b_hi * x_hi
     out = tl.sum(acc, axis=1)[None, :] if BLOCK_M == 1 else tl.sum(acc, axis=2)
+    if NORM != NORM_NONE:
+        out = out * tl.rsqrt(tl.sum(squares, axis=1) / columns + eps)[:, None]
     mask = (m < M)[:, None] & (rows < N)[None, :]
     tl.store(out_ptr + pid_k * sos + m[:, None] * som + rows[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -201,6 +226,16 @@ def default_config(ggml_type: GGMLQuantizationType, rows: int, *, n: int, k: int
     return Config(block_n=4, chunks=128, num_warps=4)
 
 
+@dataclass(frozen=True)
+class Norm:
+    """x's RMS norm before the product: x (+ `residual`) scaled by 1 / rms and by `weight` [K] (quant_blocks_triton's
+    NORM_ constants)."""
+
+    weight: Tensor
+    eps: float
+    residual: Tensor | None = None  # [M, K]: the product takes the norm of h = x + residual, and h is returned
+
+
 def quant_matmul(
     x: Tensor,
     planes: Sequence[Tensor],
@@ -213,10 +248,43 @@ def quant_matmul(
     """x [M, K] (M <= 16) @ W.T -> [M, N] in x's dtype, W given as its planes (formats.plane_names order). With a
     `gate` (quant_blocks_triton's GATE_SILU or GATE_GELU_TANH), x is a gated feed-forward's [M, 2K] gate and up, and
     the product is act(gate) * up @ W.T."""
+    out, _ = _launch(x, planes, ggml_type, columns=columns, config=config, gate=gate, norm=None)
+    return out
+
+
+def quant_matmul_normed(
+    x: Tensor,
+    planes: Sequence[Tensor],
+    ggml_type: GGMLQuantizationType,
+    *,
+    columns: int,
+    norm: Norm,
+    config: Config | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """(rms_norm(h) * norm.weight @ W.T, h) with h = x + norm.residual (None without a residual: h is x), x [M, K]
+    (M <= 16), in one split along K (a program needs all of a row's squares)."""
+    return _launch(x, planes, ggml_type, columns=columns, config=replace(config or Config(), splits=1), gate=0,
+                   norm=norm)  # fmt: skip
+
+
+def _launch(
+    x: Tensor,
+    planes: Sequence[Tensor],
+    ggml_type: GGMLQuantizationType,
+    *,
+    columns: int,
+    config: Config | None,
+    gate: int,
+    norm: Norm | None,
+) -> tuple[Tensor, Tensor | None]:
     x = checked_rows(x, columns=columns * (2 if gate else 1), most=MAX_ROWS, kernel="fused")
     m_rows, n = x.shape[0], planes[0].shape[0]
+    residual = None if norm is None or norm.residual is None else norm.residual
+    h = None if residual is None else torch.empty_like(x)
     if m_rows == 0:
-        return x.new_empty((0, n))
+        return x.new_empty((0, n)), h
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"the residual is {tuple(residual.shape)}, x {tuple(x.shape)}")
     n_chunks = chunk_count(columns, ggml_type)
     default = default_config(ggml_type, m_rows, n=n, k=columns)
     config = config or default
@@ -227,14 +295,18 @@ def quant_matmul(
     chunks_per_split, out = split_k(x, n=n, n_chunks=n_chunks, chunks=chunks, programs=programs, splits=config.splits)
     splits = 1 if out.dim() == 2 else out.shape[0]
     slots, strides = kernel_planes(planes, ggml_type)
+    r = x if residual is None else checked_rows(residual, columns=columns, most=MAX_ROWS, kernel="fused")
     _gemv[(programs, splits)](
-        x, out, *slots, m_rows, n, n_chunks, chunks_per_split, columns,
-        x.stride(0), out.stride(0) if splits > 1 else 0, out.stride(-2), *strides,
+        x, out, *slots, r, x if norm is None else norm.weight, x if h is None else h,
+        m_rows, n, n_chunks, chunks_per_split, columns, 0.0 if norm is None else norm.eps,
+        x.stride(0), out.stride(0) if splits > 1 else 0, out.stride(-2), *strides, r.stride(0),
+        x.stride(0) if h is None else h.stride(0),
         **layout_constexprs(ggml_type), BLOCK_M=triton.next_power_of_2(m_rows), BLOCK_N=block_n, CHUNKS=chunks,
-        EVEN_K=n_chunks % chunks_per_split == 0 and chunks_per_split % chunks == 0, GATE=gate, num_warps=warps,
+        EVEN_K=n_chunks % chunks_per_split == 0 and chunks_per_split % chunks == 0, GATE=gate,
+        NORM=(NORM_NONE if norm is None else NORM_RMS if residual is None else NORM_ADD_RMS).value, num_warps=warps,
         num_stages=1,
     )  # fmt: skip
-    return out if splits == 1 else out.sum(dim=0).to(x.dtype)
+    return (out if splits == 1 else out.sum(dim=0).to(x.dtype)), h
 
 
 def dequantize(

@@ -15,7 +15,15 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
-from strata.stage_worker.kernels.quant_matmul import FUSED_TYPES, Gate, dequantize_as, kernel, quant_linear
+from strata.stage_worker.kernels.quant_matmul import (
+    FUSED_MAX_ROWS,
+    FUSED_TYPES,
+    Gate,
+    dequantize_as,
+    kernel,
+    kernel_normed,
+    quant_linear,
+)
 from strata.stage_worker.weights.formats import Planes, dequantize, plane_names
 from torch import Tensor, nn
 
@@ -42,6 +50,11 @@ class QuantizedRows(nn.Module):
         """act(gate) * up @ W.T of a gated feed-forward's [M, 2K] gate and up, the activation formed in the
         kernel's load of x (CUDA only: see PackedLinear.forms_gate)."""
         return kernel(gate_up, self.planes(), self.ggml_type, columns=self.columns, gate=gate)
+
+    def matmul_normed(self, x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        """(rms_norm(h) * weight @ W.T, h) with h = x (+ residual), the norm formed in the kernel's load of x (CUDA
+        only: see PackedLinear.takes_norm)."""
+        return kernel_normed(x, residual, self.planes(), self.ggml_type, columns=self.columns, weight=weight, eps=eps)
 
     def dense(self, dtype: torch.dtype) -> Tensor:
         """[rows, columns] values in `dtype` (for prefill-sized work and references)."""
@@ -107,6 +120,27 @@ class PackedLinear(nn.Module):
             raise TypeError("a gated product needs a matrix of one quantised part (PackedLinear.forms_gate)")
         rows = gate_up.reshape(-1, gate_up.shape[-1])
         return part.matmul_gated(rows, gate).view(*gate_up.shape[:-1], self.out_features)
+
+    def takes_norm(self, x: Tensor) -> bool:
+        """Whether `normed` can form the norm before this matrix: a decode step's few rows [M, K] on a GPU, every part
+        quantised in a type the fused kernel reads."""
+        return (
+            x.device.type == "cuda"
+            and x.dim() == 2
+            and x.shape[0] <= FUSED_MAX_ROWS
+            and all(isinstance(part, QuantizedRows) and part.ggml_type in FUSED_TYPES for part in self.parts)
+        )
+
+    def normed(self, x: Tensor, residual: Tensor | None, *, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        """(rms_norm(h) * weight @ W.T (+ b), h) with h = x (+ residual), where `takes_norm` says so. The first part
+        forms h; the others norm it again (each program of a kernel needs the whole row's squares)."""
+        first, *rest = self.parts
+        if not isinstance(first, QuantizedRows):
+            raise TypeError("a normed product needs quantised parts (PackedLinear.takes_norm)")
+        out, h = first.matmul_normed(x, residual, weight, eps)
+        outs = [out] + [part.matmul_normed(h, None, weight, eps)[0] for part in rest]  # type: ignore[operator]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return (y if self.bias is None else y + self.bias), h
 
     def dense(self, dtype: torch.dtype) -> Tensor:
         """W as plain values [out_features, in_features] (references, and HF built from a stage)."""

@@ -1,0 +1,91 @@
+"""On a GPU a decode step forms each block's norms (and the residual adds before them) in the next quantised matrix's
+load of x (model.normed_projection); this checks that step against the same stage with the norms run separately.
+
+Needs a CUDA device (run on a GPU lease); skipped elsewhere, where the CPU path never takes the fused form. The kernel
+itself is checked against the reference on the CPU too (tests/stage_worker/test_quant_matmul.py's normed cases).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from strata.gguf import read_header
+from strata.gguf.model import CacheType
+from strata.gguf.sources import open_source
+from strata.gguf.testmodels import write_test_model
+from strata.stage_worker.engine import Chunk, Engine
+from strata.stage_worker.kv_pool import KVPool
+from strata.stage_worker.loader import LoadProgress, load_stage
+from strata.stage_worker.weights.linear import PackedLinear
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a GPU lease)")
+
+Q = GGMLQuantizationType
+LAYERS = 3
+PROMPT = (1, 17, 200, 3, 45, 99, 12, 7, 250, 31, 64, 128)
+STEPS = 16
+
+
+def _engine(path: Path, dtype: torch.dtype) -> Engine:
+    device = torch.device("cuda")
+    source = open_source(str(path))
+    try:
+        header = read_header(source)
+        model = load_stage(source=source, header=header, layer_start=0, layer_end=LAYERS, dtype=dtype,
+                           device=device, progress=LoadProgress())  # fmt: skip
+    finally:
+        source.close()
+    c = model.config
+    pool = KVPool(
+        n_layers=c.n_layer, context=128, parallel=4, key_width=c.kv_dim, value_width=c.kv_dim,
+        type_k=CacheType.F32, type_v=CacheType.F32, dtype=dtype, device=device,
+    )  # fmt: skip
+    return Engine(model=model, pool=pool, device=device, dtype=dtype)
+
+
+def _decode(engine: Engine, streams: int) -> tuple[list[list[int]], torch.Tensor]:
+    """Prefill PROMPT into `streams` slots, then STEPS greedy steps of all of them at once: the tokens of each, and
+    the last step's log-probabilities."""
+    chunks = [Chunk(slot=s, start_position=0, length=len(PROMPT), token_ids=PROMPT, sample=True)
+              for s in range(streams)]  # fmt: skip
+    tokens: list[list[int]] = [[] for _ in range(streams)]
+    logprobs: list[float] = []
+    for step in range(STEPS + 1):
+        result = engine.step(chunks, None)
+        for s in range(streams):
+            tokens[s].append(result.tokens[s].token_id)
+        logprobs = [result.tokens[s].logprob for s in range(streams)]
+        chunks = [
+            Chunk(slot=s, start_position=len(PROMPT) + step, length=1, token_ids=(tokens[s][-1],), sample=True)
+            for s in range(streams)
+        ]
+    return tokens, torch.tensor(logprobs)
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+@pytest.mark.parametrize("weight_type", [Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_norms_in_the_products_decode_as_the_separate_norms(
+    weight_type: GGMLQuantizationType, streams: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write_test_model(
+        tmp_path / "model.gguf", architecture="llama", block_count=LAYERS, weight_type=weight_type
+    ).path
+    fused_engine = _engine(path, torch.float32)
+    calls = []
+    normed = PackedLinear.normed
+
+    def counted(self: PackedLinear, *args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return normed(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PackedLinear, "normed", counted)
+    fused, fused_logprobs = _decode(fused_engine, streams)
+    assert calls, "the GPU decode step never formed a norm in a product"
+    monkeypatch.setattr(PackedLinear, "takes_norm", lambda self, x: False)
+    torch._dynamo.reset()  # the compiled blocks of the first engine must not serve the second
+    separate, separate_logprobs = _decode(_engine(path, torch.float32), streams)
+    assert fused == separate
+    assert torch.allclose(fused_logprobs, separate_logprobs, atol=1e-4), (fused_logprobs, separate_logprobs)

@@ -13,10 +13,10 @@ On the CPU the same body runs eagerly, so the fidelity tests cover the batched a
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from strata.stage_worker.kernels.greedy_pick import greedy_pick
 from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.model import RunBlock, StageModel, decode_layout, run_block
 from strata.stage_worker.rope import Rope
@@ -58,12 +58,9 @@ class Decoder:
         # layer (the blocks differ only in their tensors), so a new (B, S) costs one block's compilation, not a
         # whole model's.
         self._run: RunBlock = run_block
-        self._greedy: Callable[[Tensor], Tensor] = greedy
         if compiled:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
             self._run = torch.compile(run_block, dynamic=dynamic)
-            # Eagerly, the vocabulary's softmax and argmax are one thread block each for a row of 128K logits.
-            self._greedy = torch.compile(greedy, dynamic=dynamic)
         n = pool.parallel
         # slots, positions, cells, tokens, and the cells of the sliding-window layers when they have their own
         self.inputs = torch.zeros(5, n, dtype=torch.long, device=self.device)
@@ -138,11 +135,4 @@ class Decoder:
         if not self.model.is_last:
             return DecodeOutput(hidden=x, logits=None, greedy=None)
         logits = self.model.head(x).float()  # [B, vocab]
-        return DecodeOutput(hidden=None, logits=logits, greedy=self._greedy(logits))
-
-
-def greedy(logits: Tensor) -> Tensor:
-    """logits [B, vocab] f32 -> [2, B] f32: each row's argmax token and its log-probability."""
-    token = torch.argmax(logits, dim=-1)  # [B]
-    logprob = logits.gather(1, token[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # [B]
-    return torch.stack((token.float(), logprob))
+        return DecodeOutput(hidden=None, logits=logits, greedy=greedy_pick(logits))

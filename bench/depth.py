@@ -69,10 +69,12 @@ def kernel_speed(device: torch.device, *, depths: list[int]) -> dict[str, float]
     base = kernels.DEFAULT
     configs = {
         "default": base,
-        "bf16 dots": dataclasses.replace(base, f16_dot=False),
         "64-position tiles, 2 warps": dataclasses.replace(base, lone_block_n=64, num_warps=2),
         "16-position tiles": dataclasses.replace(base, lone_block_n=16, block_n=32),
         "3 stages": dataclasses.replace(base, num_stages=3),
+        "256 splits": dataclasses.replace(base, waves=16, max_splits=256),
+        "256 splits, 3 stages": dataclasses.replace(base, waves=16, max_splits=256, num_stages=3),
+        "512 splits": dataclasses.replace(base, waves=32, max_splits=512),
     }
     shapes = [(1, d) for d in depths] + [(STREAMS, STREAM_DEPTH)]
     speeds = {}

@@ -16,6 +16,7 @@ from strata.gguf import read_header
 from strata.gguf.model import CacheType
 from strata.gguf.sources import open_source
 from strata.gguf.testmodels import write_test_model
+from strata.gguf.testmodels.shapes import K_QUANT_SHAPE
 from strata.stage_worker.engine import Chunk, Engine
 from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.loader import LoadProgress, load_stage
@@ -70,8 +71,9 @@ def _decode(engine: Engine, streams: int) -> tuple[list[list[int]], torch.Tensor
 def test_norms_in_the_products_decode_as_the_separate_norms(
     weight_type: GGMLQuantizationType, streams: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    shape = K_QUANT_SHAPE if weight_type in (Q.Q4_K, Q.Q6_K) else None  # K-quant rows are 256 values a block
     path = write_test_model(
-        tmp_path / "model.gguf", architecture="llama", block_count=LAYERS, weight_type=weight_type
+        tmp_path / "model.gguf", architecture="llama", block_count=LAYERS, shape=shape, weight_type=weight_type
     ).path
     fused_engine = _engine(path, torch.float32)
     calls = []

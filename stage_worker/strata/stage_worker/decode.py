@@ -31,6 +31,23 @@ class DecodeOutput:
 
 
 @dataclass(frozen=True)
+class Picks:
+    """A last-stage decode step's greedy picks: on the device (where the next step may take its tokens from them)
+    and on their way to the host, without waiting for the GPU until they are read."""
+
+    device: Tensor  # [2, B] f32
+    host: Tensor  # [2, B] f32, pinned on CUDA
+    ready: torch.cuda.Event | None  # recorded after the copy; None on the CPU
+
+    def read(self) -> tuple[list[float], list[float]]:
+        """(tokens, log-probabilities), once the copy is done."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        tokens, logprobs = self.host.tolist()
+        return tokens, logprobs
+
+
+@dataclass(frozen=True)
 class _Captured:
     graph: torch.cuda.CUDAGraph
     output: DecodeOutput
@@ -85,11 +102,21 @@ class Decoder:
         cells: list[tuple[int, int]],  # per slot: its new cell in the full-attention and the sliding-window space
         tokens: list[int],
         hidden: Tensor | None,
+        fed: tuple[Picks, list[int]] | None = None,
     ) -> DecodeOutput:
+        """`fed`: take the tokens from an earlier step's picks (those rows of them) on the device, not from `tokens`:
+        that step's picks need not have reached the host."""
         b = len(slots)
         full, window = zip(*cells, strict=True)
         host = torch.tensor([slots, positions, list(full), tokens or [0] * b, list(window)], dtype=torch.long)
         self.inputs[:, :b].copy_(host, non_blocking=True)
+        if fed is not None:
+            picks, rows = fed
+            if rows == list(range(b)):
+                self.inputs[3, :b].copy_(picks.device[0, :b])
+            else:
+                index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+                self.inputs[3, :b].copy_(picks.device[0].index_select(0, index))
         if hidden is not None:
             self.hidden[:b].copy_(hidden, non_blocking=True)
         if not self.graphs:
@@ -97,6 +124,20 @@ class Decoder:
         captured = self._captured.get(b) or self._capture(b)
         captured.graph.replay()
         return captured.output
+
+    def picks(self, output: DecodeOutput) -> Picks:
+        """The greedy picks of a step just run, copied towards the host behind it on the stream: the next step may be
+        launched before they are read. The device tensor is the step's own (a graph's static output), valid until
+        the same batch size replays again."""
+        if output.greedy is None:
+            raise RuntimeError("only the last stage's decode step picks tokens")
+        if self.device.type != "cuda":
+            return Picks(device=output.greedy, host=output.greedy.clone(), ready=None)
+        host = torch.empty(output.greedy.shape, dtype=output.greedy.dtype, pin_memory=True)
+        host.copy_(output.greedy, non_blocking=True)
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ready.record(torch.cuda.current_stream(self.device))
+        return Picks(device=output.greedy, host=host, ready=ready)
 
     def _capture(self, b: int) -> _Captured:
         # Warm up on the capture stream (the step's real work; the replay repeats it exactly), then capture on it.

@@ -22,8 +22,9 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 
 import torch
-from strata.stage_worker.decode import Decoder
-from strata.stage_worker.errors import InvalidRequestError, PoolExhaustedError
+from strata.stage_worker.decode import Decoder, Picks
+from strata.stage_worker.decode_ahead import Ahead, rows_served, takes_ahead
+from strata.stage_worker.errors import ContextExceededError, InvalidRequestError, PoolExhaustedError
 from strata.stage_worker.kv_cells import Piece, Placement
 from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.model import ChunkView, StageModel, StepLayout, step_layout
@@ -77,6 +78,7 @@ class Engine:
         dtype: torch.dtype,
         cuda_graphs: bool | None = None,  # None: on CUDA devices
         compiled: bool | None = None,  # torch.compile the decode step's blocks; None: with CUDA graphs
+        decode_ahead: bool | None = None,  # strata.stage_worker.decode_ahead; None: with CUDA graphs, where it can
     ) -> None:
         c = model.config
         sliding = tuple(c.is_sliding(il) for il in range(model.layer_start, model.layer_end))
@@ -103,6 +105,14 @@ class Engine:
             graphs=graphs,
             compiled=graphs if compiled is None else compiled,
         )
+        possible = model.is_first and model.is_last and pool.window is None
+        if decode_ahead and not possible:
+            raise ValueError(
+                "decoding ahead needs a stage that holds both the embedding and the head, and a pool without a "
+                "sliding-window space (strata.stage_worker.decode_ahead)"
+            )
+        self.decodes_ahead = possible and (graphs if decode_ahead is None else decode_ahead)
+        self._ahead: Ahead | None = None
 
     def warm_up(self) -> None:
         """Run the decode step (on GPUs: compile and capture it) for one slot and for several before the stage says
@@ -198,6 +208,7 @@ class Engine:
     def _step(self, chunks: list[Chunk], hidden: Tensor | None) -> StepResult:
         if all(chunk.length == 1 and not chunk.return_logits for chunk in chunks):
             return self._decode(chunks, hidden)
+        self._ahead = None  # its slots are truncated below, like any others
         for chunk in chunks:
             self.pool.truncate(slot=chunk.slot, position=chunk.start_position)
         if hidden is None:
@@ -283,33 +294,79 @@ class Engine:
         return out
 
     def _decode(self, chunks: list[Chunk], hidden: Tensor | None) -> StepResult:
-        """One new position per slot, batched (and on CUDA replayed from a graph); greedy picks come back at once."""
-        for chunk in chunks:
-            self.pool.truncate(slot=chunk.slot, position=chunk.start_position)
-        cells = self.pool.take_all([(chunk.slot, chunk.start_position) for chunk in chunks])
-        out = self.decoder.run(
-            slots=[chunk.slot for chunk in chunks],
-            positions=[chunk.start_position for chunk in chunks],
-            cells=cells,
-            tokens=[chunk.token_ids[0] for chunk in chunks] if self.model.is_first else [],
-            hidden=None if hidden is None else hidden.to(device=self.device, dtype=self.dtype),
-        )
-        if out.hidden is not None:
-            return StepResult(hidden=out.hidden.clone(), tokens={}, logits={})
-        if out.logits is None or out.greedy is None:
-            raise RuntimeError("the last stage's decode body returned no logits")
-        tokens, logprobs = out.greedy.cpu().tolist()
+        """One new position per slot, batched (and on CUDA replayed from a graph); greedy picks come back at once.
+        Where it can, the step was launched ahead by the previous one, and this one launches the next."""
+        ahead, self._ahead = self._ahead, None
+        rows = None if ahead is None else rows_served(ahead, chunks, revision=self.pool.revision)
+        if ahead is not None and rows is not None:
+            picks = ahead.picks
+        else:
+            for chunk in chunks:
+                self.pool.truncate(slot=chunk.slot, position=chunk.start_position)
+            cells = self.pool.take_all([(chunk.slot, chunk.start_position) for chunk in chunks])
+            out = self.decoder.run(
+                slots=[chunk.slot for chunk in chunks],
+                positions=[chunk.start_position for chunk in chunks],
+                cells=cells,
+                tokens=[chunk.token_ids[0] for chunk in chunks] if self.model.is_first else [],
+                hidden=None if hidden is None else hidden.to(device=self.device, dtype=self.dtype),
+            )
+            if out.hidden is not None:
+                return StepResult(hidden=out.hidden.clone(), tokens={}, logits={})
+            if out.logits is None or out.greedy is None:
+                raise RuntimeError("the last stage's decode body returned no logits")
+            drawn = [i for i, chunk in enumerate(chunks) if chunk.sample and not chunk.sampling.greedy_as_is]
+            if drawn:  # the slots that sample, bias, mask or ask for log-probabilities: together, in one pass
+                return self._drawn(chunks, drawn, out.logits, self.decoder.picks(out))
+            picks, rows = self.decoder.picks(out), list(range(len(chunks)))
+        launched = self._launch_ahead(chunks, picks, rows) if self.decodes_ahead else None
+        tokens, logprobs = picks.read()
+        sampled = {
+            chunk.slot: Sampled(token_id=int(tokens[row]), logprob=logprobs[row], top_logprobs=())
+            for chunk, row in zip(chunks, rows, strict=True)
+            if chunk.sample
+        }
+        if launched is not None:
+            self._ahead = Ahead(
+                slots=tuple(chunk.slot for chunk in chunks),
+                positions=tuple(chunk.start_position + 1 for chunk in chunks),
+                tokens=tuple(sampled[chunk.slot].token_id for chunk in chunks),
+                picks=launched,
+                revision=self.pool.revision,
+            )
+        return StepResult(hidden=None, tokens=sampled, logits={})
+
+    def _drawn(self, chunks: list[Chunk], drawn: list[int], logits: Tensor, picks: Picks) -> StepResult:
+        tokens, logprobs = picks.read()
         sampled = {
             chunk.slot: Sampled(token_id=int(tokens[i]), logprob=logprobs[i], top_logprobs=())
             for i, chunk in enumerate(chunks)
             if chunk.sample and chunk.sampling.greedy_as_is
         }
-        drawn = [i for i, chunk in enumerate(chunks) if chunk.sample and not chunk.sampling.greedy_as_is]
-        if drawn:  # the slots that sample, bias, mask or ask for log-probabilities: together, in one pass
-            picks = sample_rows(
-                out.logits[drawn],
-                params=[chunks[i].sampling for i in drawn],
-                positions=[chunks[i].start_position + 1 for i in drawn],
-            )
-            sampled |= {chunks[i].slot: pick for i, pick in zip(drawn, picks, strict=True)}
+        picked = sample_rows(
+            logits[drawn],
+            params=[chunks[i].sampling for i in drawn],
+            positions=[chunks[i].start_position + 1 for i in drawn],
+        )
+        sampled |= {chunks[i].slot: pick for i, pick in zip(drawn, picked, strict=True)}
         return StepResult(hidden=None, tokens=sampled, logits={})
+
+    def _launch_ahead(self, chunks: list[Chunk], picks: Picks, rows: list[int]) -> Picks | None:
+        """The next step of these slots, launched before `picks` are read, its tokens taken from them on the device;
+        None where it cannot be: a chunk that is not greedy as is, or no room for the next position."""
+        if not all(takes_ahead(chunk) for chunk in chunks):
+            return None
+        positions = [(chunk.slot, chunk.start_position + 1) for chunk in chunks]
+        try:
+            cells = self.pool.take_all(positions)
+        except (ContextExceededError, PoolExhaustedError):
+            return None
+        out = self.decoder.run(
+            slots=[slot for slot, _ in positions],
+            positions=[position for _, position in positions],
+            cells=cells,
+            tokens=[],
+            hidden=None,
+            fed=(picks, rows),
+        )
+        return self.decoder.picks(out)

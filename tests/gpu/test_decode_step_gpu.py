@@ -1,5 +1,6 @@
-"""On a GPU a decode step forms each block's norms (and the residual adds before them) in the next quantised matrix's
-load of x (model.normed_projection); this checks that step against the same stage with the norms run separately.
+"""What a GPU decode step does differently from the CPU's, checked against the same stage without it: each block's
+norms (and the residual adds before them) formed in the next quantised matrix's load of x (model.normed_projection),
+and the next step launched before this one's picks are read (strata.stage_worker.decode_ahead).
 
 Needs a CUDA device (run on a GPU lease); skipped elsewhere, where the CPU path never takes the fused form. The kernel
 itself is checked against the reference on the CPU too (tests/stage_worker/test_quant_matmul.py's normed cases).
@@ -30,7 +31,7 @@ PROMPT = (1, 17, 200, 3, 45, 99, 12, 7, 250, 31, 64, 128)
 STEPS = 16
 
 
-def _engine(path: Path, dtype: torch.dtype) -> Engine:
+def _engine(path: Path, dtype: torch.dtype, *, ahead: bool | None = None) -> Engine:
     device = torch.device("cuda")
     source = open_source(str(path))
     try:
@@ -44,7 +45,7 @@ def _engine(path: Path, dtype: torch.dtype) -> Engine:
         n_layers=c.n_layer, context=128, parallel=4, key_width=c.kv_dim, value_width=c.kv_dim,
         type_k=CacheType.F32, type_v=CacheType.F32, dtype=dtype, device=device,
     )  # fmt: skip
-    return Engine(model=model, pool=pool, device=device, dtype=dtype)
+    return Engine(model=model, pool=pool, device=device, dtype=dtype, decode_ahead=ahead)
 
 
 def _decode(engine: Engine, streams: int) -> tuple[list[list[int]], torch.Tensor]:
@@ -91,3 +92,15 @@ def test_norms_in_the_products_decode_as_the_separate_norms(
     separate, separate_logprobs = _decode(_engine(path, torch.float32), streams)
     assert fused == separate
     assert torch.allclose(fused_logprobs, separate_logprobs, atol=1e-4), (fused_logprobs, separate_logprobs)
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+def test_decoding_ahead_decodes_as_without(streams: int, tmp_path: Path) -> None:
+    """With CUDA graphs, pinned picks and tokens fed on the device: the same tokens and log-probabilities."""
+    path = write_test_model(tmp_path / "model.gguf", architecture="llama", block_count=LAYERS, weight_type=Q.Q8_0).path
+    ahead = _engine(path, torch.float32)
+    assert ahead.decodes_ahead
+    tokens, logprobs = _decode(ahead, streams)
+    expected_tokens, expected_logprobs = _decode(_engine(path, torch.float32, ahead=False), streams)
+    assert tokens == expected_tokens
+    assert torch.equal(logprobs, expected_logprobs)

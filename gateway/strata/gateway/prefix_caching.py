@@ -49,6 +49,7 @@ class PrefixCaching(StageStream):
             self.metrics.observe_prefix_stages(reply.stats)
             if reply.restored:
                 g.fed = g.cached = match.length
+                g.shares = match.key
                 self.metrics.prefix_cache_hits.inc()
                 self.metrics.prefix_cache_cached_tokens.inc(match.length)
                 continue
@@ -92,3 +93,4 @@ class PrefixCaching(StageStream):
             self.metrics.observe_prefix_stages(reply.stats)
             if reply.kept:
                 self.prefixes.add(g.prompt, key=key, length=length)
+                g.keeps = key

@@ -39,6 +39,7 @@ from strata.gateway import serve_speculation
 from strata.gateway.settings import DEFAULT_MICRO_BATCHES
 from strata.gateway.supervision import RestartPolicy
 from strata.gguf.model import CacheType
+from strata.quantity import quantity_to_bytes
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -101,6 +102,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=int,
         default=DEFAULT_PREFIX_CACHE_BYTES,
         help=f"bytes per stage for prefix snapshots; 0: no prefix cache (default {DEFAULT_PREFIX_CACHE_BYTES})",
+    )
+    parser.add_argument(
+        "--kv-host-memory",
+        default="0",
+        metavar="QUANTITY",
+        help="host memory per stage for prefix snapshots the device lets go of, restored from there on a hit instead "
+        "of computed again (e.g. 16Gi; default 0: none)",
     )
     parser.add_argument(
         "--prefix-cache-chunk", type=int, default=256, help="prefix snapshots are taken every N tokens (default 256)"
@@ -186,9 +194,16 @@ def run(args: argparse.Namespace) -> int:
         )
     except (GGUFError, ValueError) as exc:  # unreadable, not executable, more stages than layers, or it does not fit
         raise SystemExit(f"strata serve: {exc}") from exc
+    try:
+        host_kv_bytes = quantity_to_bytes(args.kv_host_memory)
+    except ValueError as exc:
+        raise SystemExit(f"strata serve: --kv-host-memory {exc}") from exc
     spans, context = local.spans, local.context
     for use in local.uses:
-        held = f"{use.weight_bytes / GB:.2f} GB of weights and {use.kv_bytes / GB:.2f} GB of KV ({args.cache_type})"
+        held = (
+            f"{use.weight_bytes / GB:.2f} GB of weights and {use.kv_bytes / GB:.2f} GB of resident KV "
+            f"({args.cache_type}), {host_kv_bytes * len(use.stages) / GB:.2f} GB of host KV"
+        )
         room = "memory unknown, not checked" if use.usable_bytes is None else f"{use.usable_bytes / GB:.1f} GB usable"
         print(f"plan: {use.device} (stages {', '.join(map(str, use.stages))}): {held}; {room}", flush=True)
     watch = ServeWatch(load_timeout_s=args.load_timeout_seconds)
@@ -214,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
                 "STRATA_LISTEN": "127.0.0.1:0",
                 "STRATA_DEVICE": local.devices[first],
                 "STRATA_PREFIX_CACHE_BYTES": str(args.prefix_cache_bytes),
+                "STRATA_KV_HOST_BYTES": str(host_kv_bytes),
             }
             log_name = f"stage-{first}.log" if len(group) == 1 else f"stages-{first}-{last}.log"
             try:

@@ -39,7 +39,7 @@ from strata.gguf.testmodels.bulk import write_bulk_q8_model
 from strata.kv_layout import BLOCK_TOKENS
 from strata.stage_worker.engine import Chunk, Engine
 from strata.stage_worker.kv_host import HostTier
-from strata.stage_worker.kv_pool import KVPool, RawRows
+from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.model import StageModel
 from strata.stage_worker.prefix_cache import PrefixCache
 
@@ -99,23 +99,21 @@ def block_bandwidth(model: StageModel, *, device: torch.device, blocks: int, rep
     """GB/s of `blocks` whole blocks (every layer's K and V rows, as stored) to the host tier and back."""
     pool = pool_for(model, context=blocks * BLOCK_TOKENS, parallel=1, device=device, block=BLOCK_TOKENS)
     host = HostTier(budget_bytes=1 << 62, device=device)
-    rows: list[RawRows] = []
-    for layer in pool.layers:
-        for store in (layer.keys, layer.values):
-            rows.append(RawRows(values=store.values, scales=store.scales))  # every block: one contiguous range each
+    # Every block of every store: one contiguous range each, as a prefix the allocator handed out in order is.
+    rows = [store.view(0, pool.full.cells) for layer in pool.layers for store in (layer.keys, layer.values)]
     nbytes = sum(r.nbytes for r in rows)
     out, back = [], []
     for _ in range(repeats + 1):  # the first round pins and allocates; it is not timed
-        hosted, seconds = timed(device, lambda: host.offload(rows))
+        hosted, seconds = timed(device, lambda: host.offload([[r] for r in rows]))
         for part in hosted:
             part.wait()
         out.append(seconds)
-        _, seconds = timed(
-            device, lambda hosted=hosted: [host.bring_back(p, start=0, stop=p.rows.values.shape[0]) for p in hosted]
-        )
+        # Back into the stores they came from: the rows are the same, and no device memory is allocated.
+        pairs = list(zip(hosted, rows, strict=True))
+        _, seconds = timed(device, lambda pairs=pairs: [host.bring_back(p, into=[r]) for p, r in pairs])
         back.append(seconds)
         host.let_go(sum(p.nbytes for p in hosted), hosted)
-        del hosted  # its pinned memory goes back to torch's host cache for the next round
+        del hosted, pairs  # their pinned memory goes back to torch's host cache for the next round
     return {
         "block_mb": nbytes / blocks / 1e6,
         "device_to_host_gbs": nbytes / min(out[1:]) / 1e9,

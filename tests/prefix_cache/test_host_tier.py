@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from strata.gguf.model import CacheType
-from strata.stage_worker.kv_host import HostTier
+from strata.stage_worker.kv_host import HostTier, block_runs
 from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.prefix_cache import PrefixCache
 
@@ -158,3 +158,19 @@ def test_clearing_forgets_the_host_entries_too() -> None:
 def test_a_negative_host_budget_is_refused() -> None:
     with pytest.raises(ValueError, match="host KV budget"):
         HostTier(budget_bytes=-1, device=CPU)
+
+
+@pytest.mark.parametrize(
+    ("blocks", "length", "runs"),
+    [
+        pytest.param((0, 1, 2), 24, [(0, 24)], id="blocks in order move as one range"),
+        pytest.param((0, 1, 2), 20, [(0, 20)], id="a partial last block moves only its positions"),
+        pytest.param((3, 4, 0, 1), 32, [(24, 16), (0, 16)], id="a gap starts a new range"),
+        pytest.param((5, 4), 16, [(40, 8), (32, 8)], id="descending blocks are ranges of one block"),
+        pytest.param((2, 3), 8, [(16, 8)], id="blocks past the length are not read"),
+    ],
+)
+def test_block_runs_cover_the_positions_in_order(
+    blocks: tuple[int, ...], length: int, runs: list[tuple[int, int]]
+) -> None:
+    assert block_runs(blocks, size=BLOCK, length=length) == runs

@@ -15,6 +15,7 @@ tensors, copied at once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -72,42 +73,55 @@ class HostTier:
     def free_bytes(self) -> int:
         return self.budget_bytes - self._bytes
 
-    def offload(self, entry: list[RawRows]) -> list[HostRows]:
-        """Host copies of one entry's device rows (gathered already, or views); counted against the budget."""
-        copied = [self._copy_out(rows) for rows in entry]
+    def offload(self, entry: list[list[RawRows]]) -> list[HostRows]:
+        """Host copies of one entry: each item's pieces (views of a store's rows, in position order) become one host
+        RawRows. Views, not gathered copies: moving a 128K-token prefix takes no device memory of its own."""
+        copied = [self._copy_out(pieces) for pieces in entry]
         self._bytes += sum(rows.nbytes for rows in copied)
         self._offloaded += 1
         return copied
 
-    def _copy_out(self, rows: RawRows) -> HostRows:
+    def _copy_out(self, pieces: list[RawRows]) -> HostRows:
         if self._stream is None:
-            return HostRows(rows=_to_host(rows, pinned=False), ready=None)
+            return HostRows(rows=_to_host(pieces, pinned=False), ready=None)
         current = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(current)  # the rows' writes land before the copy reads them
         with torch.cuda.stream(self._stream):
-            host = _to_host(rows, pinned=True)
+            host = _to_host(pieces, pinned=True)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self._stream)
-        for tensor in (rows.values, rows.scales):
-            if tensor is not None:
-                tensor.record_stream(self._stream)  # not reused before the copy has read it
-        current.wait_event(event)  # blocks the rows came from are reused only after the copy
+        current.wait_event(event)  # blocks the rows came from are written again only after the copy
         return HostRows(rows=host, ready=event)
 
-    def bring_back(self, rows: HostRows, *, start: int, stop: int) -> RawRows:
-        """Rows start..stop-1 on the device, usable on the compute stream."""
-        part = rows.rows.rows(start, stop)
+    def bring_back(self, rows: HostRows, *, into: list[RawRows], start: int = 0) -> None:
+        """Host rows start.. written into `into` (views of a store's rows, in position order), ready for the compute
+        stream: straight into the blocks, no device copy in between."""
+        rows.wait()  # an entry offloaded moments ago may still be on its way
+        offset = start
         if self._stream is None:
-            return _to(part, self.device, non_blocking=False)
+            for view in into:
+                _copy_rows(view, rows.rows.rows(offset, offset + view.values.shape[0]), non_blocking=False)
+                offset += view.values.shape[0]
+            return
         current = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(current)  # the blocks' earlier readers and writers go first
         with torch.cuda.stream(self._stream):
-            back = _to(part, self.device, non_blocking=True)
+            for view in into:
+                _copy_rows(view, rows.rows.rows(offset, offset + view.values.shape[0]), non_blocking=True)
+                offset += view.values.shape[0]
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self._stream)
         current.wait_event(event)
-        for tensor in (back.values, back.scales):
-            if tensor is not None:
-                tensor.record_stream(current)
+
+    def fetch(self, rows: HostRows, *, start: int, stop: int) -> RawRows:
+        """Host rows start..stop-1 as a device copy, for rows whose cells are scattered (a window's)."""
+        rows.wait()
+        part = rows.rows.rows(start, stop)
+        back = RawRows(
+            values=torch.empty_like(part.values, device=self.device),
+            scales=None if part.scales is None else torch.empty_like(part.scales, device=self.device),
+        )
+        self.bring_back(HostRows(rows=part, ready=None), into=[back])
         return back
 
     def restored(self, entry_bytes: int) -> None:
@@ -133,17 +147,40 @@ class HostTier:
         )
 
 
-def _to_host(rows: RawRows, *, pinned: bool) -> RawRows:
-    def copy(tensor: Tensor) -> Tensor:
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pinned)
-        host.copy_(tensor, non_blocking=pinned)
+def block_runs(blocks: Sequence[int], *, size: int, length: int) -> list[tuple[int, int]]:
+    """(first row, rows) of the store ranges that hold positions 0..length-1 of a slot with these blocks, in order:
+    consecutive blocks make one range, so a prefix the allocator handed out in order moves in a few copies."""
+    runs: list[tuple[int, int]] = []
+    left = length
+    for block in blocks:
+        if left <= 0:
+            break
+        rows = min(size, left)
+        if runs and runs[-1][0] + runs[-1][1] == block * size:
+            runs[-1] = (runs[-1][0], runs[-1][1] + rows)
+        else:
+            runs.append((block * size, rows))
+        left -= rows
+    return runs
+
+
+def _to_host(pieces: list[RawRows], *, pinned: bool) -> RawRows:
+    """One host RawRows holding the pieces one after another."""
+
+    def gather(parts: list[Tensor]) -> Tensor:
+        total = sum(part.shape[0] for part in parts)
+        host = torch.empty((total, *parts[0].shape[1:]), dtype=parts[0].dtype, device="cpu", pin_memory=pinned)
+        offset = 0
+        for part in parts:
+            host[offset : offset + part.shape[0]].copy_(part, non_blocking=pinned)
+            offset += part.shape[0]
         return host
 
-    return RawRows(values=copy(rows.values), scales=None if rows.scales is None else copy(rows.scales))
+    scales = [piece.scales for piece in pieces if piece.scales is not None]
+    return RawRows(values=gather([piece.values for piece in pieces]), scales=gather(scales) if scales else None)
 
 
-def _to(rows: RawRows, device: torch.device, *, non_blocking: bool) -> RawRows:
-    def move(tensor: Tensor) -> Tensor:
-        return tensor.to(device, non_blocking=non_blocking)
-
-    return RawRows(values=move(rows.values), scales=None if rows.scales is None else move(rows.scales))
+def _copy_rows(into: RawRows, rows: RawRows, *, non_blocking: bool) -> None:
+    into.values.copy_(rows.values, non_blocking=non_blocking)
+    if into.scales is not None and rows.scales is not None:
+        into.scales.copy_(rows.scales, non_blocking=non_blocking)

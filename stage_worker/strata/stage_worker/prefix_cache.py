@@ -38,9 +38,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
 from strata.stage_worker.errors import PoolExhaustedError
-from strata.stage_worker.kv_host import HostRows, HostTier, HostTierStats
+from strata.stage_worker.kv_host import HostRows, HostTier, HostTierStats, block_runs
 from strata.stage_worker.kv_pool import KVPool, RawRows
 
 
@@ -266,14 +265,17 @@ class PrefixCache:
             with self._lock:
                 self._misses += 1
             return False
+        # The full-attention layers' rows go straight into the slot's new blocks; the window's are few.
+        runs = block_runs(pool.full.blocks_of(slot), size=pool.block, length=length)
+        skip = placed.window_first - hosted.window_first
         for layer, keys, values, windowed in zip(pool.layers, hosted.keys, hosted.values, pool.windowed, strict=True):
-            if windowed and placed.window_cells is not None:
-                cells, skip = placed.window_cells, placed.window_first - hosted.window_first
-            else:
-                cells, skip = placed.cells, 0
-            stop = skip + cells.shape[0]
-            layer.keys.put(cells, self.host.bring_back(keys, start=skip, stop=stop))
-            layer.values.put(cells, self.host.bring_back(values, start=skip, stop=stop))
+            for store, rows in ((layer.keys, keys), (layer.values, values)):
+                if windowed and placed.window_cells is not None:
+                    # The window's cells are scattered over its space; they are few, so they go through a copy.
+                    staged = self.host.fetch(rows, start=skip, stop=skip + placed.window_cells.shape[0])
+                    store.put(placed.window_cells, staged)
+                else:
+                    self.host.bring_back(rows, into=[store.view(*run) for run in runs])
         with self._lock:
             self._hits += 1
             whole = length == hosted.length and self._hosted.get((generation, key)) is hosted
@@ -298,15 +300,14 @@ def _serves(held: Snapshot | HostSnapshot, *, pool: KVPool, length: int) -> bool
 
 
 def _offload(snapshot: Snapshot, host: HostTier) -> HostSnapshot:
-    """The snapshot's rows in the host tier: the full-attention layers' from its pinned blocks, the sliding-window
-    layers' from its copies."""
-    pool, size = snapshot.pool, snapshot.pool.block
-    blocks = torch.tensor(snapshot.blocks, dtype=torch.long)
-    cells = (blocks[:, None] * size + torch.arange(size)).flatten()[: snapshot.length].to(pool.device)
+    """The snapshot's rows in the host tier: the full-attention layers' read in place from its pinned blocks, the
+    sliding-window layers' from its copies."""
+    pool = snapshot.pool
+    runs = block_runs(snapshot.blocks, size=pool.block, length=snapshot.length)
     keys, values = [], []
     for layer, own_keys, own_values in zip(pool.layers, snapshot.keys, snapshot.values, strict=True):
-        keys.append(own_keys if own_keys is not None else layer.keys.raw(cells))
-        values.append(own_values if own_values is not None else layer.values.raw(cells))
+        keys.append([own_keys] if own_keys is not None else [layer.keys.view(*run) for run in runs])
+        values.append([own_values] if own_values is not None else [layer.values.view(*run) for run in runs])
     hosted = host.offload([*keys, *values])
     return HostSnapshot(
         length=snapshot.length,

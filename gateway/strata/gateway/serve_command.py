@@ -261,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
             retry_after_seconds=args.retry_after_seconds,
             listen=f"{args.host}:{args.port}",
             prefix_cache_chunk=args.prefix_cache_chunk if args.prefix_cache_bytes > 0 else 0,
+            kv_cache_types=f"{args.cache_type}/{args.cache_type}",
             micro_batches=args.micro_batches,
             speculative=args.speculative,
             max_draft=args.max_draft,

@@ -65,9 +65,7 @@ def build(settings: GatewaySettings, *, header: GGUFHeader | None = None) -> tup
     metrics = GatewayMetrics()
     events = event_recorder(settings)
     drafters = draft_model(settings, target=header)
-    # The gateway is not told the stages' cache type; they file snapshots by plan generation, and a new cache type is
-    # a new plan, so keys of two cache types never meet there. The seed names the model.
-    seed = prefix_seed(model=f"{settings.model_url} {settings.model_name}", cache_type="")
+    seed = prefix_seed(model=f"{settings.model_url} {settings.model_name}", cache_type=settings.kv_cache_types)
 
     def driver(entry: PipelineEntry, fence: FencingToken | None, on_ready_change: Callable[[bool], None]) -> Pipeline:
         return Pipeline(

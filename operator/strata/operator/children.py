@@ -328,6 +328,7 @@ def gateway_deployment(
             "STRATA_PLAN_CONFIGMAP": names.plan_configmap,
             "STRATA_PARALLEL": serving.parallel,
             "STRATA_CONTEXT": serving.context_length,
+            "STRATA_KV_CACHE_TYPES": f"{serving.cache_type_k}/{serving.cache_type_v}",
             "STRATA_QUEUE_PER_LANE": spec.admission.queue_per_lane,
             "STRATA_MAX_WAIT_SECONDS": spec.admission.max_wait_seconds,
             "STRATA_RETRY_AFTER_SECONDS": spec.admission.retry_after_seconds,

@@ -174,3 +174,19 @@ def test_block_runs_cover_the_positions_in_order(
     blocks: tuple[int, ...], length: int, runs: list[tuple[int, int]]
 ) -> None:
     assert block_runs(blocks, size=BLOCK, length=length) == runs
+
+
+def test_a_restore_the_device_cannot_keep_stays_in_the_host_tier() -> None:
+    kv = pool(CacheType.F32, context=128)
+    one = snapshot_bytes(kv, 16)
+    cache = PrefixCache(budget_bytes=one, host=HostTier(budget_bytes=1 << 20, device=CPU))
+    prefill(kv, slot=0, length=16, seed=1)
+    assert cache.save(pool=kv, slot=0, generation=0, key=b"a", length=16)
+    prefill(kv, slot=1, length=16, seed=2)
+    assert cache.save(pool=kv, slot=1, generation=0, key=b"b", length=16)  # a goes to the host
+    cache.budget_bytes = one // 2  # the device budget shrinks below one snapshot: a cannot come back there
+    for slot in (2, 0):  # twice: the first restore must not have lost it
+        assert cache.restore(pool=kv, slot=slot, generation=0, key=b"a", length=16)
+    stats = cache.host_stats()
+    assert stats is not None
+    assert (stats.entries, stats.restored) == (1, 0)

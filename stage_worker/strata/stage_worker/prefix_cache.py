@@ -256,8 +256,8 @@ class PrefixCache:
     def _bring_back(
         self, hosted: HostSnapshot, *, pool: KVPool, slot: int, generation: int, key: bytes, length: int
     ) -> bool:
-        """Restore from the host tier into fresh cells, kept on the device again; a restore of all of it leaves the
-        host tier, a shorter one leaves the rest there too."""
+        """Restore from the host tier into fresh cells, kept on the device again where its budget allows; a restore
+        of all of it that the device keeps leaves the host tier."""
         assert self.host is not None
         try:
             placed = pool.place(slot=slot, length=length)
@@ -278,13 +278,15 @@ class PrefixCache:
                     self.host.bring_back(rows, into=[store.view(*run) for run in runs])
         with self._lock:
             self._hits += 1
-            whole = length == hosted.length and self._hosted.get((generation, key)) is hosted
+        # Pinned again on the device, so the next slot that restores it maps these blocks instead of copying its own;
+        # the host copy goes only once the device holds all of it.
+        kept = self.save(pool=pool, slot=slot, generation=generation, key=key, length=length)
+        with self._lock:
+            whole = kept and length == hosted.length and self._hosted.get((generation, key)) is hosted
             if whole:
                 del self._hosted[(generation, key)]
         if whole:
             self.host.restored(hosted.nbytes)
-        # Pinned again on the device, so the next slot that restores it maps these blocks instead of copying its own.
-        self.save(pool=pool, slot=slot, generation=generation, key=key, length=length)
         return True
 
     def _drop(self, name: SnapshotKey) -> Snapshot | None:

@@ -167,6 +167,10 @@ def run(args: argparse.Namespace) -> int:
     from strata.plan import GB
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        host_kv_bytes = quantity_to_bytes(args.kv_host_memory)
+    except ValueError as exc:
+        raise SystemExit(f"strata serve: --kv-host-memory {exc}") from exc
     policy = _restart_policy(args)
     workdir = Path(tempfile.mkdtemp(prefix="strata-serve-"))
     model = args.model or str(_demo_model(workdir))
@@ -194,10 +198,6 @@ def run(args: argparse.Namespace) -> int:
         )
     except (GGUFError, ValueError) as exc:  # unreadable, not executable, more stages than layers, or it does not fit
         raise SystemExit(f"strata serve: {exc}") from exc
-    try:
-        host_kv_bytes = quantity_to_bytes(args.kv_host_memory)
-    except ValueError as exc:
-        raise SystemExit(f"strata serve: --kv-host-memory {exc}") from exc
     spans, context = local.spans, local.context
     for use in local.uses:
         held = (

@@ -45,6 +45,7 @@ class Stage(_Frozen):
     buffer_bytes: int = Field(ge=0)  # fixed compute buffers
     kv_bytes: int = Field(ge=0)  # its layers' KV cache at the plan's context
     prefix_cache_bytes: int = Field(default=0, ge=0)  # reserved for prefix snapshots of its layers' KV
+    host_kv_bytes: int = Field(default=0, ge=0)  # host memory (not the GPU's) for KV blocks the GPU lets go of
 
     @property
     def spare_bytes(self) -> int:

@@ -24,6 +24,7 @@ def local_pipeline(
     parallel: int = 2,
     cache_type: CacheType = CacheType.F32,
     prefix_cache_bytes: int = 0,
+    kv_host_bytes: int = 0,
     plan_generation: int = 0,
     load_timeout_s: float = 60.0,
     pipeline_chunk: int = 512,
@@ -45,6 +46,7 @@ def local_pipeline(
             next_stage=next_stage,
             listen="127.0.0.1:0",
             prefix_cache_bytes=prefix_cache_bytes,
+            kv_host_bytes=kv_host_bytes,
             plan_generation=plan_generation,
             pipeline_chunk=pipeline_chunk,
         )

@@ -86,6 +86,13 @@ def test_the_gateway_reads_the_specs_speculative_decoding_from_the_environment_t
     assert from_environment({}, plain).speculation() is None
 
 
+def test_the_gateway_chains_prompt_hashes_from_the_plans_cache_types() -> None:
+    """Prefix keys name the stages' cache types, so snapshots of a q8_0 plan and an f16 one never share a key."""
+    owner = Owner(name="tiny", namespace="models", uid="u")
+    values = {e["name"]: e["value"] for e in _containers(SPEC, owner)[0]["env"] if "value" in e}
+    assert from_environment({}, values).kv_cache_types == "q8_0/q8_0"
+
+
 @pytest.mark.parametrize(
     ("rollout", "drain_s"), [({}, DRAIN_S), ({"drainSeconds": 120}, 120.0)], ids=["default", "set"]
 )

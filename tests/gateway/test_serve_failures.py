@@ -189,3 +189,17 @@ def test_serve_refuses_a_model_its_stages_cannot_run(tmp_path: Path, case: str) 
     assert result.returncode == 1
     assert result.stderr.strip() == message
     assert "stage 0" not in result.stdout, "no stage may start"
+
+
+def test_serve_refuses_a_host_kv_memory_that_is_no_quantity_naming_the_option(tmp_path: Path) -> None:
+    model = write_header_only_model(tmp_path / "model.gguf", shape=LARGE_SHAPES["llama3-8b"]).path
+    result = subprocess.run(
+        [sys.executable, "-m", "strata.cli", "serve", str(model), "--port", "0", "--kv-host-memory", "lots"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip() == "strata serve: --kv-host-memory 'lots' is not a Kubernetes quantity such as 80Gi"
+    assert "stage 0" not in result.stdout, "no stage may start"

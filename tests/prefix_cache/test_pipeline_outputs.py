@@ -192,8 +192,20 @@ def test_a_snapshot_lost_on_one_stage_falls_back_to_a_full_prefill_with_the_same
     assert (middle.hits, middle.misses) == (1, 1)
 
 
-def test_a_small_budget_evicts_the_oldest_conversation_and_its_return_is_prefilled_whole(
+@pytest.mark.parametrize(
+    ("host_snapshots", "cached", "slot_0_positions", "hits"),
+    [
+        pytest.param(0, [0, 0, 0, 32], 1 + 40 + 40, 1, id="without a host tier a's return is prefilled whole"),
+        pytest.param(2, [0, 0, 32, 32], 1 + 40 + 8, 2, id="a's return comes back from the host tier"),
+    ],
+)
+def test_a_small_budget_evicts_the_oldest_conversation_and_its_return_is_restored_from_the_host_or_prefilled(
     prefix_models: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    host_snapshots: int,
+    cached: list[int],
+    slot_0_positions: int,
+    hits: int,
 ) -> None:
     a, b = tuple(range(100, 140)), tuple(range(140, 180))
 
@@ -205,17 +217,25 @@ def test_a_small_budget_evicts_the_oldest_conversation_and_its_return_is_prefill
     assert len(cell_bytes) == 1, "one layer a stage: every stage's snapshot of 32 tokens is the same size"
     one_snapshot = 32 * cell_bytes.pop()
     with local_pipeline(
-        prefix_models["llama"], SPANS[3], context=256, prefix_cache_bytes=one_snapshot + one_snapshot // 2
+        prefix_models["llama"],
+        SPANS[3],
+        context=256,
+        prefix_cache_bytes=one_snapshot + one_snapshot // 2,
+        kv_host_bytes=host_snapshots * one_snapshot,
     ) as stages:
         off = run(stages, prefix_chunk=0, prompts=alternating)
         metrics = GatewayMetrics()
+        seen = counted_steps(stages, monkeypatch)
         on = run(stages, prefix_chunk=CHUNK, metrics=metrics, prompts=alternating)
         held = [stage.service.prefix_cache.stats() for stage in stages]
     assert [t.tokens for t in on] == [t.tokens for t in off]
-    assert [t.cached for t in on] == [0, 0, 0, 32], "b evicted a; a came back whole, was saved again, then hit"
+    assert [t.cached for t in on] == cached
+    for chunks in seen:
+        # Slot 0 took the readiness probe, a's first turn and a's return; what the return computed is the point.
+        assert prompt_positions(chunks, slot=0, prompt_length=len(a)) == slot_0_positions
     assert all(s.bytes_held <= s.budget_bytes and s.snapshots == 1 for s in held)
     assert figure(metrics, "evictions_total") == 2 * len(stages)
-    assert (figure(metrics, "hits_total"), figure(metrics, "misses_total")) == (1, 3)
+    assert (figure(metrics, "hits_total"), figure(metrics, "misses_total")) == (hits, 4 - hits)
 
 
 @pytest.mark.parametrize(
@@ -247,6 +267,28 @@ def test_prompts_sent_together_prefill_a_shared_prefix_once(
     assert [t.logprobs for t in on] == [pytest.approx(t.logprobs, abs=1e-4) for t in off]
 
 
+def counted_steps(stages: list[RunningStage], monkeypatch: pytest.MonkeyPatch) -> list[list[tuple[int, int, int]]]:
+    """Per stage, the (slot, start, length) of every chunk its engine computes from now on."""
+    seen: list[list[tuple[int, int, int]]] = []
+    for stage in stages:
+        engine = stage.service.engine
+        chunks_of: list[tuple[int, int, int]] = []
+        seen.append(chunks_of)
+
+        def counted(
+            chunks: list[Chunk],
+            hidden: Tensor | None,
+            *,
+            into: list[tuple[int, int, int]] = chunks_of,
+            step: Callable[[list[Chunk], Tensor | None], StepResult] = engine.step,
+        ) -> StepResult:
+            into.extend((c.slot, c.start_position, c.length) for c in chunks)
+            return step(chunks, hidden)
+
+        monkeypatch.setattr(engine, "step", counted)
+    return seen
+
+
 def prompt_positions(chunks: list[tuple[int, int, int]], *, slot: int, prompt_length: int) -> int:
     """How many of a prompt's positions a stage computed for `slot`: the parts of its chunks before prompt_length."""
     return sum(max(0, min(start + length, prompt_length) - start) for s, start, length in chunks if s == slot)
@@ -268,26 +310,10 @@ def test_a_prompt_sharing_ninety_percent_of_an_earlier_one_computes_only_the_res
     def two_turns(previous: list[Turn]) -> tuple[int, ...] | None:
         return (earlier, later)[len(previous)] if len(previous) < 2 else None
 
-    seen: list[list[tuple[int, int, int]]] = []  # per stage: (slot, start, length) of every chunk it computed
     with local_pipeline(
         prefix_models["llama"], SPANS[stage_count], context=256, cache_type=cache_type, prefix_cache_bytes=BUDGET
     ) as stages:
-        for stage in stages:
-            engine = stage.service.engine
-            chunks_of: list[tuple[int, int, int]] = []
-            seen.append(chunks_of)
-
-            def counted(
-                chunks: list[Chunk],
-                hidden: Tensor | None,
-                *,
-                into: list[tuple[int, int, int]] = chunks_of,
-                step: Callable[[list[Chunk], Tensor | None], StepResult] = engine.step,
-            ) -> StepResult:
-                into.extend((c.slot, c.start_position, c.length) for c in chunks)
-                return step(chunks, hidden)
-
-            monkeypatch.setattr(engine, "step", counted)
+        seen = counted_steps(stages, monkeypatch)
         turns = run(stages, prefix_chunk=CHUNK, prompts=two_turns)
     assert [t.cached for t in turns] == [0, 144]
     for chunks in seen:
@@ -295,3 +321,38 @@ def test_a_prompt_sharing_ninety_percent_of_an_earlier_one_computes_only_the_res
         assert chunks[0] == probe
         assert prompt_positions(chunks[1:], slot=0, prompt_length=len(earlier)) == 160
         assert prompt_positions(chunks, slot=1, prompt_length=len(later)) == 16, "only the new chunk is computed"
+
+
+@pytest.mark.parametrize(
+    ("stage_count", "cache_type", "choices"),
+    [
+        pytest.param(1, CacheType.F32, 2, id="two choices on one stage"),
+        pytest.param(3, CacheType.Q8_0, 3, id="three choices on three stages with a q8_0 cache"),
+    ],
+)
+def test_the_choices_of_one_request_compute_the_prompt_once_on_every_stage(
+    prefix_models: dict[str, Path],
+    stage_count: int,
+    cache_type: CacheType,
+    choices: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`n > 1` submits the prompt once per choice: the first prefills it, the others map its blocks (restored from
+    its snapshot, shared with a reference count) and compute only the positions past its last whole chunk."""
+    prompt = tuple(range(20, 170))  # 150 tokens: nine whole chunks (144) and 6 more
+    with local_pipeline(
+        prefix_models["llama"],
+        SPANS[stage_count],
+        context=512,  # room for every choice's copy of the shared last block
+        cache_type=cache_type,
+        parallel=choices,
+        prefix_cache_bytes=BUDGET,
+    ) as stages:
+        seen = counted_steps(stages, monkeypatch)
+        turns = asyncio.run(_together(stages[0].port, prefix_chunk=CHUNK, prompts=[prompt] * choices))
+    assert [t.cached for t in turns] == [0] + [144] * (choices - 1)
+    assert len({t.tokens for t in turns}) == 1, "greedy choices of one prompt agree"
+    for chunks in seen:
+        computed = [prompt_positions(chunks, slot=slot, prompt_length=len(prompt)) for slot in range(choices)]
+        # Slot 0 also took the coordinator's one-position readiness probe before any request.
+        assert computed == [len(prompt) + 1] + [6] * (choices - 1)

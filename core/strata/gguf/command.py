@@ -18,6 +18,9 @@ from strata.gguf.errors import GGUFError
 from strata.gguf.model import CacheType, ModelInfo
 from strata.gguf.reader import inspect_model
 from strata.gguf.resident import kept_quantised
+from strata.quantity import quantity_to_bytes
+
+SHOWN_CACHE_TYPES = (CacheType.F16, CacheType.Q8_0, CacheType.Q4_0)
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -25,18 +28,40 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "inspect", help="read a GGUF model's header (path, file://, http(s)://, hf://ORG/REPO/FILE.gguf[@REV])"
     )
     parser.add_argument("model", metavar="MODEL", help="path or URL of a .gguf file")
+    parser.add_argument(
+        "--kv-host-memory",
+        metavar="QUANTITY",
+        help="also say how many tokens of KV (over all layers) this much host memory holds, as spec.kvCache.hostMemory",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
+        host_bytes = None if args.kv_host_memory is None else quantity_to_bytes(args.kv_host_memory)
+    except ValueError as error:
+        print(f"strata inspect: --kv-host-memory {error}", file=sys.stderr)
+        return 1
+    try:
         info = inspect_model(args.model)
     except GGUFError as error:
         print(f"strata inspect: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
-    print(json.dumps(to_json(info), indent=2) if args.json else to_table(info))
+    if args.json:
+        report = to_json(info)
+        if host_bytes is not None:
+            report["host_kv"] = {"bytes": host_bytes, "tokens": host_kv_tokens(info, host_bytes)}
+        print(json.dumps(report, indent=2))
+    else:
+        print(to_table(info, host_bytes=host_bytes))
     return 0
+
+
+def host_kv_tokens(info: ModelInfo, host_bytes: int) -> dict[str, int]:
+    """Tokens of KV over every layer that `host_bytes` of host memory holds, per cache type (resident KV is the
+    plan's: it depends on the GPUs and the context)."""
+    return {t.value: host_bytes // info.kv_bytes_per_token(type_k=t, type_v=t) for t in SHOWN_CACHE_TYPES}
 
 
 def to_json(info: ModelInfo) -> dict[str, Any]:
@@ -107,7 +132,7 @@ def _executable(info: ModelInfo) -> str:
     return "executable" if reason is None else f"not executable by Strata: {reason}"
 
 
-def to_table(info: ModelInfo) -> str:
+def to_table(info: ModelInfo, *, host_bytes: int | None = None) -> str:
     kv_heads = sorted(set(info.head_count_kv))
     rows = [
         ("name", info.name or "-"),
@@ -135,9 +160,11 @@ def to_table(info: ModelInfo) -> str:
         ("output head", "tied to token_embd" if info.output_tied else "own tensor"),
         ("tensor types", _types(info.tensor_types)),
         ("total weights", _weights(info.total_bytes, info.resident_total_bytes)),
+        *((f"KV/token {t.value}", f"{info.kv_bytes_per_token(type_k=t, type_v=t):,} B") for t in SHOWN_CACHE_TYPES),
         *(
-            (f"KV/token {t.value}", f"{info.kv_bytes_per_token(type_k=t, type_v=t):,} B")
-            for t in (CacheType.F16, CacheType.Q8_0, CacheType.Q4_0)
+            [("host KV", ", ".join(f"{n:,} tokens {t}" for t, n in host_kv_tokens(info, host_bytes).items()))]
+            if host_bytes is not None
+            else []
         ),
         ("header", f"{_size(info.header_bytes)}; fetched {_size(info.header_bytes_read)} of {_size(info.file_bytes)}"),
     ]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from strata.gateway.errors import GatewayError
@@ -81,6 +81,8 @@ class Generation:
     events: asyncio.Queue[Token | Finished | GatewayError] = field(default_factory=asyncio.Queue)
     fed: int = 0
     cached: int = 0  # prompt tokens restored from a prefix snapshot instead of prefilled
+    shares: bytes | None = None  # the snapshot it restored: its first `cached` positions are that snapshot's blocks
+    keeps: bytes | None = None  # the snapshot of its own prompt the stages keep: its blocks are that snapshot's
     looked_up: bool = False  # the prefix cache was asked for this prompt
     held: bool = False  # waiting for another generation's prefill of the same prefix, to restore it from the cache
     produced: int = 0
@@ -100,6 +102,10 @@ class Generation:
         if self.sampling.repetition_penalty != 1.0:
             self.prompt_tokens = frozenset(self.prompt)
 
+    def cells(self) -> int:
+        """Positions the stages hold for it, counting those it shares with a snapshot (`cached`) as its own."""
+        return max(self.fed + self.in_flight, self.held_cells)
+
     async def stream(self) -> AsyncIterator[Token | Finished]:
         """Tokens until a Finished; raises the GatewayError that ended the generation, if one did."""
         while True:
@@ -109,3 +115,23 @@ class Generation:
             yield event
             if isinstance(event, Finished):
                 return
+
+
+def cells_in_use(generations: Iterable[Generation], *, block: int) -> int:
+    """Cells the stages' pools hold for these generations, counting shared blocks once: the choices of `n > 1` (and
+    any prompts restored from one snapshot) map the same blocks of the prompt. A sharer holds its own blocks from
+    the block its restored prefix ends in (it copies that one before its first write); the shared whole blocks
+    count with the generation that computed them while it runs, else once for all that share them."""
+    generations = list(generations)
+    producers = {g.keeps for g in generations if g.keeps is not None}
+    used = 0
+    shared: dict[bytes, int] = {}
+    for g in generations:
+        if g.shares is None:
+            used += g.cells()
+            continue
+        whole = g.cached // block * block
+        used += g.cells() - whole
+        if g.shares not in producers:
+            shared[g.shares] = max(shared.get(g.shares, 0), whole)
+    return used + sum(shared.values())

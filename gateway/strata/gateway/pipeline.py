@@ -70,6 +70,7 @@ class Pipeline(Stepping, PrefixCaching):
         plan_generation: int = 0,
         prefill_chunk: int = 256,
         prefix_chunk: int = 0,  # tokens per prefix-cache chunk; 0: no prefix cache
+        prefix_seed: bytes = b"",  # what prompt hashes chain from (strata.gateway.prefix_index.prefix_seed)
         micro_batches: int = 1,  # steps in flight at once, of disjoint slots; used only with two stages or more
         speculation: Speculation | None = None,  # None: one position a decode step
         # A request's drafter, given its prompt; None: n-gram lookup. It may answer None (no draft for that request).
@@ -92,7 +93,7 @@ class Pipeline(Stepping, PrefixCaching):
         self._groups = 1  # micro_batches once the first stage says a next stage follows it
         self.speculation = speculation
         self._drafters = drafters
-        self.prefixes = PrefixIndex(chunk=prefix_chunk) if prefix_chunk > 0 else None
+        self.prefixes = PrefixIndex(chunk=prefix_chunk, seed=prefix_seed) if prefix_chunk > 0 else None
         self.metrics = metrics or GatewayMetrics()
         self.step_timeout_s = step_timeout_s
         self.probe_interval_s = probe_interval_s

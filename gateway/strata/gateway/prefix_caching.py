@@ -1,6 +1,6 @@
 """The driver's prefix cache calls (strata.gateway.prefix_index says what it keeps).
 
-Before a new generation's first prefill chunk the driver looks up the longest chunk-aligned prefix of the prompt that
+Before a new generation's first prefill chunk the driver looks up the longest block-aligned prefix of the prompt that
 it asked the stages to keep, and asks every stage to restore it into the slot (RestorePrefix); only when every stage
 has it does prefill start after it, otherwise the slot is reset and prefilled from position 0, so a lost snapshot
 costs time and never changes the output. After a prompt's prefill completes it asks every stage to keep the prompt's
@@ -12,7 +12,7 @@ first step. They cost one unary call through the stages each, small beside the p
 from __future__ import annotations
 
 from strata.gateway.generation import Generation
-from strata.gateway.prefix_index import PrefixIndex, boundary_hashes
+from strata.gateway.prefix_index import PrefixIndex
 from strata.gateway.stage_stream import StageStream
 from strata.rpc.v1 import stage_pb2
 
@@ -49,6 +49,7 @@ class PrefixCaching(StageStream):
             self.metrics.observe_prefix_stages(reply.stats)
             if reply.restored:
                 g.fed = g.cached = match.length
+                g.shares = match.key
                 self.metrics.prefix_cache_hits.inc()
                 self.metrics.prefix_cache_cached_tokens.inc(match.length)
                 continue
@@ -64,7 +65,7 @@ class PrefixCaching(StageStream):
         computing the same positions beside it, and restores it as soon as the other's prefill lands: it never waits
         longer than its own prefill would have taken."""
         assert self.prefixes is not None
-        mine = {d for _, d in boundary_hashes(g.prompt, chunk=self.prefixes.chunk, limit=len(g.prompt))}
+        mine = {d for _, d in self.prefixes.hashes(g.prompt, limit=len(g.prompt))}
         for other in self._active.values():
             if other is g or other.held or not other.looked_up or other.cancelled or other.fed >= len(other.prompt):
                 continue
@@ -92,3 +93,4 @@ class PrefixCaching(StageStream):
             self.metrics.observe_prefix_stages(reply.stats)
             if reply.kept:
                 self.prefixes.add(g.prompt, key=key, length=length)
+                g.keeps = key

@@ -39,6 +39,7 @@ from strata.gateway import serve_speculation
 from strata.gateway.settings import DEFAULT_MICRO_BATCHES
 from strata.gateway.supervision import RestartPolicy
 from strata.gguf.model import CacheType
+from strata.quantity import quantity_to_bytes
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -103,6 +104,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help=f"bytes per stage for prefix snapshots; 0: no prefix cache (default {DEFAULT_PREFIX_CACHE_BYTES})",
     )
     parser.add_argument(
+        "--kv-host-memory",
+        default="0",
+        metavar="QUANTITY",
+        help="host memory per stage for prefix snapshots the device lets go of, restored from there on a hit instead "
+        "of computed again (e.g. 16Gi; default 0: none)",
+    )
+    parser.add_argument(
         "--prefix-cache-chunk", type=int, default=256, help="prefix snapshots are taken every N tokens (default 256)"
     )
     parser.add_argument(
@@ -159,6 +167,10 @@ def run(args: argparse.Namespace) -> int:
     from strata.plan import GB
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        host_kv_bytes = quantity_to_bytes(args.kv_host_memory)
+    except ValueError as exc:
+        raise SystemExit(f"strata serve: --kv-host-memory {exc}") from exc
     policy = _restart_policy(args)
     workdir = Path(tempfile.mkdtemp(prefix="strata-serve-"))
     model = args.model or str(_demo_model(workdir))
@@ -188,7 +200,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"strata serve: {exc}") from exc
     spans, context = local.spans, local.context
     for use in local.uses:
-        held = f"{use.weight_bytes / GB:.2f} GB of weights and {use.kv_bytes / GB:.2f} GB of KV ({args.cache_type})"
+        held = (
+            f"{use.weight_bytes / GB:.2f} GB of weights and {use.kv_bytes / GB:.2f} GB of resident KV "
+            f"({args.cache_type}), {host_kv_bytes * len(use.stages) / GB:.2f} GB of host KV"
+        )
         room = "memory unknown, not checked" if use.usable_bytes is None else f"{use.usable_bytes / GB:.1f} GB usable"
         print(f"plan: {use.device} (stages {', '.join(map(str, use.stages))}): {held}; {room}", flush=True)
     watch = ServeWatch(load_timeout_s=args.load_timeout_seconds)
@@ -214,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
                 "STRATA_LISTEN": "127.0.0.1:0",
                 "STRATA_DEVICE": local.devices[first],
                 "STRATA_PREFIX_CACHE_BYTES": str(args.prefix_cache_bytes),
+                "STRATA_KV_HOST_BYTES": str(host_kv_bytes),
             }
             log_name = f"stage-{first}.log" if len(group) == 1 else f"stages-{first}-{last}.log"
             try:
@@ -245,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
             retry_after_seconds=args.retry_after_seconds,
             listen=f"{args.host}:{args.port}",
             prefix_cache_chunk=args.prefix_cache_chunk if args.prefix_cache_bytes > 0 else 0,
+            kv_cache_types=f"{args.cache_type}/{args.cache_type}",
             micro_batches=args.micro_batches,
             speculative=args.speculative,
             max_draft=args.max_draft,

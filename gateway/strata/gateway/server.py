@@ -25,6 +25,7 @@ from strata.gateway.forwarding import Relay, advertisement
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.pipeline import Pipeline
 from strata.gateway.pipelines import PipelineEntry, Pipelines
+from strata.gateway.prefix_index import prefix_seed
 from strata.gateway.serving import Serving
 from strata.gateway.settings import GatewaySettings
 from strata.gateway.speculation import Drafter
@@ -64,6 +65,7 @@ def build(settings: GatewaySettings, *, header: GGUFHeader | None = None) -> tup
     metrics = GatewayMetrics()
     events = event_recorder(settings)
     drafters = draft_model(settings, target=header)
+    seed = prefix_seed(model=f"{settings.model_url} {settings.model_name}", cache_type=settings.kv_cache_types)
 
     def driver(entry: PipelineEntry, fence: FencingToken | None, on_ready_change: Callable[[bool], None]) -> Pipeline:
         return Pipeline(
@@ -73,6 +75,7 @@ def build(settings: GatewaySettings, *, header: GGUFHeader | None = None) -> tup
             fence=fence,
             plan_generation=entry.generation,
             prefix_chunk=settings.prefix_cache_chunk,
+            prefix_seed=seed,
             micro_batches=settings.micro_batches,
             speculation=settings.speculation(),
             drafters=drafters,

@@ -64,6 +64,7 @@ OPTIONS: tuple[Option, ...] = tuple(
         ("--deployment-name", "STRATA_DEPLOYMENT_NAME", str, ""),
         ("--deployment-uid", "STRATA_DEPLOYMENT_UID", str, ""),
         ("--prefix-cache-chunk", "STRATA_PREFIX_CACHE_CHUNK", int, 256),
+        ("--kv-cache-types", "STRATA_KV_CACHE_TYPES", str, ""),
         ("--micro-batches", "STRATA_MICRO_BATCHES", int, DEFAULT_MICRO_BATCHES),
         ("--pipelines-poll-seconds", "STRATA_PIPELINES_POLL_SECONDS", float, 0.0),
         ("--speculative", "STRATA_SPECULATIVE", str, ""),
@@ -109,6 +110,7 @@ class GatewaySettings:
     deployment_name: str = ""  # the ModelDeployment that Events name (in lease_namespace); empty: no Events
     deployment_uid: str = ""
     prefix_cache_chunk: int = 256  # tokens per prefix-cache chunk (snapshots are taken at multiples); 0: off
+    kv_cache_types: str = ""  # the stages' K/V cache types ("q8_0/q8_0"): prompt hashes chain from them
     micro_batches: int = DEFAULT_MICRO_BATCHES  # steps of disjoint slots in flight at once (with 2+ stages)
     pipelines_poll_seconds: float = 0.0  # how often the deployment's serving pipelines are read; 0: one pipeline
     speculative: str = ""  # "ngram" or "draft": how requests' drafts are made (strata.gateway.speculation)

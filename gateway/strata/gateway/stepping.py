@@ -15,10 +15,11 @@ import math
 from collections import defaultdict
 
 from strata.gateway.errors import GatewayError, PipelineError
-from strata.gateway.generation import Finished, Generation, Token
+from strata.gateway.generation import Finished, Generation, Token, cells_in_use
 from strata.gateway.grammar import ConstraintViolationError
 from strata.gateway.speculation import Speculation
 from strata.gateway.stage_stream import StageStream, Step
+from strata.kv_layout import BLOCK_TOKENS
 from strata.rpc.v1 import stage_pb2
 
 
@@ -32,7 +33,7 @@ class Stepping(StageStream):
         """The next step: a chunk for each generation that may step now, in slot order. With micro-batches it takes
         the longest waiting first, no more than an even share of the stepping slots (so uneven groups even out
         as they land) and no more than leaves a slot for each step still to write (so G groups fill up)."""
-        used = sum(max(g.fed + g.in_flight, g.held_cells) for g in self._active.values())
+        used = cells_in_use(self._active.values(), block=BLOCK_TOKENS)
         waiting = [g for g in self._active.values() if not g.cancelled and not g.in_flight and not g.held]
         stepping = len(waiting) + sum(1 for g in self._active.values() if g.in_flight)
         even = math.ceil(stepping / self._groups)

@@ -26,6 +26,7 @@ from strata.operator.speculative_env import speculative_env
 from strata.operator.status import PlanSummary
 from strata.plan import Backend, Plan
 from strata.plan import Stage as StagePlan
+from strata.quantity import quantity_to_bytes
 
 Manifest = dict[str, Any]
 
@@ -63,9 +64,18 @@ def owned_metadata(owner: Owner, *, name: str, labels: dict[str, str]) -> Manife
     return {"name": name, "namespace": owner.namespace, "labels": labels, "ownerReferences": [owner.reference()]}
 
 
-def _resources(resources: Resources, *, defaults: dict[str, str], gpu: tuple[str, int] | None = None) -> Manifest:
+def _resources(
+    resources: Resources, *, defaults: dict[str, str], gpu: tuple[str, int] | None = None, host_bytes: int = 0
+) -> Manifest:
+    """The container's resources; `host_bytes` (the host KV tier) is added to its memory request and to a memory
+    limit the user set, so the tier never pushes the pod past what it asked for."""
     limits = dict(resources.limits)
     requests = {key: value for key, value in defaults.items() if key not in limits} | resources.requests
+    for given in (requests, limits):
+        if host_bytes and "memory" in given:
+            given["memory"] = str(quantity_to_bytes(given["memory"]) + host_bytes)
+    if host_bytes and "memory" not in requests:
+        requests["memory"] = str(quantity_to_bytes(limits["memory"]))
     if gpu is not None:
         limits[gpu[0]] = str(gpu[1])
     return {key: value for key, value in (("requests", requests), ("limits", limits)) if value}
@@ -178,6 +188,7 @@ def stage_statefulset(
             "STRATA_DEVICE": TORCH_DEVICE[stage.backend],
             "STRATA_PLAN_GENERATION": generation,
             "STRATA_PREFIX_CACHE_BYTES": stage.prefix_cache_bytes,
+            "STRATA_KV_HOST_BYTES": stage.host_kv_bytes,
         }
     )
     env.insert(0, {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
@@ -195,7 +206,12 @@ def stage_statefulset(
         "startupProbe": probe | {"failureThreshold": 360},
         "readinessProbe": probe,
         "livenessProbe": probe | {"failureThreshold": 6},
-        "resources": _resources(spec.stage.resources, defaults=STAGE_REQUESTS, gpu=(stage.resource, len(stage.gpus))),
+        "resources": _resources(
+            spec.stage.resources,
+            defaults=STAGE_REQUESTS,
+            gpu=(stage.resource, len(stage.gpus)),
+            host_bytes=stage.host_kv_bytes,
+        ),
         "securityContext": _container_security(),
         "volumeMounts": [{"name": "tmp", "mountPath": POD_TMP}],
     }
@@ -312,6 +328,7 @@ def gateway_deployment(
             "STRATA_PLAN_CONFIGMAP": names.plan_configmap,
             "STRATA_PARALLEL": serving.parallel,
             "STRATA_CONTEXT": serving.context_length,
+            "STRATA_KV_CACHE_TYPES": f"{serving.cache_type_k}/{serving.cache_type_v}",
             "STRATA_QUEUE_PER_LANE": spec.admission.queue_per_lane,
             "STRATA_MAX_WAIT_SECONDS": spec.admission.max_wait_seconds,
             "STRATA_RETRY_AFTER_SECONDS": spec.admission.retry_after_seconds,

@@ -16,6 +16,7 @@ from typing import Any
 
 from strata.gguf.model import CacheType
 from strata.plan import Plan
+from strata.quantity import quantity_to_bytes
 
 EXIT_PLAN = 0
 EXIT_BAD_INPUT = 1
@@ -37,6 +38,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=float,
         help="share of what weights and buffers leave that each stage keeps for prefix snapshots (default 5; 0: none)",
     )
+    parser.add_argument(
+        "--kv-host-memory",
+        metavar="QUANTITY",
+        help="host memory per stage for KV blocks its GPU lets go of, as spec.kvCache.hostMemory (e.g. 64Gi)",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     parser.set_defaults(run=run)
 
@@ -47,6 +53,11 @@ def run(args: argparse.Namespace) -> int:
     from strata.operator.planner.errors import OverrideDoesNotFitError, PlanningError
 
     try:
+        host_kv_bytes = None if args.kv_host_memory is None else quantity_to_bytes(args.kv_host_memory)
+    except ValueError as error:
+        print(f"strata plan: --kv-host-memory {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
         nodes, pods = read_cluster_objects(args.nodes)
         model = inspect_model(args.model)
         given = {
@@ -56,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
             "cache_type_v": None if args.cache_type_v is None else CacheType(args.cache_type_v),
             "max_stages": args.max_stages,
             "prefix_cache_fraction": None if args.prefix_cache_percent is None else args.prefix_cache_percent / 100,
+            "host_kv_bytes": host_kv_bytes,
         }
         options = PlanOptions(**{name: value for name, value in given.items() if value is not None})
         plan = plan_placement(model=model, nodes=nodes, pods=pods, options=options)
@@ -121,6 +133,7 @@ def to_table(plan: Plan) -> str:
             "WEIGHTS GB",
             "KV GB",
             "PREFIX GB",
+            "HOST KV GB",
             "BUFFERS GB",
             "USABLE GB",
             "SPARE GB",
@@ -137,6 +150,7 @@ def to_table(plan: Plan) -> str:
                 gb(s.weight_bytes),
                 gb(s.kv_bytes),
                 gb(s.prefix_cache_bytes),
+                gb(s.host_kv_bytes),
                 gb(s.buffer_bytes),
                 gb(s.usable_bytes),
                 gb(s.spare_bytes),

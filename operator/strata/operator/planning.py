@@ -7,7 +7,6 @@ triggers a re-plan. A better placement appearing elsewhere does not: moving a se
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -21,12 +20,7 @@ from strata.operator.planner.scheduling import Toleration
 from strata.operator.spec import ModelDeploymentSpec
 from strata.operator.status import EventReason, ModelDeploymentStatus
 from strata.plan import Excluded, Plan
-
-_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$")
-_SCALE = {
-    None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
-    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
-}  # fmt: skip
+from strata.quantity import quantity_to_bytes
 
 
 class PlanRefused(Exception):
@@ -43,11 +37,11 @@ class ModelNotExecutable(PlanRefused):
     event = EventReason.MODEL_NOT_EXECUTABLE
 
 
-def quantity_bytes(value: str) -> int:
-    match = _QUANTITY.match(value)
-    if match is None:
-        raise PlanRefused(f"placement.gpuMemory {value!r} is not a Kubernetes quantity such as 80Gi")
-    return int(float(match.group(1)) * _SCALE[match.group(2)])
+def quantity_bytes(value: str, *, field: str = "placement.gpuMemory") -> int:
+    try:
+        return quantity_to_bytes(value)
+    except ValueError as e:
+        raise PlanRefused(f"{field} {e}") from e
 
 
 def options_for(spec: ModelDeploymentSpec) -> PlanOptions:
@@ -64,6 +58,9 @@ def options_for(spec: ModelDeploymentSpec) -> PlanOptions:
             Toleration.from_dict(t.model_dump(by_alias=True, exclude_none=True)) for t in placement.tolerations
         ),
         gpu_memory_bytes=quantity_bytes(placement.gpu_memory) if placement.gpu_memory else None,
+        host_kv_bytes=(
+            quantity_bytes(spec.kv_cache.host_memory, field="kvCache.hostMemory") if spec.kv_cache.host_memory else 0
+        ),
     )
 
 

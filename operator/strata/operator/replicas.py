@@ -31,6 +31,8 @@ def summarize(plan: Plan, *, generation: int, spec_generation: int | None = None
                 backend=str(s.backend),
                 layerStart=s.layer_start,
                 layerEnd=s.layer_end,
+                kvBytes=s.kv_bytes,
+                hostKVBytes=s.host_kv_bytes,
             )
             for s in plan.stages
         ],

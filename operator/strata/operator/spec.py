@@ -416,6 +416,18 @@ class Speculative(_Spec):
         return self
 
 
+class KVCache(_Spec):
+    host_memory: Quantity | None = Field(
+        default=None,
+        alias="hostMemory",
+        description=(
+            "Host memory each stage pod keeps for the KV blocks its GPU lets go of (prefix snapshots evicted from the "
+            "device), restored on a prefix hit instead of computed again; the stage pod's memory request (and its "
+            "memory limit, when one is set) grows by it. Unset: none."
+        ),
+    )
+
+
 class Stage(_Spec):
     image: str | None = Field(default=None, max_length=512, description="Defaults to the operator's image.")
     resources: Resources = Field(
@@ -472,6 +484,7 @@ class ModelDeploymentSpec(_Spec):
     parallel: int = Field(default=4, ge=1, le=256, description="Parallel slots sharing one KV pool.")
     cache_type_k: CacheType = Field(default=CacheType.Q8_0, alias="cacheTypeK", description="K cache element type.")
     cache_type_v: CacheType = Field(default=CacheType.Q8_0, alias="cacheTypeV", description="V cache element type.")
+    kv_cache: KVCache = Field(default_factory=KVCache, alias="kvCache", description="Where KV blocks are kept.")
     placement: Placement = Field(default_factory=Placement, description="Which nodes and GPUs may take stages.")
     admission: Admission = Field(default_factory=Admission, description="The gateway's bounded queue.")
     gateway: Gateway = Field(default_factory=Gateway, description="The OpenAI-compatible gateway.")

@@ -68,6 +68,10 @@ class StageSummary(_Status):
     backend: str
     layer_start: int = Field(alias="layerStart", ge=0)
     layer_end: int = Field(alias="layerEnd", ge=0)
+    kv_bytes: int = Field(default=0, alias="kvBytes", ge=0, description="Resident KV on its GPU at the context.")
+    host_kv_bytes: int = Field(
+        default=0, alias="hostKVBytes", ge=0, description="Host memory for KV blocks its GPU lets go of."
+    )
 
 
 class PlanSummary(_Status):

@@ -22,6 +22,8 @@ the command line wins over the environment.
     STRATA_DTYPE             compute dtype: float32, float16, bfloat16 (default float32 on CPU, bfloat16 on GPUs)
     STRATA_PLAN_GENERATION   the plan generation this stage belongs to (default 0)
     STRATA_PREFIX_CACHE_BYTES  device bytes for prefix snapshots, reserved by the plan (default 0: keep none)
+    STRATA_KV_HOST_BYTES     host bytes for the snapshots the device lets go of, restored from there on a hit
+                             instead of computed again (default 0: keep none)
     STRATA_PIPELINE_CHUNK    the first stage sends a longer prefill on in pieces of this many positions, so the
                              next stage starts on it at once (default 512; 0 sends each step whole). A prefill
                              that stays in this process goes whole: its stages share a device, nothing overlaps
@@ -60,6 +62,7 @@ OPTIONS: tuple[Option, ...] = tuple(
         ("--dtype", "STRATA_DTYPE", str, ""),
         ("--plan-generation", "STRATA_PLAN_GENERATION", int, 0),
         ("--prefix-cache-bytes", "STRATA_PREFIX_CACHE_BYTES", int, 0),
+        ("--kv-host-bytes", "STRATA_KV_HOST_BYTES", int, 0),
         ("--pipeline-chunk", "STRATA_PIPELINE_CHUNK", int, 512),
         ("--hop-slots", "STRATA_HOP_SLOTS", int, 4),
         ("--hop-slot-positions", "STRATA_HOP_SLOT_POSITIONS", int, 1024),

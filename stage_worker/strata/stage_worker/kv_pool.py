@@ -97,6 +97,11 @@ class Store:
         """A copy of the rows at `cells` as stored (indexing with a tensor gathers into new memory)."""
         return RawRows(values=self.values[cells], scales=None if self.scales is None else self.scales[cells])
 
+    def view(self, start: int, rows: int) -> RawRows:
+        """Rows start..start+rows-1 in place (not a copy): what the host tier moves a block range through."""
+        stop = start + rows
+        return RawRows(values=self.values[start:stop], scales=None if self.scales is None else self.scales[start:stop])
+
     def put(self, cells: Tensor, rows: RawRows) -> None:
         self.values[cells] = rows.values
         if self.scales is not None and rows.scales is not None:

@@ -20,8 +20,15 @@ waits on a snapshot. A snapshot's size is N times the bytes of one position of t
 them within a byte budget as before, dropping the least recently used first, and forgets them all when a new
 coordinator term is accepted (strata.stage_worker.server), so none crosses a term.
 
-Snapshots are filed under (plan generation, the coordinator's hash of the prefix's token ids: a chained sha256 over
-the prefix's chunks, strata.gateway.prefix_index).
+With a host tier (strata.stage_worker.kv_host), a snapshot the device lets go of (over the budget, or to a slot short
+of blocks) moves there first: its full-attention rows and its window copies, as stored. A restore that finds it only
+there writes them into fresh blocks, bit for bit what the prefill wrote, and pins those blocks again as a device
+snapshot, so the next slot to restore it maps them (the choices of `n > 1` share one copy); a restore of all of it
+leaves the host tier. Host entries are let go oldest first over
+the host budget.
+
+Snapshots are filed under (plan generation, the coordinator's chained hash of the prefix's token blocks,
+strata.gateway.prefix_index).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from strata.stage_worker.errors import PoolExhaustedError
+from strata.stage_worker.kv_host import HostRows, HostTier, HostTierStats, block_runs
 from strata.stage_worker.kv_pool import KVPool, RawRows
 
 
@@ -49,6 +57,26 @@ class Snapshot:
     def nbytes(self) -> int:
         copied = sum(rows.nbytes for rows in (*self.keys, *self.values) if rows is not None)
         return self.length * self.position_bytes + copied
+
+
+@dataclass(frozen=True)
+class HostSnapshot:
+    """A snapshot whose rows are in the host tier: every layer's rows of positions window_first.. for sliding-window
+    layers and 0.. for the others (None: that layer's rows never left, as for a snapshot without sliding layers)."""
+
+    length: int
+    pool: KVPool
+    keys: tuple[HostRows, ...]  # per layer of this stage
+    values: tuple[HostRows, ...]
+    window_first: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(rows.nbytes for rows in (*self.keys, *self.values))
+
+    @property
+    def parts(self) -> list[HostRows]:
+        return [*self.keys, *self.values]
 
 
 @dataclass(frozen=True)
@@ -70,12 +98,14 @@ class PrefixCache:
     save, restore and clear change a pool's blocks: they run under the stage's engine lock, as its steps do (and
     the cache's letting go on a short pool runs inside a step). The cache's own lock guards its table."""
 
-    def __init__(self, *, budget_bytes: int) -> None:
+    def __init__(self, *, budget_bytes: int, host: HostTier | None = None) -> None:
         if budget_bytes < 0:
             raise ValueError(f"the prefix cache budget must not be negative, not {budget_bytes}")
         self.budget_bytes = budget_bytes
+        self.host = host  # None: a snapshot the device lets go of is gone
         self._lock = threading.Lock()
         self._snapshots: OrderedDict[SnapshotKey, Snapshot] = OrderedDict()
+        self._hosted: OrderedDict[SnapshotKey, HostSnapshot] = OrderedDict()
         self._bytes = 0
         self._hits = self._misses = self._evictions = 0
 
@@ -115,29 +145,34 @@ class PrefixCache:
         )
         pool.on_short(self._let_go)
         with self._lock:
-            dropped = [self._drop(name)]
+            replaced = self._drop(name)
+            evicted = []
             while self._snapshots and self._bytes + snapshot.nbytes > self.budget_bytes:
-                dropped.append(self._drop(next(iter(self._snapshots))))
+                oldest = next(iter(self._snapshots))
+                evicted.append((oldest, self._drop(oldest)))
                 self._evictions += 1
             self._snapshots[name] = snapshot
             self._bytes += snapshot.nbytes
-        _unpin(dropped)
+        _unpin([replaced])
+        self._spill(evicted)
         return True
 
     def restore(self, *, pool: KVPool, slot: int, generation: int, key: bytes, length: int) -> bool:
-        """Make `slot` hold the snapshot's first `length` positions; False (a miss) when it is not held here."""
+        """Make `slot` hold the snapshot's first `length` positions, from the device or else the host tier; False (a
+        miss) when it is held in neither."""
         with self._lock:
             snapshot = self._snapshots.get((generation, key))
-            usable = (
-                snapshot is not None
-                and snapshot.pool is pool
-                and 1 <= length <= snapshot.length
-                and snapshot.window_first <= pool.sight(length)
-            )
-            if not usable or snapshot is None:
+            hosted = self._hosted.get((generation, key))
+            if snapshot is not None and _serves(snapshot, pool=pool, length=length):
+                self._snapshots.move_to_end((generation, key))
+            elif hosted is not None and _serves(hosted, pool=pool, length=length):
+                snapshot = None
+            else:
                 self._misses += 1
                 return False
-            self._snapshots.move_to_end((generation, key))
+        if snapshot is None:
+            assert hosted is not None  # the branch above returned otherwise
+            return self._bring_back(hosted, pool=pool, slot=slot, generation=generation, key=key, length=length)
         try:
             # The full-attention layers take the pinned blocks as they are; the window's cells are fresh.
             placed = pool.adopt(slot=slot, blocks=snapshot.blocks[: -(-length // pool.block)], length=length)
@@ -161,7 +196,12 @@ class PrefixCache:
             dropped = list(self._snapshots.values())
             self._snapshots.clear()
             self._bytes = 0
+            hosted = list(self._hosted.values())
+            self._hosted.clear()
         _unpin(dropped)
+        if self.host is not None:
+            for entry in hosted:
+                self.host.let_go(entry.nbytes, entry.parts)
 
     def stats(self) -> PrefixCacheStats:
         with self._lock:
@@ -179,9 +219,74 @@ class PrefixCache:
         with self._lock:
             if not self._snapshots:
                 return False
-            dropped = self._drop(next(iter(self._snapshots)))
+            oldest = next(iter(self._snapshots))
+            dropped = self._drop(oldest)
             self._evictions += 1
-        _unpin([dropped])
+        self._spill([(oldest, dropped)])
+        return True
+
+    def host_stats(self) -> HostTierStats | None:
+        """The host tier's figures (None without one)."""
+        if self.host is None:
+            return None
+        with self._lock:
+            return self.host.stats(len(self._hosted))
+
+    def _spill(self, evicted: list[tuple[SnapshotKey, Snapshot | None]]) -> None:
+        """Snapshots the device lets go of: their rows to the host tier where it has room, then their blocks back."""
+        for name, snapshot in evicted:
+            if snapshot is None:
+                continue
+            if self.host is not None and self.host.fits(snapshot.nbytes):
+                self._make_room(snapshot.nbytes)
+                hosted = _offload(snapshot, self.host)
+                with self._lock:
+                    self._hosted[name] = hosted
+            _unpin([snapshot])
+
+    def _make_room(self, nbytes: int) -> None:
+        assert self.host is not None
+        while self.host.free_bytes < nbytes:
+            with self._lock:
+                if not self._hosted:
+                    return
+                _, oldest = self._hosted.popitem(last=False)
+            self.host.let_go(oldest.nbytes, oldest.parts)
+
+    def _bring_back(
+        self, hosted: HostSnapshot, *, pool: KVPool, slot: int, generation: int, key: bytes, length: int
+    ) -> bool:
+        """Restore from the host tier into fresh cells, kept on the device again where its budget allows; a restore
+        of all of it that the device keeps leaves the host tier."""
+        assert self.host is not None
+        try:
+            placed = pool.place(slot=slot, length=length)
+        except PoolExhaustedError:
+            with self._lock:
+                self._misses += 1
+            return False
+        # The full-attention layers' rows go straight into the slot's new blocks; the window's are few.
+        runs = block_runs(pool.full.blocks_of(slot), size=pool.block, length=length)
+        skip = placed.window_first - hosted.window_first
+        for layer, keys, values, windowed in zip(pool.layers, hosted.keys, hosted.values, pool.windowed, strict=True):
+            for store, rows in ((layer.keys, keys), (layer.values, values)):
+                if windowed and placed.window_cells is not None:
+                    # The window's cells are scattered over its space; they are few, so they go through a copy.
+                    staged = self.host.fetch(rows, start=skip, stop=skip + placed.window_cells.shape[0])
+                    store.put(placed.window_cells, staged)
+                else:
+                    self.host.bring_back(rows, into=[store.view(*run) for run in runs])
+        with self._lock:
+            self._hits += 1
+        # Pinned again on the device, so the next slot that restores it maps these blocks instead of copying its own;
+        # the host copy goes only once the device holds all of it.
+        kept = self.save(pool=pool, slot=slot, generation=generation, key=key, length=length)
+        with self._lock:
+            whole = kept and length == hosted.length and self._hosted.get((generation, key)) is hosted
+            if whole:
+                del self._hosted[(generation, key)]
+        if whole:
+            self.host.restored(hosted.nbytes)
         return True
 
     def _drop(self, name: SnapshotKey) -> Snapshot | None:
@@ -189,6 +294,30 @@ class PrefixCache:
         if snapshot is not None:
             self._bytes -= snapshot.nbytes
         return snapshot
+
+
+def _serves(held: Snapshot | HostSnapshot, *, pool: KVPool, length: int) -> bool:
+    """Whether a snapshot of this pool holds the first `length` positions and all that a query at `length` sees."""
+    return held.pool is pool and 1 <= length <= held.length and held.window_first <= pool.sight(length)
+
+
+def _offload(snapshot: Snapshot, host: HostTier) -> HostSnapshot:
+    """The snapshot's rows in the host tier: the full-attention layers' read in place from its pinned blocks, the
+    sliding-window layers' from its copies."""
+    pool = snapshot.pool
+    runs = block_runs(snapshot.blocks, size=pool.block, length=snapshot.length)
+    keys, values = [], []
+    for layer, own_keys, own_values in zip(pool.layers, snapshot.keys, snapshot.values, strict=True):
+        keys.append([own_keys] if own_keys is not None else [layer.keys.view(*run) for run in runs])
+        values.append([own_values] if own_values is not None else [layer.values.view(*run) for run in runs])
+    hosted = host.offload([*keys, *values])
+    return HostSnapshot(
+        length=snapshot.length,
+        pool=pool,
+        keys=tuple(hosted[: len(keys)]),
+        values=tuple(hosted[len(keys) :]),
+        window_first=snapshot.window_first,
+    )
 
 
 def _unpin(snapshots: Sequence[Snapshot | None]) -> None:

@@ -45,6 +45,7 @@ from strata.stage_worker.errors import (
 from strata.stage_worker.fencing import Holder, TermFence
 from strata.stage_worker.forward_stream import ForwardStream, Onward
 from strata.stage_worker.in_process import HandedStage, InProcessNextStage
+from strata.stage_worker.kv_host import HostTier
 from strata.stage_worker.loader import LoadProgress
 from strata.stage_worker.next_stage import CHANNEL_OPTIONS, Downstream, NextStage, RemoteStageError
 from strata.stage_worker.prefix_cache import PrefixCache
@@ -115,7 +116,12 @@ class StageService(stage_pb2_grpc.StageServicer):  # type: ignore[misc]  # gener
         self.after_in_process = after_in_process
         self.progress = LoadProgress()
         self.fence = TermFence(stage=settings.stage_index)
-        self.prefix_cache = PrefixCache(budget_bytes=settings.prefix_cache_bytes)
+        host = (
+            HostTier(budget_bytes=settings.kv_host_bytes, device=settings.torch_device)
+            if settings.kv_host_bytes
+            else None
+        )
+        self.prefix_cache = PrefixCache(budget_bytes=settings.prefix_cache_bytes, host=host)
         self._health = health_servicer
         self._engine: Engine | None = None
         self._engine_lock = threading.Lock()

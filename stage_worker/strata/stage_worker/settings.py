@@ -36,6 +36,7 @@ class StageSettings:
     plan_generation: int = 0
     step_timeout_s: float = 120.0  # how long a step may wait for the next stage's reply
     prefix_cache_bytes: int = 0  # device bytes for prefix snapshots (the plan reserves them); 0 keeps none
+    kv_host_bytes: int = 0  # host bytes for snapshots the device lets go of (spec.kvCache.hostMemory); 0 keeps none
     pipeline_chunk: int = 512  # the first stage sends a longer prefill on in pieces of this many positions; 0: whole
     # Activations from a previous stage on this host come through a shared-memory ring of `hop_slots` slots of
     # `hop_slot_positions` positions each (a larger step comes inline); 0 slots: always inline.
@@ -56,6 +57,8 @@ class StageSettings:
             )
         if self.prefix_cache_bytes < 0:
             raise ValueError(f"the prefix cache budget must not be negative, not {self.prefix_cache_bytes}")
+        if self.kv_host_bytes < 0:
+            raise ValueError(f"the host KV budget must not be negative, not {self.kv_host_bytes}")
         if self.dtype and self.dtype not in COMPUTE_DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}")
 

@@ -27,6 +27,7 @@ class PlanOptions:
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Toleration, ...] = ()
     gpu_memory_bytes: int | None = None  # overrides every node's memory label
+    host_kv_bytes: int = 0  # host memory per stage for KV blocks the GPU lets go of (spec.kvCache.hostMemory)
 
     def __post_init__(self) -> None:
         if self.context_length is not None and self.context_length < 1:
@@ -39,5 +40,7 @@ class PlanOptions:
             raise InvalidOptionError(f"headroom must be a fraction in [0, 1), not {self.headroom_fraction}")
         if not 0 <= self.prefix_cache_fraction < 1:
             raise InvalidOptionError(f"the prefix cache share must be in [0, 1), not {self.prefix_cache_fraction}")
+        if self.host_kv_bytes < 0:
+            raise InvalidOptionError(f"host KV memory must not be negative, not {self.host_kv_bytes} bytes")
         if self.gpu_memory_bytes is not None and self.gpu_memory_bytes < 1:
             raise InvalidOptionError(f"GPU memory must be positive, not {self.gpu_memory_bytes} bytes")

@@ -206,6 +206,7 @@ def _plan(
                 weight_bytes=weights,
                 buffer_bytes=buffers,
                 prefix_cache_bytes=profile.prefix_cache_bytes(slot.usable_bytes - weights - buffers),
+                host_kv_bytes=options.host_kv_bytes,
                 kv_bytes=model.kv_bytes(
                     n_ctx=context,
                     layers=range(span.start, span.end),

@@ -47,6 +47,9 @@ CASES: dict[str, tuple[list[str], tuple[str, ...] | None]] = {
         ("within [0, 1]",),
     ),
     "draft bounds without speculation": (["--max-draft", "8"], ("speculative decoding, which is off",)),
+    "a position cost without speculation": (["--position-cost", "0.5"], ("a position cost apply",)),
+    "a position cost above a step's": (["--speculative", "ngram", "--position-cost", "2"], ("position cost within",)),
+    "a position cost with n-gram lookup": (["--speculative", "ngram", "--position-cost", "0.5"], None),
     "a draft of another vocabulary": (
         ["--speculative", "draft", "--draft", "other vocabulary"],
         ("vocab.gguf has a vocabulary of 1200 tokens", "target.gguf"),

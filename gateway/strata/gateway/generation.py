@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 
+from strata.gateway.draft_lengths import Acceptance
 from strata.gateway.errors import GatewayError
 from strata.gateway.grammar import Constraint
 from strata.gateway.speculation import Drafter
@@ -95,6 +96,7 @@ class Generation:
     prompt_tokens: frozenset[int] = field(init=False, default=frozenset())
     drafter: Drafter | None = None  # proposes tokens to verify, when speculation applies to this request
     proposed: tuple[int, ...] | None = None  # a computing drafter's proposal, made off the loop before the step
+    acceptance: Acceptance = field(default_factory=Acceptance)  # how its recent drafts fared: how long the next may be
 
     def __post_init__(self) -> None:
         if self.sampling.repetition_penalty != 1.0:

@@ -252,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
             draft_model=args.draft,
             draft_device=args.draft_device,
             p_min=args.p_min,
+            position_cost=args.position_cost,
             api_keys=api_keys(environ=os.environ, keys_file=args.api_keys_file),
         )
         try:

@@ -14,6 +14,7 @@ import asyncio
 import math
 from collections import defaultdict
 
+from strata.gateway.draft_lengths import draft_lengths
 from strata.gateway.errors import GatewayError, PipelineError
 from strata.gateway.generation import Finished, Generation, Token
 from strata.gateway.grammar import ConstraintViolationError
@@ -38,8 +39,7 @@ class Stepping(StageStream):
         even = math.ceil(stepping / self._groups)
         share = min(even, math.ceil(len(waiting) / (self._groups - len(self._in_flight))))
         chosen = sorted(waiting, key=lambda g: (g.landed, g.slot))[:share]
-        decoding = sum(1 for g in chosen if g.fed >= len(g.prompt))
-        drafting = self.speculation is not None and decoding <= self.speculation.max_slots
+        budgets = self._draft_budgets(chosen)
         chunks = []
         for g in sorted(chosen, key=lambda g: g.slot):
             slot = g.slot
@@ -57,7 +57,7 @@ class Stepping(StageStream):
                     sampling=g.sampling.to_proto(g.generated, g.prompt_tokens),
                 )
             else:
-                draft = self._draft(g, used=used, drafting=drafting)
+                draft = self._draft(g, used=used, budget=budgets.get(slot, 0))
                 chunk = stage_pb2.SlotChunk(
                     slot=slot,
                     start_position=g.fed,
@@ -79,22 +79,36 @@ class Stepping(StageStream):
         serves every other request meanwhile; `_draft` takes it, cut to the room the step leaves."""
         if self.speculation is None:
             return
-        for g in list(self._active.values()):
+        # The step to come takes at most these: budgets over all of them are no longer than the step's own.
+        waiting = [g for g in self._active.values() if not g.cancelled and not g.in_flight and not g.held]
+        budgets = self._draft_budgets(waiting)
+        for g in waiting:
             d = g.drafter
-            if d is None or not d.computes or g.proposed is not None or g.cancelled or g.in_flight or g.held:
+            if d is None or not d.computes or g.proposed is not None or not budgets.get(g.slot, 0):
                 continue
-            if g.fed >= len(g.prompt):
-                limit = min(g.max_tokens - g.produced, self.context - g.fed) - 1
-                g.proposed = await asyncio.to_thread(d.propose, limit)
+            limit = min(g.max_tokens - g.produced, self.context - g.fed, budgets[g.slot] + 1) - 1
+            g.proposed = await asyncio.to_thread(d.propose, limit)
 
-    def _draft(self, g: Generation, *, used: int, drafting: bool) -> tuple[int, ...]:
-        """The tokens g's drafter proposes after its last one (none while the step does not draft): no more than g
-        may still produce after the one this step picks anyway, nor than the pool and the context have room for.
-        A proposal made off the loop serves this step only: the step changes the tokens it followed."""
+    def _draft_budgets(self, stepping: list[Generation]) -> dict[int, int]:
+        """How many tokens each decoding generation with a drafter may draft in a step of `stepping`
+        (strata.gateway.draft_lengths): none where drafting would not pay."""
+        s = self.speculation
+        decoding = [g for g in stepping if g.fed >= len(g.prompt)]
+        if s is None or not decoding:
+            return {}
+        rates = {g.slot: g.acceptance.rate for g in decoding if g.drafter is not None}
+        return draft_lengths(
+            decoding=len(decoding), acceptance=rates, max_draft=s.max_draft, min_draft=s.min_draft, cost=s.step_cost
+        )
+
+    def _draft(self, g: Generation, *, used: int, budget: int) -> tuple[int, ...]:
+        """The tokens g's drafter proposes after its last one, at most `budget` (none while the step does not draft):
+        no more than g may still produce after the one this step picks anyway, nor than the pool and the context have
+        room for. A proposal made off the loop serves this step only: the step changes the tokens it followed."""
         proposed, g.proposed = g.proposed or (), None
-        if g.drafter is None or self.speculation is None or not drafting:
+        if g.drafter is None or self.speculation is None or not budget:
             return ()
-        room = min(g.max_tokens - g.produced, self.context - used, self.context - g.fed) - 1
+        room = min(g.max_tokens - g.produced, self.context - used, self.context - g.fed, budget + 1) - 1
         if g.drafter.computes:
             proposed = proposed[: max(room, 0)]
             draft = proposed if len(proposed) >= self.speculation.min_draft else ()
@@ -142,6 +156,7 @@ class Stepping(StageStream):
             g.fed = chunk.start_position + (len(run) if chunk.drafted else chunk.length)
             g.held_cells = chunk.start_position + chunk.length
             if chunk.drafted:
+                g.acceptance.observe(drafted=chunk.drafted, accepted=len(run) - 1)
                 self.metrics.speculative_accepted.inc(len(run) - 1)
                 self.metrics.speculative_run.observe(len(run))
             for token in run:

@@ -402,6 +402,17 @@ class Speculative(_Spec):
     min_draft: WholeNumber = Field(
         default=1, alias="minDraft", ge=1, le=16, description="Shorter proposals are not sent."
     )
+    position_cost: float | None = Field(
+        default=None,
+        alias="positionCost",
+        ge=0.0,
+        le=1.0,
+        description=(
+            "What one more position adds to a decode step's time, in one-position steps (default 0.1). Each step's "
+            "drafts are as long as pays by it and the lanes' recent acceptance, and none while the batch is too full "
+            "for drafts to pay; bench/speculative.py measures it on the GPUs that serve."
+        ),
+    )
 
     @model_validator(mode="after")
     def _draft_bounds(self) -> Speculative:

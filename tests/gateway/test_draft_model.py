@@ -1,5 +1,5 @@
 """The draft-model method through the coordinator's driver on real stage servers: the same greedy tokens with a draft
-model as without speculation, on 1 and 2 stages, with the target as its own draft (nearly every guess accepted) and
+model as without speculation, on 1, 2 and 3 stages, with the target as its own draft (nearly every guess accepted) and
 with another generated model of the same vocabulary; the draft's slot freed when a request ends or is cancelled;
 a draft of another vocabulary refused, naming both files."""
 
@@ -29,7 +29,7 @@ from strata.gguf.testmodels import SMALL_SHAPES, write_test_model
 from strata.lease import FencingToken
 from strata_testbed.pipelines import local_pipeline
 
-SPANS = {1: [(0, 4)], 2: [(0, 2), (2, 4)]}
+SPANS = {1: [(0, 4)], 2: [(0, 2), (2, 4)], 3: [(0, 1), (1, 3), (3, 4)]}
 FENCE = FencingToken(lease_uid="lease", term=1, holder="draft-model-test")
 PROMPT = (*range(30, 50), 7, 8, *range(60, 70))
 NEW_TOKENS = 20
@@ -111,6 +111,8 @@ OUTPUT_CASES = {
     "two stages, the target drafting for itself": (2, "target", GREEDY, 0.9),
     "one stage, another model of the same vocabulary": (1, "other model", GREEDY, 0.0),
     "two stages, another model of the same vocabulary": (2, "other model", GREEDY, 0.0),
+    "three stages, the target drafting for itself": (3, "target", GREEDY, 0.9),
+    "three stages, another model of the same vocabulary": (3, "other model", GREEDY, 0.0),
     "two stages, sampled with a seed, the target drafting for itself": (2, "target", SAMPLED, 0.0),
 }
 

@@ -40,10 +40,13 @@ CASES = {
 
 @pytest.mark.parametrize(("slots", "accepted_runs", "drafted"), CASES.values(), ids=CASES.keys())
 def test_a_steps_drafts_follow_the_batch_and_the_lanes_acceptance(slots: int, accepted_runs: int, drafted: int) -> None:
-    chunks = decoding_pipeline(slots, accepted_runs=accepted_runs)._chunks()
+    pipeline = decoding_pipeline(slots, accepted_runs=accepted_runs)
+    chunks = pipeline._chunks()
     assert len(chunks) == slots
     assert [c.drafted for c in chunks] == [drafted] * slots
     assert all(c.length == 1 + c.drafted for c in chunks)
+    off = pipeline.metrics.registry.get_sample_value("strata_gateway_speculative_off_steps_total")
+    assert off == (1.0 if drafted == 0 else 0.0), "a step with speculation off is counted"
 
 
 def test_a_verified_run_updates_its_lanes_acceptance() -> None:

@@ -40,6 +40,8 @@ class Stepping(StageStream):
         share = min(even, math.ceil(len(waiting) / (self._groups - len(self._in_flight))))
         chosen = sorted(waiting, key=lambda g: (g.landed, g.slot))[:share]
         budgets = self._draft_budgets(chosen)
+        if budgets and not any(budgets.values()):
+            self.metrics.speculative_off_steps.inc()
         chunks = []
         for g in sorted(chosen, key=lambda g: g.slot):
             slot = g.slot

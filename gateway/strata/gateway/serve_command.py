@@ -191,6 +191,9 @@ def run(args: argparse.Namespace) -> int:
         held = f"{use.weight_bytes / GB:.2f} GB of weights and {use.kv_bytes / GB:.2f} GB of KV ({args.cache_type})"
         room = "memory unknown, not checked" if use.usable_bytes is None else f"{use.usable_bytes / GB:.1f} GB usable"
         print(f"plan: {use.device} (stages {', '.join(map(str, use.stages))}): {held}; {room}", flush=True)
+    drafting = serve_speculation.draft_report(args, context=context, slots=args.parallel)
+    if drafting is not None:
+        print(drafting, flush=True)
     watch = ServeWatch(load_timeout_s=args.load_timeout_seconds)
     watch.start()
     stages: list[StageProcess] = []

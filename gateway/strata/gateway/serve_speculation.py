@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 
+from strata.draft_memory import DRAFT_CACHE_TYPE, draft_memory
 from strata.gateway.settings import SPECULATIVE_METHODS, draft_model_refusal
 from strata.gateway.speculation import DEFAULTS, Speculation
+from strata.gguf.describe import describe
 from strata.gguf.header import GGUFHeader
 
 
@@ -77,3 +79,21 @@ def refusal(args: argparse.Namespace, *, target: GGUFHeader, target_url: str) ->
     except GGUFError as exc:
         return f"draft model {args.draft}: {exc}"
     return vocabulary_refusal(target=target, draft=draft, target_name=target_url, draft_name=args.draft)
+
+
+def draft_report(args: argparse.Namespace, *, context: int, slots: int) -> str | None:
+    """With method draft, what the draft model will hold in the gateway process (its weights, and its KV of
+    `context` cells over `slots` lanes), from its header; None without a draft. Call after `refusal` passed."""
+    if args.speculative != "draft":
+        return None
+    from strata.gguf import read_model_header
+
+    header, size = read_model_header(args.draft)
+    held = draft_memory(
+        describe(header, file_bytes=size),
+        context=context,
+        slots=slots,
+        cache_type=DRAFT_CACHE_TYPE,
+        on_cpu=args.draft_device == "cpu",
+    )
+    return f"plan: draft model {args.draft} on {args.draft_device}, in the gateway process: {held.describe()}"

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from strata.draft_memory import DRAFT_CACHE_TYPE
 from strata.gateway.draft_lengths import DEFAULT_MARGINAL, StepCost
 from strata.gguf.model import CacheType
 
@@ -82,7 +83,7 @@ class DraftSource:
     url: str  # a path, file://, http(s):// or hf:// URL, as the model's own source
     token: str | None = field(default=None, repr=False)  # bearer token for https:// and hf:// sources
     device: str = "cpu"  # torch device the draft computes on
-    cache_type: CacheType = CacheType.Q8_0  # the draft's KV, as a stage's (its errors cost acceptance, never text)
+    cache_type: CacheType = DRAFT_CACHE_TYPE  # the draft's KV (strata.draft_memory sizes it so)
 
 
 class Drafter(Protocol):

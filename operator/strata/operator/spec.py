@@ -383,7 +383,9 @@ class Speculative(_Spec):
         alias="draftModel",
         description=(
             "The draft GGUF of method draft, given as spec.model is; its vocabulary must be the model's (the gateway "
-            "refuses another at start-up, naming both files)."
+            "refuses another at start-up, naming both files). The operator reads its header: the gateway pod's "
+            "default memory request grows by the draft's weights (float32 on the CPU, quantised blocks kept) and its "
+            "KV at the plan's context and lanes; a memory request set in gateway.resources is taken as given."
         ),
     )
     p_min: float | None = Field(

@@ -81,8 +81,8 @@ def test_a_position_cost_out_of_range_is_refused(marginal: float) -> None:
 
 RUNS = {
     "no runs yet: the prior": ([], PRIOR_ACCEPTANCE),
-    "every draft accepted: the rate climbs towards 1": ([(4, 4)] * 6, 0.9),
-    "every first draft rejected: the rate falls towards 0": ([(4, 0)] * 6, 0.15),
+    "every draft accepted: the rate climbs towards 1": ([(4, 4)] * 6, 0.97),
+    "every first draft rejected: the rate falls towards 0": ([(4, 0)] * 6, 0.03),
 }
 
 
@@ -102,3 +102,11 @@ def test_recent_runs_outweigh_old_ones() -> None:
     for _ in range(8):
         acceptance.observe(drafted=4, accepted=0)
     assert acceptance.rate < 0.5 < high
+
+
+def test_a_lane_whose_drafts_keep_failing_stops_drafting_even_alone() -> None:
+    acceptance = Acceptance()
+    for _ in range(20):
+        acceptance.observe(drafted=2, accepted=0)
+    lengths = draft_lengths(decoding=1, acceptance={0: acceptance.rate}, max_draft=4, min_draft=1, cost=GPU_LIKE)
+    assert lengths == {0: 0}

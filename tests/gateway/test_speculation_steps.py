@@ -5,7 +5,7 @@ shorter than one alone, and a lane's verified runs move its estimate."""
 from __future__ import annotations
 
 import pytest
-from strata.gateway.draft_lengths import Acceptance
+from strata.gateway.draft_lengths import PRIOR_ACCEPTANCE, Acceptance
 from strata.gateway.generation import Sampling
 from strata.gateway.pipeline import Pipeline
 from strata.gateway.speculation import Speculation
@@ -17,7 +17,7 @@ PROMPT = (1, 2, 3, 4, 5) * 8  # n-gram lookup always has a continuation to propo
 
 def decoding_pipeline(slots: int, *, accepted_runs: int) -> Pipeline:
     """A driver (not started) whose `slots` generations have prefilled, each lane having had `accepted_runs` drafts of
-    four accepted whole."""
+    four with three accepted (a rate of about three in four)."""
     pipeline = Pipeline(first_stage="127.0.0.1:1", slots=slots, context=4096, fence=None, speculation=Speculation())
     pipeline._ready = True
     for slot in range(slots):
@@ -26,15 +26,15 @@ def decoding_pipeline(slots: int, *, accepted_runs: int) -> Pipeline:
         )
         g.fed, g.last_token = len(PROMPT), PROMPT[-1]
         for _ in range(accepted_runs):
-            g.acceptance.observe(drafted=4, accepted=4)
+            g.acceptance.observe(drafted=4, accepted=3)
     return pipeline
 
 
 CASES = {
     "one slot at the prior drafts two: a third token, a one-in-eight chance, does not pay for its position": (1, 0, 2),
     "sixteen slots at the prior draft nothing": (16, 0, 0),
-    "sixteen slots whose drafts keep being accepted draft shorter than one alone": (16, 12, 3),
-    "one slot whose drafts keep being accepted drafts the most": (1, 12, 4),
+    "sixteen slots accepting three in four draft one token, shorter than one alone": (16, 12, 1),
+    "one slot accepting three in four drafts the most": (1, 12, 4),
 }
 
 
@@ -63,3 +63,23 @@ def test_a_verified_run_updates_its_lanes_acceptance() -> None:
     expected.observe(drafted=chunk.drafted, accepted=2)
     assert g.acceptance.rate == expected.rate != before
     assert g.fed == len(PROMPT) + 3
+
+
+SHADOWS = {"the step picked the n-gram guess: the rate rises": (1, True), "it picked another: it falls": (9, False)}
+
+
+@pytest.mark.parametrize(("picked", "rises"), SHADOWS.values(), ids=SHADOWS.keys())
+def test_a_lane_that_sent_no_draft_still_learns_whether_its_guess_was_right(picked: int, rises: bool) -> None:
+    pipeline = decoding_pipeline(16, accepted_runs=0)
+    chunks = pipeline._chunks()
+    assert all(c.drafted == 0 for c in chunks), "a full batch at the prior drafts nothing"
+    for c in chunks:
+        pipeline._active[c.slot].in_flight = c.length
+    reply = stage_pb2.ForwardReply(
+        step_id=1, tokens=[stage_pb2.SampledToken(slot=c.slot, token_id=picked) for c in chunks]
+    )
+    pipeline._dispatch(Step(step_id=1, chunks=chunks), reply)
+    rates = {pipeline._active[c.slot].acceptance.rate for c in chunks}
+    assert len(rates) == 1
+    assert (rates.pop() > PRIOR_ACCEPTANCE) is rises
+    assert all(g.shadow is None for g in pipeline._active.values()), "a guess serves its own step only"

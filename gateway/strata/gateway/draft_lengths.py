@@ -51,19 +51,23 @@ class StepCost:
 @dataclass(kw_only=True)
 class Acceptance:
     """One lane's recent acceptance: decayed counts of accepted draft tokens and of draft tokens tried (those up to
-    and including the first rejected one: the rest were never compared)."""
+    and including the first rejected one: the rest were never compared). The prior decays with them, so a lane whose
+    drafts keep failing falls as low as its evidence says (with a fixed prior the rate would stay above
+    prior / (evidence's most weight + prior's), which can still pay for one slot)."""
 
     accepted: float = 0.0
     tried: float = 0.0
+    prior: float = PRIOR_WEIGHT
 
     @property
     def rate(self) -> float:
-        return (self.accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (self.tried + PRIOR_WEIGHT)
+        return (self.accepted + PRIOR_ACCEPTANCE * self.prior) / (self.tried + self.prior)
 
     def observe(self, *, drafted: int, accepted: int) -> None:
         rejected = 1 if accepted < drafted else 0
         self.accepted = self.accepted * DECAY + accepted
         self.tried = self.tried * DECAY + accepted + rejected
+        self.prior *= DECAY
 
 
 def draft_lengths(

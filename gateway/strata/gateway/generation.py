@@ -97,6 +97,9 @@ class Generation:
     drafter: Drafter | None = None  # proposes tokens to verify, when speculation applies to this request
     proposed: tuple[int, ...] | None = None  # a computing drafter's proposal, made off the loop before the step
     acceptance: Acceptance = field(default_factory=Acceptance)  # how its recent drafts fared: how long the next may be
+    # A free drafter's guess at the token of a step that sent no draft, checked against the token when it lands: a
+    # lane that stopped drafting keeps learning whether drafting would pay again.
+    shadow: int | None = None
 
     def __post_init__(self) -> None:
         if self.sampling.repetition_penalty != 1.0:

@@ -108,7 +108,12 @@ class Stepping(StageStream):
         no more than g may still produce after the one this step picks anyway, nor than the pool and the context have
         room for. A proposal made off the loop serves this step only: the step changes the tokens it followed."""
         proposed, g.proposed = g.proposed or (), None
-        if g.drafter is None or self.speculation is None or not budget:
+        if g.drafter is None or self.speculation is None:
+            return ()
+        if not budget:
+            if not g.drafter.computes:  # a guess costs a few lookups: check it against the step's own pick
+                guess = g.drafter.propose(self.speculation.min_draft)
+                g.shadow = guess[0] if guess else None
             return ()
         room = min(g.max_tokens - g.produced, self.context - used, self.context - g.fed, budget + 1) - 1
         if g.drafter.computes:
@@ -157,6 +162,9 @@ class Stepping(StageStream):
             # A drafted chunk's positions hold what the model picked only up to the last accepted draft.
             g.fed = chunk.start_position + (len(run) if chunk.drafted else chunk.length)
             g.held_cells = chunk.start_position + chunk.length
+            if g.shadow is not None and not chunk.drafted:
+                g.acceptance.observe(drafted=1, accepted=int(run[0].token_id == g.shadow))
+            g.shadow = None
             if chunk.drafted:
                 g.acceptance.observe(drafted=chunk.drafted, accepted=len(run) - 1)
                 self.metrics.speculative_accepted.inc(len(run) - 1)

@@ -110,3 +110,28 @@ def test_a_lane_whose_drafts_keep_failing_stops_drafting_even_alone() -> None:
         acceptance.observe(drafted=2, accepted=0)
     lengths = draft_lengths(decoding=1, acceptance={0: acceptance.rate}, max_draft=4, min_draft=1, cost=GPU_LIKE)
     assert lengths == {0: 0}
+
+
+MADE = {  # decoding slots, acceptance, each draft token's cost to make (a draft model's step): lengths
+    "a draft as dear as a step drafts nothing, even for one slot that agrees": (1, {0: 0.99}, {0: 1.0}, {0: 0}),
+    "a draft a tenth of a step drafts the most for one slot": (1, {0: 0.8}, {0: 0.1}, {0: 4}),
+    "the same draft for sixteen slots, one lane after another, drafts nothing": (
+        16, lanes(16, 0.8), dict.fromkeys(range(16), 0.1), dict.fromkeys(range(16), 0)
+    ),
+    "n-gram lookup, free to make, takes the positions a draft model would pay for": (
+        2, {0: 0.8, 1: 0.8}, {1: 0.5}, {0: 4, 1: 0}
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("decoding", "acceptance", "made", "lengths"), MADE.values(), ids=MADE.keys())
+def test_a_draft_models_own_steps_count_against_its_drafts(
+    decoding: int, acceptance: dict[int, float], made: dict[int, float], lengths: dict[int, int]
+) -> None:
+    chosen = draft_lengths(
+        decoding=decoding, acceptance=acceptance, max_draft=4, min_draft=1, cost=GPU_LIKE, draft_cost=made
+    )
+    assert chosen == lengths
+    tokens = decoding + sum(sum(acceptance[s] ** j for j in range(1, k + 1)) for s, k in chosen.items())
+    spent = GPU_LIKE.ratio(decoding + sum(chosen.values())) + sum(made.get(s, 0.0) * k for s, k in chosen.items())
+    assert tokens / spent >= decoding / GPU_LIKE.ratio(decoding), "never below plain decoding's estimate"

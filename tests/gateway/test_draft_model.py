@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
@@ -99,6 +99,34 @@ async def generate(
     return tuple(tokens), finish
 
 
+class Unpriced:
+    """A draft model's drafter whose steps the driver takes as free. These tests check the text that verifying its
+    drafts gives; on a CPU the draft costs what the target's step does, and the driver would stop drafting."""
+
+    computes = True
+    token_seconds = 0.0
+
+    def __init__(self, inner: Drafter) -> None:
+        self.inner = inner
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        self.inner.extend(tokens)
+
+    def propose(self, limit: int) -> tuple[int, ...]:
+        return self.inner.propose(limit)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def unpriced(model: DraftModel) -> Callable[[tuple[int, ...]], Drafter | None]:
+    def drafter(prompt: tuple[int, ...]) -> Drafter | None:
+        made = model.drafter(prompt)
+        return None if made is None else Unpriced(made)
+
+    return drafter
+
+
 def counted(metrics: GatewayMetrics, name: str) -> float:
     value = metrics.registry.get_sample_value(f"strata_gateway_speculative_{name}_tokens_total")
     assert value is not None, f"{name} is not exported"
@@ -128,7 +156,7 @@ def test_tokens_are_the_same_with_a_draft_model_as_without_speculation(
     with local_pipeline(files["target"], SPANS[stage_count], context=CONTEXT) as stages:
         port = stages[0].port
         off = asyncio.run(generate(port, drafters=None, metrics=GatewayMetrics(), sampling=sampling))
-        on = asyncio.run(generate(port, drafters=drafts.drafter, metrics=metrics, sampling=sampling))
+        on = asyncio.run(generate(port, drafters=unpriced(drafts), metrics=metrics, sampling=sampling))
     assert on == off
     assert off[1] == "length"
     drafted, accepted = counted(metrics, "drafted"), counted(metrics, "accepted")
@@ -142,6 +170,7 @@ class GatedDrafter:
     run on the loop itself, it would wait out its timeout instead, and say so."""
 
     computes = True
+    token_seconds = 0.0
 
     def __init__(self) -> None:
         self.gate = threading.Event()

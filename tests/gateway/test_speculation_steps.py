@@ -83,3 +83,49 @@ def test_a_lane_that_sent_no_draft_still_learns_whether_its_guess_was_right(pick
     assert len(rates) == 1
     assert (rates.pop() > PRIOR_ACCEPTANCE) is rises
     assert all(g.shadow is None for g in pipeline._active.values()), "a guess serves its own step only"
+
+
+class TimedDrafter:
+    """A drafter that computes (a draft model), whose tokens cost `token_seconds` each to make."""
+
+    computes = True
+
+    def __init__(self, token_seconds: float) -> None:
+        self.token_seconds = token_seconds
+
+    def extend(self, tokens: object) -> None:
+        pass
+
+    def propose(self, limit: int) -> tuple[int, ...]:
+        return (1,) * limit
+
+    def close(self) -> None:
+        pass
+
+
+DRAFT_COSTS = {
+    "a draft a tenth of a pipeline step drafts": (0.001, 4),
+    "a draft as dear as a pipeline step does not": (0.01, 0),
+}
+
+
+@pytest.mark.parametrize(("token_seconds", "budget"), DRAFT_COSTS.values(), ids=DRAFT_COSTS.keys())
+def test_a_draft_models_measured_cost_counts_against_its_drafts(token_seconds: float, budget: int) -> None:
+    now = [0.0]
+    pipeline = Pipeline(
+        first_stage="127.0.0.1:1", slots=1, context=4096, fence=None, speculation=Speculation(),
+        drafters=lambda prompt: TimedDrafter(token_seconds), clock=lambda: now[0],
+    )  # fmt: skip
+    pipeline._ready = True
+    g = pipeline.submit(
+        slot=0, prompt=PROMPT, max_tokens=64, sampling=Sampling(), stop_ids=frozenset(), on_freed=lambda: None
+    )
+    for _ in range(8):  # accepted whole: only the draft's cost can stop it
+        g.acceptance.observe(drafted=4, accepted=4)
+    g.fed, g.last_token = len(PROMPT), PROMPT[-1]
+    # A one-position step landing 10 ms after it was written: a one-position step costs 10 ms.
+    step = Step(step_id=1, chunks=[stage_pb2.SlotChunk(slot=0, start_position=0, length=1)], written_at=1.0)
+    now[0] = 1.01
+    pipeline._time_step(step)
+    assert pipeline._position_seconds == pytest.approx(0.01)
+    assert pipeline._draft_budgets([g]) == {0: budget}

@@ -12,8 +12,11 @@ costs more than it saves. The decision weighs both, per lane, from numbers the d
 - each lane's acceptance rate: the chance that its next draft token is accepted, given the one before it was
   (`Acceptance`, from the lane's recent verified runs). A draft of k then yields 1 + a + a² + … + a^k tokens on average.
 
+A draft model also costs its own steps, one per draft token, a lane at a time: the driver measures what a draft token
+costs against a one-position step of the pipeline, and the decision adds it to the price of that lane's drafts.
+
 The decision maximises the step's expected tokens per unit of cost: starting from no drafts (one position a lane, what
-plain decoding yields), it repeatedly makes the move with the most expected tokens per position added — starting a
+plain decoding yields), it repeatedly makes the move with the most expected tokens per unit of cost added — starting a
 lane's draft at `min_draft` tokens (a shorter draft is never sent), or lengthening a started one by a token, up to
 `max_draft` — and stops at the first move that would not raise tokens per cost. Every move it makes raises the
 estimate, so with the model right a step never yields less per unit of time than plain decoding; as the batch fills,
@@ -22,6 +25,7 @@ the tokens a step already yields grow and so does the bar a draft token must pas
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -33,6 +37,7 @@ DEFAULT_MARGINAL = 0.1
 # one more position is nearly free), not enough for a full batch to.
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_WEIGHT = 2.0  # the prior counts as this many draft tokens
+TIMING_WEIGHT = 0.2  # of the newest step, in a running figure of seconds a step (a lane's draft, the pipeline's)
 DECAY = 0.7  # each verified run's counts weigh this much less at the next one: the estimate follows the text
 
 
@@ -71,32 +76,45 @@ class Acceptance:
 
 
 def draft_lengths(
-    *, decoding: int, acceptance: Mapping[int, float], max_draft: int, min_draft: int, cost: StepCost
+    *,
+    decoding: int,
+    acceptance: Mapping[int, float],
+    max_draft: int,
+    min_draft: int,
+    cost: StepCost,
+    draft_cost: Mapping[int, float] | None = None,
 ) -> dict[int, int]:
     """Each drafting lane's draft length for a step (0: none) by the rule above. `decoding`: the slots that decode in
     the step, drafting or not (each yields one token for one position); `acceptance`: slot -> rate for those that may
-    draft."""
+    draft; `draft_cost`: slot -> what each of its draft tokens costs to make, in one-position steps (a draft model
+    computes one step per token, one lane after another; n-gram lookup costs nothing and is left out)."""
+    making = draft_cost or {}
     if not 1 <= min_draft <= max_draft:
         raise ValueError(f"draft lengths need 1 <= min draft ({min_draft}) <= max draft ({max_draft})")
     if decoding < len(acceptance):
         raise ValueError(f"{len(acceptance)} drafting lanes cannot be more than the {decoding} decoding slots")
     lengths = dict.fromkeys(acceptance, 0)
-    tokens, positions = float(decoding), decoding
+    tokens, positions, making_cost = float(decoding), decoding, 0.0
     while True:
-        best: tuple[float, int, float, int] | None = None  # (tokens per position, slot, tokens, positions)
+        best: tuple[float, int, float, int] | None = None  # (tokens per cost, slot, tokens, positions)
         for slot, rate in acceptance.items():
             k = lengths[slot]
             if k >= max_draft:
                 continue
             added = min_draft if k == 0 else 1
             gain = sum(rate**j for j in range(k + 1, k + added + 1))
-            if best is None or gain / added > best[0]:
-                best = (gain / added, slot, gain, added)
+            price = cost.marginal * added + making.get(slot, 0.0) * added
+            value = gain / price if price else math.inf  # expected tokens per unit of cost
+            if best is None or value > best[0]:
+                best = (value, slot, gain, added)
         if best is None:
             return lengths
         _, slot, gain, added = best
-        if (tokens + gain) / cost.ratio(positions + added) <= tokens / cost.ratio(positions):
+        now = cost.ratio(positions) + making_cost
+        made = making_cost + making.get(slot, 0.0) * added
+        if (tokens + gain) / (cost.ratio(positions + added) + made) <= tokens / now:
             return lengths
         lengths[slot] += added
         tokens += gain
         positions += added
+        making_cost = made

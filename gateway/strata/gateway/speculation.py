@@ -93,6 +93,11 @@ class Drafter(Protocol):
 
     computes: bool
 
+    @property
+    def token_seconds(self) -> float:
+        """What one draft token costs it to make, lately (0 for a drafter that does not compute)."""
+        ...
+
     def extend(self, tokens: Iterable[int]) -> None: ...
 
     def propose(self, limit: int) -> tuple[int, ...]: ...
@@ -105,6 +110,7 @@ class NgramDrafter:
     lookups however long the context: for each n-gram size, where the token after its latest earlier occurrence is."""
 
     computes = False  # a few dictionary lookups: on the driver's loop
+    token_seconds = 0.0
 
     def __init__(self, prompt: Sequence[int], *, speculation: Speculation) -> None:
         self.speculation = speculation

@@ -14,7 +14,7 @@ import asyncio
 import math
 from collections import defaultdict
 
-from strata.gateway.draft_lengths import draft_lengths
+from strata.gateway.draft_lengths import TIMING_WEIGHT, draft_lengths
 from strata.gateway.errors import GatewayError, PipelineError
 from strata.gateway.generation import Finished, Generation, Token
 from strata.gateway.grammar import ConstraintViolationError
@@ -28,6 +28,9 @@ class Stepping(StageStream):
     prefill_chunk: int
     speculation: Speculation | None
     _groups: int
+    # Seconds of a one-position step of the pipeline, lately (0 until a step landed): each landed step's round trip
+    # over its cost in one-position steps. What a draft model's token costs is weighed against it.
+    _position_seconds: float = 0.0
 
     def _chunks(self) -> list[stage_pb2.SlotChunk]:
         """The next step: a chunk for each generation that may step now, in slot order. With micro-batches it takes
@@ -99,9 +102,28 @@ class Stepping(StageStream):
         if s is None or not decoding:
             return {}
         rates = {g.slot: g.acceptance.rate for g in decoding if g.drafter is not None}
+        making = {
+            g.slot: g.drafter.token_seconds / self._position_seconds
+            for g in decoding
+            if g.drafter is not None and g.drafter.computes and self._position_seconds
+        }
         return draft_lengths(
-            decoding=len(decoding), acceptance=rates, max_draft=s.max_draft, min_draft=s.min_draft, cost=s.step_cost
+            decoding=len(decoding),
+            acceptance=rates,
+            max_draft=s.max_draft,
+            min_draft=s.min_draft,
+            cost=s.step_cost,
+            draft_cost=making,
         )
+
+    def _time_step(self, step: Step) -> None:
+        """Fold the landed step's round trip into the seconds of a one-position step."""
+        if self.speculation is None or not step.written_at:
+            return
+        positions = sum(c.length for c in step.chunks)
+        seconds = (self._clock() - step.written_at) / self.speculation.step_cost.ratio(max(positions, 1))
+        now = self._position_seconds
+        self._position_seconds = seconds if not now else now + TIMING_WEIGHT * (seconds - now)
 
     def _draft(self, g: Generation, *, used: int, budget: int) -> tuple[int, ...]:
         """The tokens g's drafter proposes after its last one, at most `budget` (none while the step does not draft):
@@ -143,6 +165,7 @@ class Stepping(StageStream):
         return [c for c in chunks if c.slot not in failed]
 
     def _dispatch(self, step: Step, reply: stage_pb2.ForwardReply) -> None:
+        self._time_step(step)
         sampled: defaultdict[int, list[stage_pb2.SampledToken]] = defaultdict(list)
         for token in reply.tokens:  # a drafted chunk's slot has its run of tokens, in order
             sampled[token.slot].append(token)

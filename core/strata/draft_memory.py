@@ -30,9 +30,11 @@ class DraftMemory:
         return self.weight_bytes + self.kv_bytes
 
     def describe(self) -> str:
+        """In MiB: a draft is small (Gemma 3 270M Q4_K_M holds 338 MiB on a CPU with 16 lanes over 16K cells), and
+        GiB would round it away."""
         return (
-            f"{self.total_bytes / GIB:.2f} GiB ({self.weight_bytes / GIB:.2f} GiB of weights, "
-            f"{self.kv_bytes / GIB:.2f} GiB of KV)"
+            f"{self.total_bytes / MIB:,.1f} MiB ({self.weight_bytes / MIB:,.1f} MiB of weights, "
+            f"{self.kv_bytes / MIB:,.1f} MiB of KV)"
         )
 
 

@@ -128,4 +128,8 @@ def test_a_draft_models_measured_cost_counts_against_its_drafts(token_seconds: f
     now[0] = 1.01
     pipeline._time_step(step)
     assert pipeline._position_seconds == pytest.approx(0.01)
+    prefill = Step(step_id=2, chunks=[stage_pb2.SlotChunk(slot=0, start_position=0, length=64)], written_at=1.0)
+    now[0] = 2.0
+    pipeline._time_step(prefill)
+    assert pipeline._position_seconds == pytest.approx(0.01), "a prefill step is not a decode step's measure"
     assert pipeline._draft_budgets([g]) == {0: budget}

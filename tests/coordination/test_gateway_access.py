@@ -16,6 +16,7 @@ from kubernetes import client
 from strata.draining import DRAIN_S
 from strata.gateway.settings import from_environment
 from strata.gateway.speculation import DraftSource, Speculation
+from strata.gguf.model import ModelInfo
 from strata.lease import LeaseElector, LeaseTiming
 from strata.operator.children import Owner, coordinator_lease, gateway_access, gateway_deployment, stage_statefulset
 from strata.operator.cluster_cache import ClusterCache
@@ -45,6 +46,12 @@ SPEC = ModelDeploymentSpec.from_manifest(
         "coordination": {"leaseDurationSeconds": 9, "renewDeadlineSeconds": 6, "retryPeriodSeconds": 1},
     }
 )
+# The header of a draft: the gateway pod's memory request counts what it holds (strata.draft_memory).
+DRAFT_INFO = ModelInfo(
+    architecture="llama", block_count=1, embedding_length=64, head_count=4, head_count_kv=(4,), key_length=16,
+    value_length=16, context_length=512, vocab_size=1000, layer_bytes=(1 << 20,), non_layer_bytes={},
+    layer_resident_bytes=(1 << 20,), non_layer_resident_bytes={}, output_tied=True, cpu_resident_bytes=2 << 20,
+)  # fmt: skip
 SERVING = PlanSummary(
     generation=1,
     stages=[StageSummary(index=0, node="n0", gpus=1, backend="cuda", layerStart=0, layerEnd=4)],
@@ -109,7 +116,7 @@ def test_the_gateway_reads_the_specs_draft_model_from_the_environment_the_operat
     owner = Owner(name="tiny", namespace="models", uid="u")
     draft = ModelSource(url="hf://org/small/small.gguf", tokenSecretRef=SecretKeyRef(name="hf"))
     speculative = Speculative(method=SpeculativeMethod.DRAFT, draftModel=draft, pMin=0.2)
-    env = _containers(SPEC.model_copy(update={"speculative": speculative}), owner)[0]["env"]
+    env = _containers(SPEC.model_copy(update={"speculative": speculative}), owner, draft=DRAFT_INFO)[0]["env"]
     values = {e["name"]: e["value"] for e in env if "value" in e}
     secrets = {e["name"]: e["valueFrom"] for e in env if "valueFrom" in e}
     assert secrets["STRATA_DRAFT_MODEL_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
@@ -118,8 +125,8 @@ def test_the_gateway_reads_the_specs_draft_model_from_the_environment_the_operat
     assert settings.draft_source() == DraftSource(url=draft.url, token="from-the-secret")
 
 
-def _containers(spec: ModelDeploymentSpec, owner: Owner) -> list[dict[str, Any]]:
-    deployment = gateway_deployment(owner, spec, serving=SERVING, image="strata:dev", model_name="tiny")
+def _containers(spec: ModelDeploymentSpec, owner: Owner, *, draft: ModelInfo | None = None) -> list[dict[str, Any]]:
+    deployment = gateway_deployment(owner, spec, serving=SERVING, image="strata:dev", model_name="tiny", draft=draft)
     containers: list[dict[str, Any]] = deployment["spec"]["template"]["spec"]["containers"]
     return containers
 

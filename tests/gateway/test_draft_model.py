@@ -1,5 +1,5 @@
 """The draft-model method through the coordinator's driver on real stage servers: the same greedy tokens with a draft
-model as without speculation, on 1 and 2 stages, with the target as its own draft (nearly every guess accepted) and
+model as without speculation, on 1, 2 and 3 stages, with the target as its own draft (nearly every guess accepted) and
 with another generated model of the same vocabulary; the draft's slot freed when a request ends or is cancelled;
 a draft of another vocabulary refused, naming both files."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
@@ -29,7 +29,7 @@ from strata.gguf.testmodels import SMALL_SHAPES, write_test_model
 from strata.lease import FencingToken
 from strata_testbed.pipelines import local_pipeline
 
-SPANS = {1: [(0, 4)], 2: [(0, 2), (2, 4)]}
+SPANS = {1: [(0, 4)], 2: [(0, 2), (2, 4)], 3: [(0, 1), (1, 3), (3, 4)]}
 FENCE = FencingToken(lease_uid="lease", term=1, holder="draft-model-test")
 PROMPT = (*range(30, 50), 7, 8, *range(60, 70))
 NEW_TOKENS = 20
@@ -99,6 +99,34 @@ async def generate(
     return tuple(tokens), finish
 
 
+class Unpriced:
+    """A draft model's drafter whose steps the driver takes as free. These tests check the text that verifying its
+    drafts gives; on a CPU the draft costs what the target's step does, and the driver would stop drafting."""
+
+    computes = True
+    token_seconds = 0.0
+
+    def __init__(self, inner: Drafter) -> None:
+        self.inner = inner
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        self.inner.extend(tokens)
+
+    def propose(self, limit: int) -> tuple[int, ...]:
+        return self.inner.propose(limit)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def unpriced(model: DraftModel) -> Callable[[tuple[int, ...]], Drafter | None]:
+    def drafter(prompt: tuple[int, ...]) -> Drafter | None:
+        made = model.drafter(prompt)
+        return None if made is None else Unpriced(made)
+
+    return drafter
+
+
 def counted(metrics: GatewayMetrics, name: str) -> float:
     value = metrics.registry.get_sample_value(f"strata_gateway_speculative_{name}_tokens_total")
     assert value is not None, f"{name} is not exported"
@@ -111,6 +139,8 @@ OUTPUT_CASES = {
     "two stages, the target drafting for itself": (2, "target", GREEDY, 0.9),
     "one stage, another model of the same vocabulary": (1, "other model", GREEDY, 0.0),
     "two stages, another model of the same vocabulary": (2, "other model", GREEDY, 0.0),
+    "three stages, the target drafting for itself": (3, "target", GREEDY, 0.9),
+    "three stages, another model of the same vocabulary": (3, "other model", GREEDY, 0.0),
     "two stages, sampled with a seed, the target drafting for itself": (2, "target", SAMPLED, 0.0),
 }
 
@@ -126,7 +156,7 @@ def test_tokens_are_the_same_with_a_draft_model_as_without_speculation(
     with local_pipeline(files["target"], SPANS[stage_count], context=CONTEXT) as stages:
         port = stages[0].port
         off = asyncio.run(generate(port, drafters=None, metrics=GatewayMetrics(), sampling=sampling))
-        on = asyncio.run(generate(port, drafters=drafts.drafter, metrics=metrics, sampling=sampling))
+        on = asyncio.run(generate(port, drafters=unpriced(drafts), metrics=metrics, sampling=sampling))
     assert on == off
     assert off[1] == "length"
     drafted, accepted = counted(metrics, "drafted"), counted(metrics, "accepted")
@@ -140,6 +170,7 @@ class GatedDrafter:
     run on the loop itself, it would wait out its timeout instead, and say so."""
 
     computes = True
+    token_seconds = 0.0
 
     def __init__(self) -> None:
         self.gate = threading.Event()

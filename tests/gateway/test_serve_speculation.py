@@ -9,8 +9,11 @@ from pathlib import Path
 
 import pytest
 from strata.cli import main
+from strata.draft_memory import draft_memory
 from strata.gateway import serve_speculation
 from strata.gguf import read_model_header
+from strata.gguf.describe import describe
+from strata.gguf.model import CacheType
 from strata.gguf.testmodels import SMALL_SHAPES, write_test_model
 
 
@@ -47,6 +50,9 @@ CASES: dict[str, tuple[list[str], tuple[str, ...] | None]] = {
         ("within [0, 1]",),
     ),
     "draft bounds without speculation": (["--max-draft", "8"], ("speculative decoding, which is off",)),
+    "a position cost without speculation": (["--position-cost", "0.5"], ("a position cost apply",)),
+    "a position cost above a step's": (["--speculative", "ngram", "--position-cost", "2"], ("position cost within",)),
+    "a position cost with n-gram lookup": (["--speculative", "ngram", "--position-cost", "0.5"], None),
     "a draft of another vocabulary": (
         ["--speculative", "draft", "--draft", "other vocabulary"],
         ("vocab.gguf has a vocabulary of 1200 tokens", "target.gguf"),
@@ -79,3 +85,31 @@ def test_serve_exits_with_the_refusal_before_any_stage_starts(files: dict[str, P
     assert message.startswith("strata serve: ")
     assert str(draft) in message
     assert str(target) in message
+
+
+REPORTS = {
+    "off": ([], None),
+    "n-gram lookup": (["--speculative", "ngram"], None),
+    "a draft on the CPU": (["--speculative", "draft", "--draft", "same vocabulary"], True),
+    "a draft on a GPU": (["--speculative", "draft", "--draft", "same vocabulary", "--draft-device", "cuda"], False),
+}
+
+
+@pytest.mark.parametrize(("argv", "on_cpu"), REPORTS.values(), ids=REPORTS.keys())
+def test_serve_reports_what_the_draft_holds_in_the_gateway(
+    files: dict[str, Path], argv: list[str], on_cpu: bool | None
+) -> None:
+    report = serve_speculation.draft_report(options(argv, files), context=512, slots=4)
+    if on_cpu is None:
+        assert report is None
+        return
+    header, size = read_model_header(str(files["same vocabulary"]))
+    draft = describe(header, file_bytes=size)
+    held = draft_memory(draft, context=512, slots=4, cache_type=CacheType.Q8_0, on_cpu=on_cpu)
+    device = "cpu" if on_cpu else "cuda"
+    assert (
+        report == f"plan: draft model {files['same vocabulary']} on {device}, in the gateway process: {held.describe()}"
+    )
+    assert held.weight_bytes == (draft.cpu_resident_bytes if on_cpu else draft.resident_total_bytes)
+    assert held.kv_bytes > 0
+    assert held.weight_bytes > 0

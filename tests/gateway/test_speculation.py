@@ -78,7 +78,8 @@ BAD_BOUNDS = {
     "min draft above max": {"min_draft": 5, "max_draft": 4},
     "n-gram min of 0": {"ngram_min": 0},
     "n-gram min above max": {"ngram_min": 3, "ngram_max": 2},
-    "no slots": {"max_slots": 0},
+    "a negative position cost": {"position_cost": -0.1},
+    "a position dearer than a step": {"position_cost": 1.5},
     "no lookback": {"lookback": 0},
     "a probability floor above 1": {"p_min": 1.5},
     "a negative probability floor": {"p_min": -0.1},
@@ -108,6 +109,8 @@ def test_only_requests_whose_picks_depend_on_their_own_logits_are_drafted(
 SETTINGS = {
     "an unknown method": ({"speculative": "eagle"}, "not one of: ngram, draft"),
     "draft bounds without speculation": ({"max_draft": 8}, "speculative decoding, which is off"),
+    "a position cost without speculation": ({"position_cost": 0.5}, "a position cost apply to speculative decoding"),
+    "a position cost above a step's": ({"speculative": "ngram", "position_cost": 1.5}, "position cost within"),
     "a min draft above the max": ({"speculative": "ngram", "min_draft": 6}, "speculation needs"),
     "the draft method without a draft model": ({"speculative": "draft"}, "method draft needs the draft model's file"),
     "a draft model with the n-gram method": (
@@ -145,10 +148,10 @@ def test_the_gateway_builds_its_draft_source_from_its_settings_and_environment()
     environ = {
         "STRATA_MODEL_URL": "m.gguf", "STRATA_FIRST_STAGE": "127.0.0.1:1", "STRATA_CONTEXT": "64",
         "STRATA_SPECULATIVE": "draft", "STRATA_DRAFT_MODEL_URL": "hf://org/repo/d.gguf", "STRATA_P_MIN": "0.5",
-        "STRATA_DRAFT_MODEL_TOKEN": "secret",
+        "STRATA_DRAFT_MODEL_TOKEN": "secret", "STRATA_POSITION_COST": "0.25",
     }  # fmt: skip
     settings = from_environment({}, environ)
-    assert settings.speculation() == Speculation(p_min=0.5)
+    assert settings.speculation() == Speculation(p_min=0.5, position_cost=0.25)
     assert settings.draft_source() == DraftSource(url="hf://org/repo/d.gguf", token="secret", device="cpu")
     ngram = GatewaySettings(model_url="m.gguf", first_stage="127.0.0.1:1", context=64, speculative="ngram")
     assert ngram.draft_source() is None

@@ -63,3 +63,18 @@ def test_every_other_type_is_dequantised_to_the_compute_width() -> None:
     assert {resident_bytes(t, name=MATRIX, elements=ELEMENTS, stored_bytes=stored(t)) for t in dequantised} == {
         COMPUTE_BYTES_PER_ELEMENT * ELEMENTS
     }
+
+
+ON_THE_CPU = {  # float32 compute: what a draft model holds in the gateway process (strata.draft_memory)
+    "F32 stays 4 bytes per element": (Q.F32, 4 * ELEMENTS),
+    "F16 widens to 4 bytes per element": (Q.F16, 4 * ELEMENTS),
+    "Q8_0 stays in its blocks": (Q.Q8_0, ELEMENTS // 32 * 34),
+    "Q4_K unpacks its sub-scales as on a GPU": (Q.Q4_K, ELEMENTS // 256 * 148),
+    "Q3_K is dequantised to 4 bytes per element": (Q.Q3_K, 4 * ELEMENTS),
+}
+
+
+@pytest.mark.parametrize(("ggml_type", "cpu_bytes"), ON_THE_CPU.values(), ids=ON_THE_CPU.keys())
+def test_a_tensor_takes_what_a_cpu_computing_in_float32_keeps(ggml_type: Q, cpu_bytes: int) -> None:
+    held = resident_bytes(ggml_type, name=MATRIX, elements=ELEMENTS, stored_bytes=stored(ggml_type), compute_bytes=4)
+    assert held == cpu_bytes

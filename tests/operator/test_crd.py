@@ -12,6 +12,7 @@ from kubernetes.client.exceptions import ApiException
 from strata.operator.crd import CRD_PATH, render_crd, render_yaml
 from strata.operator.reference import README, with_reference
 from strata.operator.spec import GROUP, PLURAL, VERSION, ModelDeploymentSpec
+from strata.operator.speculative_env import speculative_env
 from strata_testbed.waiting import establish_crd
 
 VALID: dict[str, Any] = {
@@ -69,6 +70,8 @@ SPECULATIVE_REFUSALS = {
     "a draft model with n-gram lookup": ({"method": "ngram", "draftModel": DRAFT_MODEL}, "applies to it only"),
     "a probability floor with n-gram lookup": ({"method": "ngram", "pMin": 0.5}, "pMin applies to method draft only"),
     "a probability floor above 1": ({"method": "draft", "draftModel": DRAFT_MODEL, "pMin": 1.5}, "pMin"),
+    "a position dearer than a whole step": ({"method": "ngram", "positionCost": 1.5}, "positionCost"),
+    "a negative position cost": ({"method": "ngram", "positionCost": -0.1}, "positionCost"),
     "a draft token Secret over plain http": (
         {"method": "draft", "draftModel": {"url": "http://m.svc/d.gguf", "tokenSecretRef": {"name": "t"}}},
         "tokenSecretRef applies to https:// and hf:// sources only",
@@ -90,6 +93,37 @@ def test_the_draft_method_takes_its_draft_model_as_the_model_is_given() -> None:
     assert spec.speculative is not None
     assert spec.speculative.draft_model is not None
     assert (spec.speculative.draft_model.url, spec.speculative.p_min) == (DRAFT_MODEL["url"], 0.2)
+
+
+ENVIRONMENTS = {
+    "off": (None, {}),
+    "n-gram lookup with the defaults": (
+        {"method": "ngram"}, {"STRATA_SPECULATIVE": "ngram", "STRATA_MAX_DRAFT": "4", "STRATA_MIN_DRAFT": "1"}
+    ),
+    "n-gram lookup with its bounds and a position cost": (
+        {"method": "ngram", "maxDraft": 8, "minDraft": 2, "positionCost": 0.02},
+        {
+            "STRATA_SPECULATIVE": "ngram", "STRATA_MAX_DRAFT": "8", "STRATA_MIN_DRAFT": "2",
+            "STRATA_POSITION_COST": "0.02",
+        },
+    ),
+    "a draft model with its floor": (
+        {"method": "draft", "draftModel": DRAFT_MODEL, "pMin": 0.2},
+        {
+            "STRATA_SPECULATIVE": "draft", "STRATA_MAX_DRAFT": "4", "STRATA_MIN_DRAFT": "1",
+            "STRATA_DRAFT_MODEL_URL": DRAFT_MODEL["url"], "STRATA_P_MIN": "0.2",
+        },
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("speculative", "environment"), ENVIRONMENTS.values(), ids=ENVIRONMENTS.keys())
+def test_the_gateway_environment_carries_every_speculative_setting(
+    speculative: dict[str, Any] | None, environment: dict[str, str]
+) -> None:
+    spec = ModelDeploymentSpec.from_manifest(_with("spec.speculative", speculative)["spec"]) if speculative else None
+    env = speculative_env(spec.speculative if spec is not None else None)
+    assert {e["name"]: e.get("value") for e in env} == environment
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from strata.gguf.errors import MetadataError
 from strata.gguf.executable import header_refusal
 from strata.gguf.header import GGUFHeader
 from strata.gguf.model import ModelInfo, RopeSettings, SlidingWindow
-from strata.gguf.resident import resident_bytes
+from strata.gguf.resident import CPU_BYTES, resident_bytes
 from strata.gguf.rope_scaling import rope_scaling_refusal
 from strata.gguf.values import Value
 
@@ -90,6 +90,10 @@ def describe(header: GGUFHeader, *, file_bytes: int | None = None) -> ModelInfo:
         raise keys.error(f"{arch}.attention.head_count", "must be at least 1")
     head_count_kv = keys.per_layer(f"{arch}.attention.head_count_kv", layers=n_layer, default=n_head)
     stored, resident = _weight_bytes(header, layers=n_layer)
+    on_cpu = sum(
+        resident_bytes(t.ggml_type, name=t.name, elements=t.elements, stored_bytes=t.nbytes, compute_bytes=CPU_BYTES)
+        for t in header.tensors
+    )
     tokens = keys.get("tokenizer.ggml.tokens")
     vocab_size = len(tokens) if isinstance(tokens, tuple) else keys.integer(f"{arch}.vocab_size", default=0)
     if not vocab_size and "token_embd.weight" in header.tensor_by_name:
@@ -110,6 +114,7 @@ def describe(header: GGUFHeader, *, file_bytes: int | None = None) -> ModelInfo:
         layer_resident_bytes=tuple(resident.layers),
         non_layer_resident_bytes=resident.roles,
         output_tied="output.weight" not in header.tensor_by_name,
+        cpu_resident_bytes=on_cpu,
         tensor_types=dict(Counter(tensor.ggml_type.name for tensor in header.tensors)),
         rope=_rope(keys, arch=arch, key_length=key_length),
         unsupported=_unsupported(header, arch=arch),

@@ -96,6 +96,9 @@ class ModelInfo:
     layer_resident_bytes: tuple[int, ...]
     non_layer_resident_bytes: dict[str, int]
     output_tied: bool  # no `output` tensor: the head reuses token_embd
+    # Every tensor once a CPU process holds it in float32 (strata.gguf.resident): what a draft model in the gateway
+    # takes (strata.draft_memory). 0 where it was not worked out (a ModelInfo built by hand).
+    cpu_resident_bytes: int = 0
     tensor_types: dict[str, int] = field(default_factory=dict)  # GGML type name -> how many tensors have it
     rope: RopeSettings | None = None
     # What the file asks for that the stages do not apply although they run its architecture (a RoPE scaling),

@@ -23,6 +23,7 @@ Q = GGMLQuantizationType
 COMPUTE_WIDTH_TYPES: frozenset[GGMLQuantizationType] = frozenset({Q.F16, Q.BF16})
 # Bytes per element of a weight a stage dequantises: it computes in a 2-byte dtype.
 COMPUTE_BYTES_PER_ELEMENT = 2
+CPU_BYTES = 4  # a CPU computes in float32 (strata.stage_worker.settings.default_dtype)
 # Quantised types a stage keeps in their blocks -> bytes one block takes there (its size in the file, plus the
 # unpacked sub-scales of Q4_K and Q5_K).
 KEPT_BLOCK_BYTES: dict[GGMLQuantizationType, int] = {
@@ -47,12 +48,19 @@ def stacked_experts(name: str) -> bool:
     return name.startswith("blk.") and name.split(".", 2)[-1] in STACKED_EXPERT_TENSORS
 
 
-def resident_bytes(ggml_type: GGMLQuantizationType, *, name: str, elements: int, stored_bytes: int) -> int:
+def resident_bytes(
+    ggml_type: GGMLQuantizationType,
+    *,
+    name: str,
+    elements: int,
+    stored_bytes: int,
+    compute_bytes: int = COMPUTE_BYTES_PER_ELEMENT,
+) -> int:
     """Bytes the file's tensor `name` of `ggml_type` (`elements` values, `stored_bytes` in the file) takes on a
-    stage."""
-    if ggml_type in COMPUTE_WIDTH_TYPES:
+    stage computing in a dtype of `compute_bytes` a value (2 on GPUs; 4 on the CPU, which computes in float32)."""
+    if ggml_type in COMPUTE_WIDTH_TYPES and compute_bytes == COMPUTE_BYTES_PER_ELEMENT:
         return stored_bytes
     if ggml_type in KEPT_BLOCK_BYTES and not stacked_experts(name):
         block_elements: int = GGML_QUANT_SIZES[ggml_type][0]
         return elements // block_elements * KEPT_BLOCK_BYTES[ggml_type]
-    return elements * COMPUTE_BYTES_PER_ELEMENT
+    return elements * compute_bytes

@@ -27,9 +27,11 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections.abc import Iterable, Sequence
 
 import torch
+from strata.gateway.draft_lengths import TIMING_WEIGHT
 from strata.gateway.speculation import DraftModelError, DraftSource, Speculation
 from strata.gguf import read_model_header
 from strata.gguf.errors import GGUFError
@@ -46,6 +48,7 @@ from strata.stage_worker.warm_up import warm_engine
 log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 512  # positions a draft prefill step takes at most, so a long prompt never makes one huge batch
+TOKEN_STEP_POSITIONS = 17  # a feed of at most this many positions (an accepted run and a pick) times a draft token
 
 
 def vocabulary_refusal(*, target: GGUFHeader, draft: GGUFHeader, target_name: str, draft_name: str) -> str | None:
@@ -95,6 +98,9 @@ class DraftModel:
         self.name = name
         self._free = list(range(engine.pool.parallel - 1, -1, -1))  # popped from the end: slot 0 first
         self._short = False  # a request went without a draft slot since one was last free (warned once)
+        # Seconds a draft step of a few positions takes, lately (0 until one ran): what a draft token costs, which
+        # the driver weighs against what it saves (strata.gateway.draft_lengths).
+        self.token_seconds = 0.0
         # The engine and the free slots, for one thread at a time: proposals run in worker threads, and the
         # drivers of several pipelines share this draft.
         self.lock = threading.Lock()
@@ -130,6 +136,10 @@ class DraftModelDrafter:
     """One request's drafter (the interface of strata.gateway.speculation.Drafter) on its slot of the draft model."""
 
     computes = True  # a proposal runs the draft model: the driver asks for it in a worker thread
+
+    @property
+    def token_seconds(self) -> float:
+        return self._model.token_seconds
 
     def __init__(self, model: DraftModel, *, slot: int, prompt: Sequence[int]) -> None:
         self._model = model
@@ -183,7 +193,12 @@ class DraftModelDrafter:
         for at in range(0, len(tokens), PREFILL_CHUNK):
             piece = tuple(tokens[at : at + PREFILL_CHUNK])
             last = at + PREFILL_CHUNK >= len(tokens)
+            begun = time.perf_counter()
             result = engine.step([Chunk(self.slot, start + at, len(piece), piece, sample=last)], None)
+            if len(piece) <= TOKEN_STEP_POSITIONS:  # a decode step, not a prompt's prefill
+                spent = time.perf_counter() - begun
+                seconds = self._model.token_seconds
+                self._model.token_seconds = spent if not seconds else seconds + TIMING_WEIGHT * (spent - seconds)
             self.held.extend(piece)
             if last:
                 pick = result.tokens[self.slot]

@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from strata.gateway.draft_lengths import Acceptance
 from strata.gateway.errors import GatewayError
 from strata.gateway.grammar import Constraint
 from strata.gateway.speculation import Drafter
@@ -97,6 +98,10 @@ class Generation:
     prompt_tokens: frozenset[int] = field(init=False, default=frozenset())
     drafter: Drafter | None = None  # proposes tokens to verify, when speculation applies to this request
     proposed: tuple[int, ...] | None = None  # a computing drafter's proposal, made off the loop before the step
+    acceptance: Acceptance = field(default_factory=Acceptance)  # how its recent drafts fared: how long the next may be
+    # A free drafter's guess at the token of a step that sent no draft, checked against the token when it lands: a
+    # lane that stopped drafting keeps learning whether drafting would pay again.
+    shadow: int | None = None
 
     def __post_init__(self) -> None:
         if self.sampling.repetition_penalty != 1.0:

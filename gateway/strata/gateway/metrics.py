@@ -65,6 +65,11 @@ class GatewayMetrics:
             buckets=tuple(range(1, 18)),
             registry=r,
         )
+        self.speculative_off_steps = Counter(
+            "strata_gateway_speculative_off_steps",
+            "Steps whose lanes could draft but drafted nothing, since no draft would pay",
+            registry=r,
+        )
         by = ["pipeline"]
         self._steps_in_flight = Gauge(
             "strata_gateway_steps_in_flight",

@@ -206,6 +206,9 @@ def run(args: argparse.Namespace) -> int:
         )
         room = "memory unknown, not checked" if use.usable_bytes is None else f"{use.usable_bytes / GB:.1f} GB usable"
         print(f"plan: {use.device} (stages {', '.join(map(str, use.stages))}): {held}; {room}", flush=True)
+    drafting = serve_speculation.draft_report(args, context=context, slots=args.parallel)
+    if drafting is not None:
+        print(drafting, flush=True)
     watch = ServeWatch(load_timeout_s=args.load_timeout_seconds)
     watch.start()
     stages: list[StageProcess] = []
@@ -269,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
             draft_model=args.draft,
             draft_device=args.draft_device,
             p_min=args.p_min,
+            position_cost=args.position_cost,
             api_keys=api_keys(environ=os.environ, keys_file=args.api_keys_file),
         )
         try:

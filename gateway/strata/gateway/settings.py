@@ -73,6 +73,7 @@ OPTIONS: tuple[Option, ...] = tuple(
         ("--draft-model", "STRATA_DRAFT_MODEL_URL", str, ""),
         ("--draft-device", "STRATA_DRAFT_DEVICE", str, "cpu"),
         ("--p-min", "STRATA_P_MIN", float, DRAFT_DEFAULTS.p_min),
+        ("--position-cost", "STRATA_POSITION_COST", float, DRAFT_DEFAULTS.position_cost),
         ("--cold-start-seconds", "STRATA_COLD_START_SECONDS", float, 0.0),
         ("--drain-seconds", "STRATA_DRAIN_SECONDS", float, DRAIN_S),
     )
@@ -119,6 +120,8 @@ class GatewaySettings:
     draft_model: str = ""  # the draft GGUF of method "draft": a path or URL, as the model's own
     draft_device: str = "cpu"  # where the draft computes, in the gateway process
     p_min: float = DRAFT_DEFAULTS.p_min  # a draft's proposal stops before its first pick less likely than this
+    # What one more position adds to a step, in one-position steps: how long drafts are (strata.gateway.draft_lengths)
+    position_cost: float = DRAFT_DEFAULTS.position_cost
     # While no pipeline serves, a request is held this long for one to load (the operator scales up on the demand
     # this gateway reports); 0: answered 503 at once, and the gateway is not ready without a pipeline.
     cold_start_seconds: float = 0.0
@@ -146,8 +149,11 @@ class GatewaySettings:
                 f"speculative decoding method {self.speculative!r} is not one of: ngram, draft, or empty for off"
             )
         default = DRAFT_DEFAULTS
-        if not self.speculative and (self.max_draft, self.min_draft) != (default.max_draft, default.min_draft):
-            raise ValueError("draft bounds (max draft, min draft) apply to speculative decoding, which is off")
+        drafting = (self.max_draft, self.min_draft, self.position_cost)
+        if not self.speculative and drafting != (default.max_draft, default.min_draft, default.position_cost):
+            raise ValueError(
+                "draft bounds (max draft, min draft) and a position cost apply to speculative decoding, which is off"
+            )
         refusal = draft_model_refusal(
             speculative=self.speculative, draft_model=self.draft_model, draft_device=self.draft_device, p_min=self.p_min
         )
@@ -167,7 +173,9 @@ class GatewaySettings:
     def speculation(self) -> Speculation | None:
         if not self.speculative:
             return None
-        return Speculation(max_draft=self.max_draft, min_draft=self.min_draft, p_min=self.p_min)
+        return Speculation(
+            max_draft=self.max_draft, min_draft=self.min_draft, p_min=self.p_min, position_cost=self.position_cost
+        )
 
     def draft_source(self) -> DraftSource | None:
         """The draft model to load, with speculative decoding's method "draft"."""

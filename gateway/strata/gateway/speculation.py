@@ -16,9 +16,10 @@ followed them there. Agents and editors repeat their context (code being edited,
 structured output), which is where it pays; on text that does not repeat it proposes nothing and costs nothing.
 
 What it applies to: requests without a grammar or penalties, whose picks depend only on their own position's
-logits and seed. Requests under a grammar or with penalties decode one position a step beside them. A step drafts
-only while at most `max_slots` slots decode in it: with a full batch a step is no longer bound by reading the
-weights, and extra positions would cost what they save.
+logits and seed. Requests under a grammar or with penalties decode one position a step beside them. How long each
+lane's draft may be in a step, or whether the step drafts at all, strata.gateway.draft_lengths decides from the lanes'
+recent acceptance and what a position costs: with a full batch a step is no longer bound by reading the weights, and
+drafts that would cost what they save are not asked for.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from strata.draft_memory import DRAFT_CACHE_TYPE
+from strata.gateway.draft_lengths import DEFAULT_MARGINAL, StepCost
 from strata.gguf.model import CacheType
 
 
@@ -36,7 +39,8 @@ class Speculation:
     min_draft: int = 1  # a shorter proposal is not sent: one position a step, as without speculation
     ngram_max: int = 4  # longest suffix of the generation looked up
     ngram_min: int = 1  # shortest
-    max_slots: int = 4  # steps with more decoding slots than this draft nothing
+    # What one more position adds to a step's time, in one-position steps (strata.gateway.draft_lengths.StepCost).
+    position_cost: float = DEFAULT_MARGINAL
     # The prompt's last tokens that lookup indexes (the output is indexed whole): the index costs a few dictionary
     # entries a token and is built in the gateway's event loop when a request starts, so a 128K-token prompt is not
     # indexed whole.
@@ -53,10 +57,16 @@ class Speculation:
             raise ValueError(f"speculation needs 1 <= min draft ({self.min_draft}) <= max draft ({self.max_draft})")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"speculation needs 1 <= n-gram min ({self.ngram_min}) <= max ({self.ngram_max})")
-        if self.max_slots < 1 or self.lookback < 1:
-            raise ValueError(f"speculation needs max slots ({self.max_slots}) and lookback ({self.lookback}) >= 1")
+        if self.lookback < 1:
+            raise ValueError(f"speculation needs a lookback ({self.lookback}) of at least 1")
+        if not 0.0 <= self.position_cost <= 1.0:
+            raise ValueError(f"speculation needs a position cost within [0, 1], not {self.position_cost}")
         if not 0.0 <= self.p_min <= 1.0:
             raise ValueError(f"speculation needs a draft probability floor (p min) within [0, 1], not {self.p_min}")
+
+    @property
+    def step_cost(self) -> StepCost:
+        return StepCost(marginal=self.position_cost)
 
 
 DEFAULTS = Speculation()  # what the gateway's options start from
@@ -73,7 +83,7 @@ class DraftSource:
     url: str  # a path, file://, http(s):// or hf:// URL, as the model's own source
     token: str | None = field(default=None, repr=False)  # bearer token for https:// and hf:// sources
     device: str = "cpu"  # torch device the draft computes on
-    cache_type: CacheType = CacheType.Q8_0  # the draft's KV, as a stage's (its errors cost acceptance, never text)
+    cache_type: CacheType = DRAFT_CACHE_TYPE  # the draft's KV (strata.draft_memory sizes it so)
 
 
 class Drafter(Protocol):
@@ -82,6 +92,11 @@ class Drafter(Protocol):
     `computes`: its proposals run a model, so the driver asks for them in a worker thread, never on its loop."""
 
     computes: bool
+
+    @property
+    def token_seconds(self) -> float:
+        """What one draft token costs it to make, lately (0 for a drafter that does not compute)."""
+        ...
 
     def extend(self, tokens: Iterable[int]) -> None: ...
 
@@ -95,6 +110,7 @@ class NgramDrafter:
     lookups however long the context: for each n-gram size, where the token after its latest earlier occurrence is."""
 
     computes = False  # a few dictionary lookups: on the driver's loop
+    token_seconds = 0.0
 
     def __init__(self, prompt: Sequence[int], *, speculation: Speculation) -> None:
         self.speculation = speculation

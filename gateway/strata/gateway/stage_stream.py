@@ -49,6 +49,7 @@ def stream_dropped() -> aio.AioRpcError:
 class Step:
     step_id: int
     chunks: list[stage_pb2.SlotChunk]
+    written_at: float = 0.0  # the driver's clock when it was written: how long the pipeline took for it
 
 
 class StageStream:
@@ -96,7 +97,7 @@ class StageStream:
             self._call = self._stub.Forward()
         call = self._call
         # In flight from here: a cancel() while the write is under way must already find the slot busy.
-        self._in_flight.append(Step(step_id=self._step_id, chunks=chunks))
+        self._in_flight.append(Step(step_id=self._step_id, chunks=chunks, written_at=self._clock()))
         self.metrics.steps_in_flight.set(len(self._in_flight))
         for chunk in chunks:
             if (g := self._active.get(chunk.slot)) is not None:

@@ -14,6 +14,7 @@ import asyncio
 import math
 from collections import defaultdict
 
+from strata.gateway.draft_lengths import TIMING_WEIGHT, draft_lengths
 from strata.gateway.errors import GatewayError, PipelineError
 from strata.gateway.generation import Finished, Generation, Token, cells_in_use
 from strata.gateway.grammar import ConstraintViolationError
@@ -28,6 +29,9 @@ class Stepping(StageStream):
     prefill_chunk: int
     speculation: Speculation | None
     _groups: int
+    # Seconds of a one-position step of the pipeline, lately (0 until a step landed): each landed step's round trip
+    # over its cost in one-position steps. What a draft model's token costs is weighed against it.
+    _position_seconds: float = 0.0
 
     def _chunks(self) -> list[stage_pb2.SlotChunk]:
         """The next step: a chunk for each generation that may step now, in slot order. With micro-batches it takes
@@ -39,8 +43,9 @@ class Stepping(StageStream):
         even = math.ceil(stepping / self._groups)
         share = min(even, math.ceil(len(waiting) / (self._groups - len(self._in_flight))))
         chosen = sorted(waiting, key=lambda g: (g.landed, g.slot))[:share]
-        decoding = sum(1 for g in chosen if g.fed >= len(g.prompt))
-        drafting = self.speculation is not None and decoding <= self.speculation.max_slots
+        budgets = self._draft_budgets(chosen)
+        if budgets and not any(budgets.values()):
+            self.metrics.speculative_off_steps.inc()
         chunks = []
         for g in sorted(chosen, key=lambda g: g.slot):
             slot = g.slot
@@ -58,7 +63,7 @@ class Stepping(StageStream):
                     sampling=g.sampling.to_proto(g.generated, g.prompt_tokens),
                 )
             else:
-                draft = self._draft(g, used=used, drafting=drafting)
+                draft = self._draft(g, used=used, budget=budgets.get(slot, 0))
                 chunk = stage_pb2.SlotChunk(
                     slot=slot,
                     start_position=g.fed,
@@ -80,22 +85,61 @@ class Stepping(StageStream):
         serves every other request meanwhile; `_draft` takes it, cut to the room the step leaves."""
         if self.speculation is None:
             return
-        for g in list(self._active.values()):
+        # The step to come takes at most these: budgets over all of them are no longer than the step's own.
+        waiting = [g for g in self._active.values() if not g.cancelled and not g.in_flight and not g.held]
+        budgets = self._draft_budgets(waiting)
+        for g in waiting:
             d = g.drafter
-            if d is None or not d.computes or g.proposed is not None or g.cancelled or g.in_flight or g.held:
+            if d is None or not d.computes or g.proposed is not None or not budgets.get(g.slot, 0):
                 continue
-            if g.fed >= len(g.prompt):
-                limit = min(g.max_tokens - g.produced, self.context - g.fed) - 1
-                g.proposed = await asyncio.to_thread(d.propose, limit)
+            limit = min(g.max_tokens - g.produced, self.context - g.fed, budgets[g.slot] + 1) - 1
+            g.proposed = await asyncio.to_thread(d.propose, limit)
 
-    def _draft(self, g: Generation, *, used: int, drafting: bool) -> tuple[int, ...]:
-        """The tokens g's drafter proposes after its last one (none while the step does not draft): no more than g
-        may still produce after the one this step picks anyway, nor than the pool and the context have room for.
-        A proposal made off the loop serves this step only: the step changes the tokens it followed."""
+    def _draft_budgets(self, stepping: list[Generation]) -> dict[int, int]:
+        """How many tokens each decoding generation with a drafter may draft in a step of `stepping`
+        (strata.gateway.draft_lengths): none where drafting would not pay."""
+        s = self.speculation
+        decoding = [g for g in stepping if g.fed >= len(g.prompt)]
+        if s is None or not decoding:
+            return {}
+        rates = {g.slot: g.acceptance.rate for g in decoding if g.drafter is not None}
+        making = {
+            g.slot: g.drafter.token_seconds / self._position_seconds
+            for g in decoding
+            if g.drafter is not None and g.drafter.computes and self._position_seconds
+        }
+        return draft_lengths(
+            decoding=len(decoding),
+            acceptance=rates,
+            max_draft=s.max_draft,
+            min_draft=s.min_draft,
+            cost=s.step_cost,
+            draft_cost=making,
+        )
+
+    def _time_step(self, step: Step) -> None:
+        """Fold the landed step's round trip into the seconds of a one-position step. Steps that prefill are left out:
+        a prompt's positions cost a step otherwise than the linear cost of decode positions says."""
+        if self.speculation is None or not step.written_at or any(c.length > 1 + c.drafted for c in step.chunks):
+            return
+        positions = sum(c.length for c in step.chunks)
+        seconds = (self._clock() - step.written_at) / self.speculation.step_cost.ratio(max(positions, 1))
+        now = self._position_seconds
+        self._position_seconds = seconds if not now else now + TIMING_WEIGHT * (seconds - now)
+
+    def _draft(self, g: Generation, *, used: int, budget: int) -> tuple[int, ...]:
+        """The tokens g's drafter proposes after its last one, at most `budget` (none while the step does not draft):
+        no more than g may still produce after the one this step picks anyway, nor than the pool and the context have
+        room for. A proposal made off the loop serves this step only: the step changes the tokens it followed."""
         proposed, g.proposed = g.proposed or (), None
-        if g.drafter is None or self.speculation is None or not drafting:
+        if g.drafter is None or self.speculation is None:
             return ()
-        room = min(g.max_tokens - g.produced, self.context - used, self.context - g.fed) - 1
+        if not budget:
+            if not g.drafter.computes:  # a guess costs a few lookups: check it against the step's own pick
+                guess = g.drafter.propose(self.speculation.min_draft)
+                g.shadow = guess[0] if guess else None
+            return ()
+        room = min(g.max_tokens - g.produced, self.context - used, self.context - g.fed, budget + 1) - 1
         if g.drafter.computes:
             proposed = proposed[: max(room, 0)]
             draft = proposed if len(proposed) >= self.speculation.min_draft else ()
@@ -123,6 +167,7 @@ class Stepping(StageStream):
         return [c for c in chunks if c.slot not in failed]
 
     def _dispatch(self, step: Step, reply: stage_pb2.ForwardReply) -> None:
+        self._time_step(step)
         sampled: defaultdict[int, list[stage_pb2.SampledToken]] = defaultdict(list)
         for token in reply.tokens:  # a drafted chunk's slot has its run of tokens, in order
             sampled[token.slot].append(token)
@@ -142,7 +187,11 @@ class Stepping(StageStream):
             # A drafted chunk's positions hold what the model picked only up to the last accepted draft.
             g.fed = chunk.start_position + (len(run) if chunk.drafted else chunk.length)
             g.held_cells = chunk.start_position + chunk.length
+            if g.shadow is not None and not chunk.drafted:
+                g.acceptance.observe(drafted=1, accepted=int(run[0].token_id == g.shadow))
+            g.shadow = None
             if chunk.drafted:
+                g.acceptance.observe(drafted=chunk.drafted, accepted=len(run) - 1)
                 self.metrics.speculative_accepted.inc(len(run) - 1)
                 self.metrics.speculative_run.observe(len(run))
             for token in run:

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from strata.draft_memory import DRAFT_CACHE_TYPE, draft_memory, memory_request
+from strata.gguf.model import ModelInfo
 from strata.operator.names import (
     GATEWAY_PORT,
     LABEL_PIPELINE,
@@ -315,10 +317,24 @@ def coordinator_lease(owner: Owner) -> Manifest:
 
 
 def gateway_deployment(
-    owner: Owner, spec: ModelDeploymentSpec, *, serving: PlanSummary, image: str, model_name: str
+    owner: Owner,
+    spec: ModelDeploymentSpec,
+    *,
+    serving: PlanSummary,
+    image: str,
+    model_name: str,
+    draft: ModelInfo | None = None,
 ) -> Manifest:
-    """The gateway drives the `serving` generation: the previous one until every stage of a new one is ready."""
+    """The gateway drives the `serving` generation: the previous one until every stage of a new one is ready. With
+    speculative decoding's method draft, `draft` is the draft model's header: the pod's default memory request grows
+    by what the draft holds at the serving plan's context and lanes (strata.draft_memory)."""
     names = Names(owner.name, owner.namespace)
+    requests = GATEWAY_REQUESTS
+    if spec.speculative is not None and spec.speculative.draft_model is not None:
+        if draft is None:
+            raise ValueError("a gateway that runs a draft model needs the draft's header to size its memory")
+        held = draft_memory(draft, context=serving.context_length, slots=serving.parallel, cache_type=DRAFT_CACHE_TYPE)
+        requests = requests | {"memory": memory_request(GATEWAY_REQUESTS["memory"], held)}
     pod_labels = labels(owner.name, component="gateway")
     env = _env(
         {
@@ -371,7 +387,7 @@ def gateway_deployment(
         "ports": [{"name": "http", "containerPort": GATEWAY_PORT}],
         "readinessProbe": http_probe,
         "livenessProbe": http_probe | {"httpGet": {"path": "/healthz", "port": GATEWAY_PORT}, "failureThreshold": 6},
-        "resources": _resources(spec.gateway.resources, defaults=GATEWAY_REQUESTS),
+        "resources": _resources(spec.gateway.resources, defaults=requests),
         "securityContext": _container_security(),
         "volumeMounts": [{"name": "tmp", "mountPath": POD_TMP}],
     }

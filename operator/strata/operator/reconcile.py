@@ -14,6 +14,7 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
+from strata.gguf.model import ModelInfo
 from strata.operator.backoff import Backoff
 from strata.operator.children import (
     Owner,
@@ -31,7 +32,7 @@ from strata.operator.reasons import Reason
 from strata.operator.render import PipelineChildren, render_children
 from strata.operator.replicas import count, describe, place, previous_pipelines
 from strata.operator.replicas import serving as serving_pipelines
-from strata.operator.spec import ModelDeploymentSpec
+from strata.operator.spec import ModelDeploymentSpec, SecretKeyRef
 from strata.operator.stage_cleanup import delete_unkept, listed, settle_retirement
 from strata.operator.status import (
     ConditionType,
@@ -101,7 +102,8 @@ class Reconciler:
             return self._refused(outcome, reason=Reason.INVALID_SPEC, message=_validation_message(e), meta=meta)
         status.model_name = model_name(spec)
         try:
-            model = self.models.inspect(spec.model.url, token=self._token(spec, namespace))
+            model = self.models.inspect(spec.model.url, token=self._token(spec.model.token_secret_ref, namespace))
+            draft = self._draft(spec, namespace)
         except ModelUnreadable as e:
             outcome.retry_in = self.backoff.failed(meta["uid"], generation=generation)
             status.shortfall = None  # it described an older reading; kept, it would make the monitor re-plan
@@ -153,6 +155,7 @@ class Reconciler:
             image=self.image,
             model_name=status.model_name,
             operator_namespace=self.operator_namespace,
+            draft=draft,
         ):
             self.cluster.apply(child)
         poll_s = spec.coordination.retry_period_seconds
@@ -287,8 +290,12 @@ class Reconciler:
             if not self._ready(owner, pending.generation):
                 continue
             if pipeline.index == 0:
+                # The draft's header is cached since the reconcile that planned `pending`: a HEAD request checks it.
+                draft = self._draft(spec, namespace)
                 self.cluster.apply(
-                    gateway_deployment(owner, spec, serving=pending, image=self.image, model_name=model_name(spec))
+                    gateway_deployment(
+                        owner, spec, serving=pending, image=self.image, model_name=model_name(spec), draft=draft
+                    )
                 )
                 status.serving = pending
             pipeline.serving = pending
@@ -429,8 +436,17 @@ class Reconciler:
             self.backoff.succeeded(meta["uid"])
         return outcome
 
-    def _token(self, spec: ModelDeploymentSpec, namespace: str) -> str | None:
-        ref = spec.model.token_secret_ref
+    def _draft(self, spec: ModelDeploymentSpec, namespace: str) -> ModelInfo | None:
+        """The draft model's header, with speculative decoding's method draft: the gateway pod's memory counts it."""
+        source = None if spec.speculative is None else spec.speculative.draft_model
+        if source is None:
+            return None
+        try:
+            return self.models.inspect(source.url, token=self._token(source.token_secret_ref, namespace))
+        except ModelUnreadable as e:
+            raise ModelUnreadable(f"draft model: {e}", reason=e.reason) from e
+
+    def _token(self, ref: SecretKeyRef | None, namespace: str) -> str | None:
         if ref is None:
             return None
         try:

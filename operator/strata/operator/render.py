@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from strata.gguf.model import ModelInfo
 from strata.operator.children import (
     Manifest,
     Owner,
@@ -44,6 +45,7 @@ def render_children(
     image: str,
     model_name: str,
     operator_namespace: str,
+    draft: ModelInfo | None = None,
 ) -> list[Manifest]:
     """Every child for the `pipelines` to render, in the order they should be applied; the gateway
     stays on `serving`, and `served` lists the pipelines that serve for the plan ConfigMap.
@@ -62,7 +64,7 @@ def render_children(
     ]
     children += [stages_disruption_budget(owner), coordinator_lease(owner), *gateway_access(owner)]
     children += [
-        gateway_deployment(owner, spec, serving=serving, image=image, model_name=model_name),
+        gateway_deployment(owner, spec, serving=serving, image=image, model_name=model_name, draft=draft),
         gateway_service(owner),
     ]
     ingress = gateway_ingress(owner, spec)

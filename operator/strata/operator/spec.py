@@ -383,7 +383,9 @@ class Speculative(_Spec):
         alias="draftModel",
         description=(
             "The draft GGUF of method draft, given as spec.model is; its vocabulary must be the model's (the gateway "
-            "refuses another at start-up, naming both files)."
+            "refuses another at start-up, naming both files). The operator reads its header: the gateway pod's "
+            "default memory request grows by the draft's weights (float32 on the CPU, quantised blocks kept) and its "
+            "KV at the plan's context and lanes; a memory request set in gateway.resources is taken as given."
         ),
     )
     p_min: float | None = Field(
@@ -401,6 +403,17 @@ class Speculative(_Spec):
     )
     min_draft: WholeNumber = Field(
         default=1, alias="minDraft", ge=1, le=16, description="Shorter proposals are not sent."
+    )
+    position_cost: float | None = Field(
+        default=None,
+        alias="positionCost",
+        ge=0.0,
+        le=1.0,
+        description=(
+            "What one more position adds to a decode step's time, in one-position steps (default 0.1). Each step's "
+            "drafts are as long as pays by it and the lanes' recent acceptance, and none while the batch is too full "
+            "for drafts to pay; bench/speculative.py measures it on the GPUs that serve."
+        ),
     )
 
     @model_validator(mode="after")

@@ -28,6 +28,8 @@ def speculative_env(speculative: Speculative | None) -> list[EnvVar]:
         values["STRATA_DRAFT_MODEL_URL"] = source.url
     if speculative.p_min is not None:
         values["STRATA_P_MIN"] = speculative.p_min
+    if speculative.position_cost is not None:
+        values["STRATA_POSITION_COST"] = speculative.position_cost
     env: list[EnvVar] = [{"name": key, "value": str(value)} for key, value in values.items()]
     if source is not None and source.token_secret_ref is not None:
         ref = source.token_secret_ref

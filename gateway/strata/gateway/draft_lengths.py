@@ -1,0 +1,120 @@
+"""How many tokens each lane may draft in a step, or none: the decision that keeps speculation from costing speed.
+
+A step's time grows with the positions it carries. With one slot decoding, a step of k + 1 positions reads each weight
+once, as a step of one does, so drafts are nearly free; with 16 slots each drafting k, the step carries 16(k + 1)
+positions and may be bound by computing them rather than by reading the weights, so a draft that is likely rejected
+costs more than it saves. The decision weighs both, per lane, from numbers the driver has:
+
+- the step's cost: `StepCost.ratio(positions)`, the time of a step carrying that many positions over a one-position
+  step's. The model is linear, 1 + marginal * (positions - 1): a (k+1)-position step costs 1 + marginal·k one-position
+  steps. The default marginal (DEFAULT_MARGINAL) is a documented guess; a deployment sets its own (the speculation's
+  position cost, `--position-cost`) from a bench run on its GPUs (bench/speculative.py reports it).
+- each lane's acceptance rate: the chance that its next draft token is accepted, given the one before it was
+  (`Acceptance`, from the lane's recent verified runs). A draft of k then yields 1 + a + a² + … + a^k tokens on average.
+
+A draft model also costs its own steps, one per draft token, a lane at a time: the driver measures what a draft token
+costs against a one-position step of the pipeline, and the decision adds it to the price of that lane's drafts.
+
+The decision maximises the step's expected tokens per unit of cost: starting from no drafts (one position a lane, what
+plain decoding yields), it repeatedly makes the move with the most expected tokens per unit of cost added — starting a
+lane's draft at `min_draft` tokens (a shorter draft is never sent), or lengthening a started one by a token, up to
+`max_draft` — and stops at the first move that would not raise tokens per cost. Every move it makes raises the
+estimate, so with the model right a step never yields less per unit of time than plain decoding; as the batch fills,
+the tokens a step already yields grow and so does the bar a draft token must pass, so drafts shorten and then stop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+# A (k+1)-position step costs 1 + 0.1·k one-position steps unless a deployment sets its own. Conservative for a GPU
+# decoding a small batch (the weights are read once for up to tens of positions) and far too kind to a CPU (which
+# computes each position, a marginal near 1): a measured cost corrects both.
+DEFAULT_MARGINAL = 0.1
+# A lane with no verified drafts yet is taken to accept half its draft tokens: enough for one slot to draft (a step of
+# one more position is nearly free), not enough for a full batch to.
+PRIOR_ACCEPTANCE = 0.5
+PRIOR_WEIGHT = 2.0  # the prior counts as this many draft tokens
+TIMING_WEIGHT = 0.2  # of the newest step, in a running figure of seconds a step (a lane's draft, the pipeline's)
+DECAY = 0.7  # each verified run's counts weigh this much less at the next one: the estimate follows the text
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepCost:
+    marginal: float = DEFAULT_MARGINAL  # added cost of one more position, in one-position steps
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.marginal <= 1.0:
+            raise ValueError(f"a step's marginal position cost must be within [0, 1], not {self.marginal}")
+
+    def ratio(self, positions: int) -> float:
+        return 1.0 + self.marginal * (positions - 1)
+
+
+@dataclass(kw_only=True)
+class Acceptance:
+    """One lane's recent acceptance: decayed counts of accepted draft tokens and of draft tokens tried (those up to
+    and including the first rejected one: the rest were never compared). The prior decays with them, so a lane whose
+    drafts keep failing falls as low as its evidence says (with a fixed prior the rate would stay above
+    prior / (evidence's most weight + prior's), which can still pay for one slot)."""
+
+    accepted: float = 0.0
+    tried: float = 0.0
+    prior: float = PRIOR_WEIGHT
+
+    @property
+    def rate(self) -> float:
+        return (self.accepted + PRIOR_ACCEPTANCE * self.prior) / (self.tried + self.prior)
+
+    def observe(self, *, drafted: int, accepted: int) -> None:
+        rejected = 1 if accepted < drafted else 0
+        self.accepted = self.accepted * DECAY + accepted
+        self.tried = self.tried * DECAY + accepted + rejected
+        self.prior *= DECAY
+
+
+def draft_lengths(
+    *,
+    decoding: int,
+    acceptance: Mapping[int, float],
+    max_draft: int,
+    min_draft: int,
+    cost: StepCost,
+    draft_cost: Mapping[int, float] | None = None,
+) -> dict[int, int]:
+    """Each drafting lane's draft length for a step (0: none) by the rule above. `decoding`: the slots that decode in
+    the step, drafting or not (each yields one token for one position); `acceptance`: slot -> rate for those that may
+    draft; `draft_cost`: slot -> what each of its draft tokens costs to make, in one-position steps (a draft model
+    computes one step per token, one lane after another; n-gram lookup costs nothing and is left out)."""
+    making = draft_cost or {}
+    if not 1 <= min_draft <= max_draft:
+        raise ValueError(f"draft lengths need 1 <= min draft ({min_draft}) <= max draft ({max_draft})")
+    if decoding < len(acceptance):
+        raise ValueError(f"{len(acceptance)} drafting lanes cannot be more than the {decoding} decoding slots")
+    lengths = dict.fromkeys(acceptance, 0)
+    tokens, positions, making_cost = float(decoding), decoding, 0.0
+    while True:
+        best: tuple[float, int, float, int] | None = None  # (tokens per cost, slot, tokens, positions)
+        for slot, rate in acceptance.items():
+            k = lengths[slot]
+            if k >= max_draft:
+                continue
+            added = min_draft if k == 0 else 1
+            gain = sum(rate**j for j in range(k + 1, k + added + 1))
+            price = cost.marginal * added + making.get(slot, 0.0) * added
+            value = gain / price if price else math.inf  # expected tokens per unit of cost
+            if best is None or value > best[0]:
+                best = (value, slot, gain, added)
+        if best is None:
+            return lengths
+        _, slot, gain, added = best
+        now = cost.ratio(positions) + making_cost
+        made = making_cost + making.get(slot, 0.0) * added
+        if (tokens + gain) / (cost.ratio(positions + added) + made) <= tokens / now:
+            return lengths
+        lengths[slot] += added
+        tokens += gain
+        positions += added
+        making_cost = made

@@ -247,8 +247,9 @@ def feed_forward(config: ModelConfig) -> nn.Module:
 
 
 def normed_projection(linear: nn.Module, norm: RMSNorm, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
-    """(h, linear(norm(h))) with h = x + residual (x for a stage's first block). On a GPU, for a decode step's few
-    rows of quantised matrices, the add and the norm happen in the product's load of x: two launches a layer fewer."""
+    """(h, linear(norm(h))) with h = x + residual (x for a stage's first block). On a GPU, for a decode step's row
+    of quantised matrices (PackedLinear.takes_norm), the add and the norm happen in the product's load of x: two
+    launches a layer fewer."""
     if isinstance(linear, PackedLinear) and linear.takes_norm(x):
         out, h = linear.normed(x, residual, weight=norm.weight, eps=norm.eps)
         return h, out

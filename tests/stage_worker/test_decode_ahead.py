@@ -25,6 +25,7 @@ from strata.stage_worker.decode_ahead import Ahead, rows_served
 from strata.stage_worker.engine import Chunk, Engine
 from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.loader import LoadProgress, load_stage
+from strata.stage_worker.model import StageModel
 from strata.stage_worker.sampling import Sampling
 
 PROMPTS = {0: (1, 17, 200, 3, 45, 99), 1: (7, 250, 31, 64), 2: (12, 5, 77)}
@@ -70,18 +71,24 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_test_model(tmp_path_factory.mktemp("ahead") / "llama.gguf", architecture="llama", block_count=2).path
 
 
-def _engine(path: Path, *, ahead: bool) -> Engine:
+def _stage(path: Path, *, layers: int) -> tuple[StageModel, KVPool]:
+    """Layers 0..layers-1 of the model on the CPU in f32, and a pool of CONTEXT cells for three slots."""
     source = open_source(str(path))
     try:
-        model = load_stage(source=source, header=read_header(source), layer_start=0, layer_end=2,
+        model = load_stage(source=source, header=read_header(source), layer_start=0, layer_end=layers,
                            dtype=torch.float32, device=torch.device("cpu"), progress=LoadProgress())  # fmt: skip
     finally:
         source.close()
     c = model.config
     pool = KVPool(
-        n_layers=2, context=CONTEXT, parallel=3, key_width=c.kv_dim, value_width=c.kv_dim, type_k=CacheType.F32,
-        type_v=CacheType.F32, dtype=torch.float32, device=torch.device("cpu"),
+        n_layers=layers, context=CONTEXT, parallel=3, key_width=c.kv_dim, value_width=c.kv_dim,
+        type_k=CacheType.F32, type_v=CacheType.F32, dtype=torch.float32, device=torch.device("cpu"),
     )  # fmt: skip
+    return model, pool
+
+
+def _engine(path: Path, *, ahead: bool) -> Engine:
+    model, pool = _stage(path, layers=2)
     return Engine(model=model, pool=pool, device=torch.device("cpu"), dtype=torch.float32, decode_ahead=ahead)
 
 
@@ -140,17 +147,7 @@ def test_decoding_ahead_answers_every_step_as_without(
 
 
 def test_decoding_ahead_is_refused_where_it_cannot_work(model_path: Path) -> None:
-    source = open_source(str(model_path))
-    try:
-        model = load_stage(source=source, header=read_header(source), layer_start=0, layer_end=1,
-                           dtype=torch.float32, device=torch.device("cpu"), progress=LoadProgress())  # fmt: skip
-    finally:
-        source.close()
-    c = model.config
-    pool = KVPool(
-        n_layers=1, context=CONTEXT, parallel=1, key_width=c.kv_dim, value_width=c.kv_dim, type_k=CacheType.F32,
-        type_v=CacheType.F32, dtype=torch.float32, device=torch.device("cpu"),
-    )  # fmt: skip
+    model, pool = _stage(model_path, layers=1)  # the first of two layers: no head
     with pytest.raises(ValueError, match="embedding and the head"):
         Engine(model=model, pool=pool, device=torch.device("cpu"), dtype=torch.float32, decode_ahead=True)
 

@@ -25,16 +25,10 @@ from strata.operator.kube import Cluster
 from strata.operator.models import ModelCache
 from strata.operator.names import Names
 from strata.operator.reconcile import Outcome, Reconciler
-from strata.operator.spec import (
-    GROUP,
-    PLURAL,
-    ModelDeploymentSpec,
-    ModelSource,
-    Rollout,
-    SecretKeyRef,
-    Speculative,
-    SpeculativeMethod,
-)
+from strata.operator.spec import GROUP, PLURAL, ModelDeploymentSpec
+from strata.operator.spec_fields import ModelSource, SecretKeyRef
+from strata.operator.spec_scaling import Rollout
+from strata.operator.spec_speculative import Speculative, SpeculativeMethod
 from strata.operator.status import Coordinator, EventReason, ModelDeploymentStatus, PlanSummary, StageSummary
 from strata.plan import Backend, Plan
 from strata.plan import Stage as StagePlan

@@ -16,7 +16,7 @@ from strata.demand import DEMAND_ANNOTATION, Demand, DemandUnreadable
 from strata.operator.kube import Cluster
 from strata.operator.names import Names
 from strata.operator.scaling import Bounds, Decision, Observed, ScaleReason, Timers, decide
-from strata.operator.spec import Autoscaling
+from strata.operator.spec_scaling import Autoscaling
 from strata.operator.status import AutoscalingStatus, ModelDeploymentStatus, ObservedDemand
 from strata.operator.timestamps import seconds, stamp
 

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 from strata.operator.crd import render_crd
-from strata.operator.spec import DNS_SUBDOMAIN_PATTERN, QUANTITY_PATTERN
+from strata.operator.spec_fields import DNS_SUBDOMAIN_PATTERN, QUANTITY_PATTERN
 
 CHART_DIR = Path(__file__).resolve().parents[3] / "charts" / "strata"
 SCHEMA_PATH = CHART_DIR / "values.schema.json"

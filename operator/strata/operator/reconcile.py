@@ -32,7 +32,8 @@ from strata.operator.reasons import Reason
 from strata.operator.render import PipelineChildren, render_children
 from strata.operator.replicas import count, describe, place, previous_pipelines
 from strata.operator.replicas import serving as serving_pipelines
-from strata.operator.spec import ModelDeploymentSpec, SecretKeyRef
+from strata.operator.spec import ModelDeploymentSpec
+from strata.operator.spec_fields import SecretKeyRef
 from strata.operator.stage_cleanup import delete_unkept, listed, settle_retirement
 from strata.operator.status import (
     ConditionType,

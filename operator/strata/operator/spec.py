@@ -8,65 +8,25 @@ refused at `kubectl apply` time with a field-level message.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic.config import JsonDict
-from strata.draining import DRAIN_S
+from pydantic import ConfigDict, Field, model_validator
 from strata.gguf.model import CacheType
 from strata.modeldeployment import GROUP as GROUP
 from strata.modeldeployment import KIND as KIND
 from strata.modeldeployment import PLURAL as PLURAL
 from strata.modeldeployment import VERSION as VERSION
-
-# Kubernetes resource quantities ("500m", "16Gi", "2").
-QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$"
-MODEL_URL_PATTERN = r"^(https?://[^/\s]+/|hf://[^/\s]+/[^/\s]+/|file:///)\S*\.gguf(@[^/\s@]+)?$"
-DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-
-Quantity = Annotated[str, Field(pattern=QUANTITY_PATTERN, max_length=64)]
-# A whole number that a CEL rule reads. The API server hands CEL an `integer` field as an int and fails the rule on a
-# whole number written with a decimal point (`1.0` arrives as float64: "expected int, got float64"), while it hands
-# CEL a `number` field as a double however it was written; multipleOf keeps it whole, and the handlers' int takes 1.0.
-WholeNumber = Annotated[int, Field(json_schema_extra={"type": "number", "multipleOf": 1})]
-
-
-def cel(rule: str, message: str, field_path: str | None = None) -> JsonDict:
-    """An x-kubernetes-validations entry: a CEL rule the API server evaluates on apply."""
-    entry: JsonDict = {"rule": rule, "message": message}
-    if field_path:
-        entry["fieldPath"] = field_path
-    return entry
-
-
-class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, use_enum_values=False)
-
-
-class SecretKeyRef(_Spec):
-    name: str = Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253, description="Secret in the same namespace.")
-    key: str = Field(default="token", min_length=1, max_length=253, description="Key within the Secret.")
-
-
-class ModelSource(_Spec):
-    url: str = Field(
-        pattern=MODEL_URL_PATTERN,
-        max_length=2048,
-        description=(
-            "GGUF file: https://HOST/PATH.gguf, hf://ORG/REPO/PATH.gguf[@REVISION], file:///PATH.gguf, or "
-            "http://HOST/PATH.gguf for a file server inside the cluster (never with a token)."
-        ),
-    )
-    token_secret_ref: SecretKeyRef | None = Field(
-        default=None, alias="tokenSecretRef", description="Bearer token for https:// or hf:// sources."
-    )
-
-    @model_validator(mode="after")
-    def _token_only_over_tls(self) -> ModelSource:
-        """The CEL rule again, for manifests that reach the handlers without the API server's check."""
-        if self.token_secret_ref is not None and not self.url.startswith(("https://", "hf://")):
-            raise ValueError("model.tokenSecretRef applies to https:// and hf:// sources only")
-        return self
+from strata.operator.spec_fields import (
+    DNS_SUBDOMAIN_PATTERN,
+    ModelSource,
+    Quantity,
+    SecretKeyRef,
+    SpecPart,
+    WholeNumber,
+    cel,
+)
+from strata.operator.spec_scaling import Autoscaling, Rollout
+from strata.operator.spec_speculative import Speculative
 
 
 class TolerationOperator(StrEnum):
@@ -80,7 +40,7 @@ class TaintEffect(StrEnum):
     NO_EXECUTE = "NoExecute"
 
 
-class Toleration(_Spec):
+class Toleration(SpecPart):
     key: str | None = Field(default=None, max_length=316, description="Taint key; empty with Exists matches all.")
     operator: TolerationOperator = Field(default=TolerationOperator.EQUAL, description="As in a Pod's tolerations.")
     value: str | None = Field(default=None, max_length=63, description="Taint value, with Equal.")
@@ -90,7 +50,7 @@ class Toleration(_Spec):
     )
 
 
-class Placement(_Spec):
+class Placement(SpecPart):
     node_selector: dict[str, str] = Field(
         default_factory=dict, alias="nodeSelector", description="Only nodes with these labels take stages."
     )
@@ -112,7 +72,7 @@ class Placement(_Spec):
     )
 
 
-class Admission(_Spec):
+class Admission(SpecPart):
     queue_per_lane: int = Field(
         default=1, alias="queuePerLane", ge=0, le=64, description="Requests that may wait per lane when all are busy."
     )
@@ -124,12 +84,12 @@ class Admission(_Spec):
     )
 
 
-class Resources(_Spec):
+class Resources(SpecPart):
     requests: dict[str, Quantity] = Field(default_factory=dict, description="As in a container's resources.")
     limits: dict[str, Quantity] = Field(default_factory=dict, description="As in a container's resources.")
 
 
-class Ingress(_Spec):
+class Ingress(SpecPart):
     host: str = Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253, description="Host name clients use.")
     class_name: str | None = Field(
         default=None, alias="className", max_length=253, description="IngressClass; the cluster default if empty."
@@ -145,7 +105,7 @@ class ApiKeySecretRef(SecretKeyRef):
     )
 
 
-class Gateway(_Spec):
+class Gateway(SpecPart):
     replicas: int = Field(
         default=1, ge=1, le=16, description="Gateway pods; one coordinates, the others serve by forwarding to it."
     )
@@ -158,13 +118,13 @@ class Gateway(_Spec):
     )
 
 
-class LabelSelector(_Spec):
+class LabelSelector(SpecPart):
     match_labels: dict[str, str] = Field(
         default_factory=dict, alias="matchLabels", max_length=32, description="Labels the peers carry."
     )
 
 
-class MetricsScraper(_Spec):
+class MetricsScraper(SpecPart):
     """Who may scrape: pods matching podSelector in namespaces matching namespaceSelector (as in a NetworkPolicy)."""
 
     model_config = ConfigDict(
@@ -192,7 +152,7 @@ class MetricsScraper(_Spec):
         return self
 
 
-class NetworkPolicy(_Spec):
+class NetworkPolicy(SpecPart):
     enabled: bool = Field(
         default=True,
         description="Render NetworkPolicies: the gateway alone reaches stage 0, stage i alone reaches stage i+1.",
@@ -205,7 +165,7 @@ class NetworkPolicy(_Spec):
     )
 
 
-class Coordination(_Spec):
+class Coordination(SpecPart):
     """How the gateway replicas elect the coordinator that drives the stages (a coordination.k8s.io Lease).
 
     A standby takes over at most leaseDurationSeconds after the coordinator stops renewing; a coordinator that
@@ -248,188 +208,7 @@ class Coordination(_Spec):
         return self
 
 
-class Rollout(_Spec):
-    max_unavailable: int = Field(
-        default=1,
-        alias="maxUnavailable",
-        ge=1,
-        le=64,
-        description=(
-            "Serving pipelines a re-plan replaces at once; each keeps serving its old generation until its new one "
-            "is ready. With 2 or more replicas at most replicas - 1, so one pipeline is untouched by a rollout."
-        ),
-    )
-    drain_seconds: int = Field(
-        default=int(DRAIN_S),
-        alias="drainSeconds",
-        ge=1,
-        le=3600,
-        description=(
-            "Seconds a pipeline leaving service (scaled down, or replaced by a rollout) has to finish the requests it "
-            "runs; what still runs then fails with a retryable 503. Its stage pods stay this long plus the gateway's "
-            "poll period and a few seconds, holding their GPUs."
-        ),
-    )
-
-
-class Autoscaling(_Spec):
-    """Pipelines added while requests queue and removed once idle, by the operator, on what the gateway observes.
-
-    The operator writes spec.replicas as an HPA would, so `kubectl get` and the scale subresource show the count; a
-    manual `kubectl scale` lasts until the next decision. Leave spec.autoscaling out to drive replicas with an HPA or
-    KEDA instead (two scalers would fight).
-    """
-
-    model_config = ConfigDict(
-        extra="forbid",
-        populate_by_name=True,
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel("self.minReplicas <= self.maxReplicas", "autoscaling needs minReplicas <= maxReplicas")
-            ]
-        },
-    )
-
-    min_replicas: WholeNumber = Field(
-        default=1,
-        alias="minReplicas",
-        ge=0,
-        le=64,
-        description=(
-            "Fewest pipelines. With 0 an idle deployment keeps no stage pod; the gateway stays up, holds the next "
-            "request while a pipeline loads (coldStartWaitSeconds) and answers 503 with Retry-After after that."
-        ),
-    )
-    max_replicas: WholeNumber = Field(alias="maxReplicas", ge=1, le=64, description="Most pipelines.")
-    target_queue_per_lane: float = Field(
-        default=0.5,
-        alias="targetQueuePerLane",
-        gt=0,
-        le=64,
-        description="Requests waiting per serving lane above which a pipeline is added (after scaleUpDelaySeconds).",
-    )
-    scale_up_delay_seconds: int = Field(
-        default=5,
-        alias="scaleUpDelaySeconds",
-        ge=0,
-        le=3600,
-        description="How long the queue stays above the target before a pipeline is added; one is added at a time.",
-    )
-    scale_down_delay_seconds: int = Field(
-        default=300,
-        alias="scaleDownDelaySeconds",
-        ge=0,
-        le=86400,
-        description=(
-            "How long nothing waits and the busy lanes fit in one pipeline fewer before one is removed "
-            "(and between removals)."
-        ),
-    )
-    cold_start_wait_seconds: float = Field(
-        default=60.0,
-        alias="coldStartWaitSeconds",
-        gt=0,
-        le=600,
-        description="Longest a request is held while no pipeline serves, before HTTP 503 with the load progress.",
-    )
-
-    @model_validator(mode="after")
-    def _ordered(self) -> Autoscaling:
-        """The CEL rule again, for manifests that reach the handlers without the API server's check."""
-        if self.min_replicas > self.max_replicas:
-            raise ValueError("autoscaling needs minReplicas <= maxReplicas")
-        return self
-
-
-class SpeculativeMethod(StrEnum):
-    NGRAM = "ngram"
-    DRAFT = "draft"
-
-
-class Speculative(_Spec):
-    model_config = ConfigDict(
-        extra="forbid",
-        populate_by_name=True,
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel("self.minDraft <= self.maxDraft", "minDraft must not exceed maxDraft"),
-                cel(
-                    "self.method == 'draft' ? has(self.draftModel) : !has(self.draftModel)",
-                    "draftModel is required with method draft and applies to it only",
-                    ".draftModel",
-                ),
-                cel("!has(self.pMin) || self.method == 'draft'", "pMin applies to method draft only", ".pMin"),
-                cel(
-                    "!has(self.draftModel) || !has(self.draftModel.tokenSecretRef) "
-                    "|| self.draftModel.url.startsWith('https://') || self.draftModel.url.startsWith('hf://')",
-                    "draftModel.tokenSecretRef applies to https:// and hf:// sources only, as model.tokenSecretRef",
-                    ".draftModel.tokenSecretRef",
-                ),
-            ]
-        },
-    )
-
-    method: SpeculativeMethod = Field(
-        description=(
-            "ngram: the gateway proposes the tokens that followed the latest earlier occurrence of a request's last "
-            "tokens in its own prompt and output (code edits, quoted tool results, structured output repeat "
-            "themselves); the stages verify them in one step. draft: a small GGUF of the target's vocabulary "
-            "(draftModel), run in each gateway pod on its CPU, proposes its greedy continuation. Applies to requests "
-            "without a grammar or penalties; the text is the same as without it, sampled text included."
-        )
-    )
-    draft_model: ModelSource | None = Field(
-        default=None,
-        alias="draftModel",
-        description=(
-            "The draft GGUF of method draft, given as spec.model is; its vocabulary must be the model's (the gateway "
-            "refuses another at start-up, naming both files). The operator reads its header: the gateway pod's "
-            "default memory request grows by the draft's weights (float32 on the CPU, quantised blocks kept) and its "
-            "KV at the plan's context and lanes; a memory request set in gateway.resources is taken as given."
-        ),
-    )
-    p_min: float | None = Field(
-        default=None,
-        alias="pMin",
-        ge=0.0,
-        le=1.0,
-        description=(
-            "Method draft: a proposal stops before the draft's first pick less likely than this (default 0.3: such a "
-            "pick is more often wrong than right, and every draft token after a wrong one is wasted)."
-        ),
-    )
-    max_draft: WholeNumber = Field(
-        default=4, alias="maxDraft", ge=1, le=16, description="Tokens proposed a step, at most."
-    )
-    min_draft: WholeNumber = Field(
-        default=1, alias="minDraft", ge=1, le=16, description="Shorter proposals are not sent."
-    )
-    position_cost: float | None = Field(
-        default=None,
-        alias="positionCost",
-        ge=0.0,
-        le=1.0,
-        description=(
-            "What one more position adds to a decode step's time, in one-position steps (default 0.1). Each step's "
-            "drafts are as long as pays by it and the lanes' recent acceptance, and none while the batch is too full "
-            "for drafts to pay; bench/speculative.py measures it on the GPUs that serve."
-        ),
-    )
-
-    @model_validator(mode="after")
-    def _draft_bounds(self) -> Speculative:
-        """The CEL rule again, for manifests that reach the handlers without the API server's check."""
-        if self.min_draft > self.max_draft:
-            raise ValueError("speculative needs minDraft <= maxDraft")
-        drafting = self.method is SpeculativeMethod.DRAFT
-        if drafting != (self.draft_model is not None):
-            raise ValueError("speculative draftModel is required with method draft and applies to it only")
-        if self.p_min is not None and not drafting:
-            raise ValueError("speculative pMin applies to method draft only")
-        return self
-
-
-class KVCache(_Spec):
+class KVCache(SpecPart):
     host_memory: Quantity | None = Field(
         default=None,
         alias="hostMemory",
@@ -441,14 +220,14 @@ class KVCache(_Spec):
     )
 
 
-class Stage(_Spec):
+class Stage(SpecPart):
     image: str | None = Field(default=None, max_length=512, description="Defaults to the operator's image.")
     resources: Resources = Field(
         default_factory=Resources, description="Stage container resources; the GPU limit comes from the plan."
     )
 
 
-class ModelDeploymentSpec(_Spec):
+class ModelDeploymentSpec(SpecPart):
     model_config = ConfigDict(
         extra="forbid",
         populate_by_name=True,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from strata.operator.spec import Speculative
+from strata.operator.spec_speculative import Speculative
 
 EnvVar = dict[str, Any]
 

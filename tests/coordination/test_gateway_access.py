@@ -18,9 +18,10 @@ from strata.gateway.settings import from_environment
 from strata.gateway.speculation import DraftSource, Speculation
 from strata.gguf.model import ModelInfo
 from strata.lease import LeaseElector, LeaseTiming
-from strata.operator.children import Owner, coordinator_lease, gateway_access, gateway_deployment, stage_statefulset
+from strata.operator.children import Owner, stage_statefulset
 from strata.operator.cluster_cache import ClusterCache
 from strata.operator.doorbells import Doorbells
+from strata.operator.gateway_children import coordinator_lease, gateway_access, gateway_deployment
 from strata.operator.kube import Cluster
 from strata.operator.models import ModelCache
 from strata.operator.names import Names

@@ -16,7 +16,8 @@ from strata.gguf import read_model_header
 from strata.gguf.describe import describe
 from strata.gguf.model import CacheType, ModelInfo
 from strata.gguf.testmodels import write_test_model
-from strata.operator.children import Owner, gateway_deployment
+from strata.operator.children import Owner
+from strata.operator.gateway_children import gateway_deployment
 from strata.operator.spec import ModelDeploymentSpec
 from strata.operator.status import PlanSummary, StageSummary
 

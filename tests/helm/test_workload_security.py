@@ -12,12 +12,7 @@ from typing import Any
 
 import pytest
 from strata.gguf.model import CacheType
-from strata.operator.children import (
-    GATEWAY_REQUESTS,
-    RUN_AS_USER,
-    STAGE_REQUESTS,
-    Owner,
-)
+from strata.operator.children import GATEWAY_REQUESTS, RUN_AS_USER, STAGE_REQUESTS, Owner
 from strata.operator.names import (
     GATEWAY_PORT,
     LABEL_COMPONENT,

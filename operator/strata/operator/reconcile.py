@@ -16,12 +16,9 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 from strata.gguf.model import ModelInfo
 from strata.operator.backoff import Backoff
-from strata.operator.children import (
-    Owner,
-    gateway_deployment,
-    pipelines_configmap,
-)
+from strata.operator.children import Owner, pipelines_configmap
 from strata.operator.conditions import refuse, set_condition, set_gateway_ready
+from strata.operator.gateway_children import gateway_deployment
 from strata.operator.kube import Cluster
 from strata.operator.models import ModelCache, ModelUnreadable
 from strata.operator.names import Names, stage_selector

@@ -9,16 +9,18 @@ from strata.gguf.model import ModelInfo
 from strata.operator.children import (
     Manifest,
     Owner,
-    coordinator_lease,
-    gateway_access,
-    gateway_deployment,
-    gateway_ingress,
-    gateway_service,
     pipelines_configmap,
     plan_configmap,
     stage_statefulset,
     stages_disruption_budget,
     stages_service,
+)
+from strata.operator.gateway_children import (
+    coordinator_lease,
+    gateway_access,
+    gateway_deployment,
+    gateway_ingress,
+    gateway_service,
 )
 from strata.operator.network_policies import gateway_network_policy, stage_network_policy
 from strata.operator.spec import ModelDeploymentSpec

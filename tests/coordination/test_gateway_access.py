@@ -25,7 +25,8 @@ from strata.operator.gateway_children import coordinator_lease, gateway_access, 
 from strata.operator.kube import Cluster
 from strata.operator.models import ModelCache
 from strata.operator.names import Names
-from strata.operator.reconcile import Outcome, Reconciler
+from strata.operator.outcome import Outcome
+from strata.operator.reconcile import Reconciler
 from strata.operator.spec import GROUP, PLURAL, ModelDeploymentSpec
 from strata.operator.spec_fields import ModelSource, SecretKeyRef
 from strata.operator.spec_scaling import Rollout

@@ -30,8 +30,9 @@ from strata.operator.children import Owner
 from strata.operator.conditions import settle
 from strata.operator.doorbells import DeploymentKey, Doorbells
 from strata.operator.events import EventRecorder
+from strata.operator.outcome import Event, Outcome
 from strata.operator.planning import placement_problem
-from strata.operator.reconcile import Event, Outcome, Reconciler
+from strata.operator.reconcile import Reconciler
 from strata.operator.replicas import rollout_waits
 from strata.operator.spec import GROUP, PLURAL, VERSION, ModelDeploymentSpec
 from strata.operator.status import EventReason, ModelDeploymentStatus, Phase

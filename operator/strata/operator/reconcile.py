@@ -9,57 +9,38 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 from strata.gguf.model import ModelInfo
+from strata.operator import observation
 from strata.operator.backoff import Backoff
-from strata.operator.children import Owner, pipelines_configmap
-from strata.operator.conditions import refuse, set_condition, set_gateway_ready
+from strata.operator.children import Owner
+from strata.operator.conditions import refuse, set_condition
 from strata.operator.gateway_children import gateway_deployment
 from strata.operator.kube import Cluster
 from strata.operator.models import ModelCache, ModelUnreadable
-from strata.operator.names import Names, stage_selector
+from strata.operator.names import Names
+from strata.operator.outcome import Event, InvalidSpec, Outcome
 from strata.operator.planner import PipelinePlan
 from strata.operator.planning import PlanRefused, foreign_pods, plan_replicas
-from strata.operator.progress import load_failure, load_progress
 from strata.operator.reasons import Reason
 from strata.operator.render import PipelineChildren, render_children
-from strata.operator.replicas import count, describe, place, previous_pipelines
+from strata.operator.replicas import describe, place, previous_pipelines
 from strata.operator.replicas import serving as serving_pipelines
 from strata.operator.spec import ModelDeploymentSpec
 from strata.operator.spec_fields import SecretKeyRef
 from strata.operator.stage_cleanup import delete_unkept, listed, settle_retirement
 from strata.operator.status import (
     ConditionType,
-    Coordinator,
     EventReason,
     Excluded,
     ModelDeploymentStatus,
 )
-from strata.operator.zero import observed_at_zero, park
+from strata.operator.zero import park
 
 Manifest = dict[str, Any]
-
-
-class InvalidSpec(Exception):
-    """The spec passed the API server but not the handlers' model: retrying will not help."""
-
-
-@dataclass(frozen=True)
-class Event:
-    type: str  # Normal or Warning
-    reason: str  # an EventReason, or the Planned condition's Reason when the spec cannot be applied
-    message: str
-
-
-@dataclass
-class Outcome:
-    status: ModelDeploymentStatus
-    events: list[Event] = field(default_factory=list)
-    retry_in: float | None = None  # seconds until the model is read again, while it cannot be read
 
 
 def model_name(spec: ModelDeploymentSpec) -> str:
@@ -250,15 +231,11 @@ class Reconciler:
             replicas=spec.replicas,
             max_unavailable=spec.rollout.max_unavailable,
             spec_generation=spec_generation,
-            ready={generation: self._ready(owner, generation) for generation in serving},
+            ready={generation: observation.generation_ready(self.cluster, owner, generation) for generation in serving},
         )
         status.pipelines = placement.pipelines
         outcome.events += [Event(type, reason, message) for type, reason, message in placement.events]
         return placement.rendered
-
-    def _ready(self, owner: Owner, generation: int) -> bool:
-        stages = self.cluster.stage_readiness(namespace=owner.namespace, deployment=owner.name, generation=generation)
-        return bool(stages) and all(s.ready for s in stages)
 
     def advance(self, body: Manifest) -> Outcome:
         """Move each pipeline over to its newest generation once every one of its stages is ready; pipeline 0's
@@ -285,7 +262,7 @@ class Reconciler:
             pending, serving = pipeline.plan, pipeline.serving
             if pending is None or serving is None or pending.generation == serving.generation:
                 continue
-            if not self._ready(owner, pending.generation):
+            if not observation.generation_ready(self.cluster, owner, pending.generation):
                 continue
             if pipeline.index == 0:
                 # The draft's header is cached since the reconcile that planned `pending`: a HEAD request checks it.
@@ -326,95 +303,11 @@ class Reconciler:
         return outcome
 
     def observe(self, owner: Owner, *, outcome: Outcome, generation: int, replicas: int) -> None:
-        """Fold the children's readiness, and the load failures the stages report, into the status; a LoadFailed
-        Event each time the failure says something new. `replicas` is spec.replicas."""
-        name, namespace = owner.name, owner.namespace
-        status = outcome.status
-        if status.plan is None:
-            return
-        if replicas == 0:
-            self._observe_zero(owner, status=status, generation=generation)
-            return
-        stages = self.cluster.stage_readiness(namespace=namespace, deployment=name, generation=status.plan.generation)
-        pods = self.cluster.stage_pods(namespace=namespace, deployment=name, generation=status.plan.generation)
-        loads = load_progress(pods)
-        status.load_progress = [load.progress() for load in loads]
-        failed = load_failure(loads)
-        ready = sum(s.ready for s in stages)
-        total = len(status.plan.stages)
-        status.ready = f"{ready}/{total}"
-        stages_ok = ready == total
-        if failed is not None:
-            before = next((c for c in status.conditions if c.type == ConditionType.STAGES_READY), None)
-            if before is None or (before.reason, before.message) != (EventReason.LOAD_FAILED.value, failed):
-                outcome.events.append(Event("Warning", EventReason.LOAD_FAILED, failed))
-        set_condition(
-            status,
-            ConditionType.STAGES_READY,
-            ok=stages_ok and failed is None,
-            reason=Reason.LOAD_FAILED if failed else Reason.READY if stages_ok else Reason.LOADING,
-            message=failed or f"{ready} of {total} stages ready",
-            generation=generation,
-        )
-        gateway_ok = self.cluster.gateway_available(namespace=namespace, name=Names(name, namespace).gateway)
-        set_gateway_ready(status, ok=gateway_ok, generation=generation)
-        self._count_pipelines(owner, status=status)
-        serving = status.serving
-        if serving is not None and serving.generation != status.plan.generation:
-            old = self.cluster.stage_readiness(namespace=namespace, deployment=name, generation=serving.generation)
-            serving_ok = bool(old) and all(s.ready for s in old)
-            note = (
-                f"generation {serving.generation} serves while generation {status.plan.generation} loads "
-                f"({ready} of {total} stages ready)"
-            )
-            if failed:
-                note = f"generation {serving.generation} serves; generation {status.plan.generation}: {failed}"
-        else:
-            serving_ok, note = stages_ok, "serving" if stages_ok else failed or "waiting for stages"
-        all_ok = serving_ok and gateway_ok
-        set_condition(
-            status,
-            ConditionType.READY,
-            ok=all_ok,
-            reason=Reason.READY if all_ok else Reason.NOT_READY,
-            message=note if gateway_ok else f"{note}; no gateway replica available",
-            generation=generation,
-        )
-
-    def _observe_zero(self, owner: Owner, *, status: ModelDeploymentStatus, generation: int) -> None:
-        gateway = Names(owner.name, owner.namespace).gateway
-        gateway_ok = self.cluster.gateway_available(namespace=owner.namespace, name=gateway)
-        observed_at_zero(status, generation=generation, gateway_ok=gateway_ok)
-        status.selector = stage_selector(owner.name)
-        self.cluster.apply(pipelines_configmap(owner, []))
-
-    def _count_pipelines(self, owner: Owner, *, status: ModelDeploymentStatus) -> None:
-        """Each pipeline's readiness into status, and the serving ones into the pipelines ConfigMap."""
-        if not status.pipelines:
-            status.pipelines = list(previous_pipelines(status).values())
-        ready = {p.index: p.serving is not None and self._ready(owner, p.serving.generation) for p in status.pipelines}
-        desired = max(len(status.pipelines), 1)
-        count(status, desired=desired, ready=ready)
-        status.selector = stage_selector(owner.name)
-        self.cluster.apply(pipelines_configmap(owner, serving_pipelines(status.pipelines)))
+        """strata.operator.observation's `observe` on this operator's cluster."""
+        observation.observe(self.cluster, owner, outcome=outcome, generation=generation, replicas=replicas)
 
     def observe_coordinator(self, *, namespace: str, name: str, outcome: Outcome) -> None:
-        """The gateway replica holding the coordinator Lease into status; an Event when the holder or term moves."""
-        held = self.cluster.lease_holder(namespace=namespace, name=Names(name, namespace).coordinator_lease)
-        status = outcome.status
-        current = Coordinator(holder=held[0], term=held[1]) if held is not None else None
-        if current is None or current == status.coordinator:
-            return
-        before = status.coordinator
-        status.coordinator = current
-        moved = f"from {before.holder} (term {before.term})" if before is not None else "as the first coordinator"
-        outcome.events.append(
-            Event(
-                "Normal",
-                EventReason.COORDINATOR_CHANGED,
-                f"gateway replica {current.holder} coordinates the stages with term {current.term}, {moved}",
-            )
-        )
+        observation.observe_coordinator(self.cluster, namespace=namespace, name=name, outcome=outcome)
 
     def _refused(
         self,

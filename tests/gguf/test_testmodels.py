@@ -64,3 +64,9 @@ def test_generation_is_deterministic_from_the_seed(tmp_path: Path, family: str) 
 
 def test_the_committed_vocabulary_is_what_the_training_script_produces() -> None:
     assert json.loads(VOCAB_PATH.read_text(encoding="utf-8")) == train()
+
+
+def test_a_k_quant_model_at_a_width_not_of_whole_blocks_is_refused(tmp_path: Path) -> None:
+    """The small llama shape's 128-wide rows are half a Q4_K block: the writer says so, not a file of empty tensors."""
+    with pytest.raises(ValueError, match="Q4_K rows are whole blocks of 256 values; 128 columns are not"):
+        write_test_model(tmp_path / "model.gguf", architecture="llama", weight_type=gguf.GGMLQuantizationType.Q4_K)

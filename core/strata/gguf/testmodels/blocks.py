@@ -27,6 +27,8 @@ def random_blocks(
         result: np.ndarray = quants.quantize(std * rng.standard_normal((rows, columns), dtype=np.float32), ggml_type)
         return result
     elements, size = GGML_QUANT_SIZES[ggml_type]
+    if columns % elements:  # floor division would write rows of no blocks, and a file whose tensors are empty
+        raise ValueError(f"{ggml_type.name} rows are whole blocks of {elements} values; {columns} columns are not")
     blocks = rng.integers(0, 256, size=(rows, columns // elements, size), dtype=np.uint8)
     d = (std / _K_SPREAD[ggml_type] * rng.uniform(0.75, 1.25, size=blocks.shape[:2])).astype(np.float16)
     if ggml_type is Q.Q6_K:

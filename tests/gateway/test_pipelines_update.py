@@ -69,10 +69,12 @@ class RecordingDriver:
         stop_ids: frozenset[int],
         on_freed: Callable[[], None],
         constraint: object = None,
+        cache_salt: str = "",
     ) -> Generation:
         generation = Generation(
-            slot=slot, prompt=prompt, max_tokens=max_tokens, sampling=sampling, stop_ids=stop_ids, on_freed=on_freed
-        )
+            slot=slot, prompt=prompt, max_tokens=max_tokens, sampling=sampling, stop_ids=stop_ids, on_freed=on_freed,
+            cache_salt=cache_salt,
+        )  # fmt: skip
         self.running.append(generation)
         return generation
 

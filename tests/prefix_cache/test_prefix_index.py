@@ -148,3 +148,25 @@ def test_the_index_keeps_at_most_its_capacity_dropping_the_oldest() -> None:
     assert len(prefixes) == 3
     assert prefixes.longest(tuple(range(100, 109))) is not None
     assert prefixes.longest((0, 1, 2, 3, 4)) is None
+
+
+@pytest.mark.parametrize(
+    ("saved_salt", "asked_salt", "found"),
+    [
+        pytest.param("", "", 8, id="unsalted finds unsalted"),
+        pytest.param("tenant-a", "tenant-a", 8, id="a salt finds its own"),
+        pytest.param("tenant-a", "tenant-b", 0, id="another salt finds nothing"),
+        pytest.param("tenant-a", "", 0, id="an unsalted request finds no salted prefix"),
+        pytest.param("", "tenant-a", 0, id="a salted request finds no unsalted prefix"),
+    ],
+)
+def test_a_request_salt_shares_prefixes_with_its_own_salt_only(saved_salt: str, asked_salt: str, found: int) -> None:
+    prefixes = PrefixIndex(chunk=CHUNK, seed=SEED)
+    wanted = prefixes.to_save(SAVED, salt=saved_salt)
+    assert wanted is not None
+    key, length = wanted
+    prefixes.add(SAVED, key=key, length=length, salt=saved_salt)
+    asked = (*SAVED[:9], 77, 78)
+    assert prefixes.covered(asked, salt=asked_salt) == found
+    match = prefixes.longest(asked, salt=asked_salt)
+    assert (0 if match is None else match.length) == found

@@ -96,3 +96,22 @@ def test_metrics_show_the_prefix_cache(cache_on: Served, name: str, at_least: fl
     chat(cache_on, "Metrics, please.")
     chat(cache_on, "Metrics again, please.")
     assert metric(cache_on, name) >= at_least
+
+
+def test_a_cache_salt_shares_cached_prefixes_with_requests_of_that_salt_only(cache_on: Served) -> None:
+    """vLLM's `cache_salt`: a tenant's requests restore that tenant's prefixes, never another's or unsalted ones,
+    and the text is the same whichever restored what."""
+    prompt = list(range(400, 460))
+
+    def cached(salt: str | None) -> tuple[str, int]:
+        extra = {} if salt is None else {"extra_body": {"cache_salt": salt}}
+        reply = client(cache_on).completions.create(
+            model=cache_on.model, prompt=prompt, max_tokens=4, temperature=0, **extra
+        )  # type: ignore[call-overload]
+        assert reply.usage is not None
+        details = reply.usage.prompt_tokens_details
+        return reply.choices[0].text, 0 if details is None else details.cached_tokens or 0
+
+    runs = [cached(salt) for salt in ("tenant-a", "tenant-b", None, "tenant-a", "tenant-b")]
+    assert [hit for _, hit in runs] == [0, 0, 0, 48, 48]
+    assert len({text for text, _ in runs}) == 1

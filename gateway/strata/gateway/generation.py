@@ -79,6 +79,7 @@ class Generation:
     stop_ids: frozenset[int]
     on_freed: Callable[[], None]
     constraint: Constraint | None = None  # a grammar the tokens must follow; its mask goes with each sampling chunk
+    cache_salt: str = ""  # its prompt shares cached prefixes only with prompts of the same salt
     events: asyncio.Queue[Token | Finished | GatewayError] = field(default_factory=asyncio.Queue)
     fed: int = 0
     cached: int = 0  # prompt tokens restored from a prefix snapshot instead of prefilled

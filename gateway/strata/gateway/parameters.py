@@ -58,8 +58,9 @@ class Fields:
 _STORE = Refused("nothing is stored; leave it unset or false", _no_op(False))
 _SERVICE_TIER = Refused("there is one service tier; leave it unset, auto or default", ("auto", "default"))
 
-# llama-server's and vLLM's sampling extensions, in no OpenAI type: honoured where they are cheap.
-EXTENSIONS = frozenset({"top_k", "min_p", "repetition_penalty"})
+# llama-server's and vLLM's extensions, in no OpenAI type: sampling ones honoured where they are cheap, and vLLM's
+# cache_salt (a tenant's prompts reuse cached prefixes of that tenant's only).
+EXTENSIONS = frozenset({"top_k", "min_p", "repetition_penalty", "cache_salt"})
 _COMMON_HONOURED = (
     frozenset({"model", "max_tokens", "temperature", "top_p", "stream", "stream_options", "stop", "seed", "user"})
     | {"logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "n"}

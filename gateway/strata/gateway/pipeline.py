@@ -193,6 +193,7 @@ class Pipeline(Stepping, PrefixCaching):
         stop_ids: frozenset[int],
         on_freed: Callable[[], None],
         constraint: Constraint | None = None,
+        cache_salt: str = "",
     ) -> Generation:
         if not self._ready:
             raise NotReadyError(f"the pipeline is not ready: {self.not_ready_reason}", retry_after_s=1)
@@ -206,6 +207,7 @@ class Pipeline(Stepping, PrefixCaching):
             stop_ids=stop_ids,
             on_freed=on_freed,
             constraint=constraint,
+            cache_salt=cache_salt,
         )
         s = self.speculation
         if s is not None and drafts_for(penalised=sampling.penalised, constrained=constraint is not None):

@@ -262,9 +262,10 @@ class Pipelines:
         stop_ids: frozenset[int],
         on_freed: Callable[[], None],
         constraint: Constraint | None = None,
+        cache_salt: str = "",
     ) -> Generation:
         """Start `prompt` on the pipeline routing picks, on a free slot there; NotReadyError when none has one."""
-        member = self._choose(prompt)
+        member = self._choose(prompt, salt=cache_salt)
         if member is None:
             raise NotReadyError(f"no serving pipeline has a free lane ({self.not_ready_reason})", retry_after_s=1)
         slot = member.free.popleft()
@@ -289,6 +290,7 @@ class Pipelines:
                 stop_ids=stop_ids,
                 on_freed=freed,
                 constraint=constraint,
+                cache_salt=cache_salt,
             )
         except BaseException:
             member.free.appendleft(slot)
@@ -309,14 +311,14 @@ class Pipelines:
         member = self._owner.get(generation)
         return None if member is None else member.entry.index
 
-    def _choose(self, prompt: tuple[int, ...]) -> _Member | None:
+    def _choose(self, prompt: tuple[int, ...], *, salt: str) -> _Member | None:
         serving = [m for m in self._members.values() if m.driver.ready and len(prompt) < m.entry.context]
         candidates = [
             Candidate(
                 index=m.entry.index,
                 lanes=m.entry.parallel,
                 busy=m.entry.parallel - len(m.free),
-                cached=m.driver.prefixes.covered(prompt) if m.driver.prefixes is not None else 0,
+                cached=m.driver.prefixes.covered(prompt, salt=salt) if m.driver.prefixes is not None else 0,
             )
             for m in serving
         ]

@@ -30,7 +30,7 @@ class PrefixCaching(StageStream):
             if len(g.prompt) <= self.prefixes.chunk:
                 g.looked_up = True
                 continue  # too short to share a whole chunk: never a hit, so not a miss either
-            match = self.prefixes.longest(g.prompt)
+            match = self.prefixes.longest(g.prompt, salt=g.cache_salt)
             g.held = match is None and self._prefilled_beside(g)
             if g.held:
                 continue
@@ -65,11 +65,11 @@ class PrefixCaching(StageStream):
         computing the same positions beside it, and restores it as soon as the other's prefill lands: it never waits
         longer than its own prefill would have taken."""
         assert self.prefixes is not None
-        mine = {d for _, d in self.prefixes.hashes(g.prompt, limit=len(g.prompt))}
+        mine = {d for _, d in self.prefixes.hashes(g.prompt, limit=len(g.prompt), salt=g.cache_salt)}
         for other in self._active.values():
             if other is g or other.held or not other.looked_up or other.cancelled or other.fed >= len(other.prompt):
                 continue
-            wanted = self.prefixes.to_save(other.prompt)
+            wanted = self.prefixes.to_save(other.prompt, salt=other.cache_salt)
             if wanted is not None and wanted[0] in mine:
                 return True
         return False
@@ -82,7 +82,7 @@ class PrefixCaching(StageStream):
             g = self._active.get(chunk.slot)
             if g is None or chunk.start_position + chunk.length != len(g.prompt):
                 continue
-            wanted = self.prefixes.to_save(g.prompt)
+            wanted = self.prefixes.to_save(g.prompt, salt=g.cache_salt)
             if wanted is None:
                 continue
             key, length = wanted
@@ -92,5 +92,5 @@ class PrefixCaching(StageStream):
             reply = await self._unary("SavePrefix", request)
             self.metrics.observe_prefix_stages(reply.stats)
             if reply.kept:
-                self.prefixes.add(g.prompt, key=key, length=length)
+                self.prefixes.add(g.prompt, key=key, length=length, salt=g.cache_salt)
                 g.keeps = key

@@ -1,8 +1,10 @@
 """The coordinator's index of the prefix snapshots it asked the stages to keep: which one a prompt starts with.
 
 A prompt is keyed block by block (vLLM's prefix caching): block i's hash is sha256(block i-1's hash, the block's
-token ids as int32), and block 0 chains from a seed naming the model, the KV cache type and a salt. So a hash names
-the whole prefix up to its block and nothing else, and two deployments (or cache types, or salts) never share a key.
+token ids as int32), and block 0 chains from a seed naming the model, the KV cache type and a salt, salted again by
+a request's `cache_salt` (vLLM's field) where it has one. So a hash names the whole prefix up to its block and
+nothing else, and two deployments (or cache types, or salts) never share a key: a tenant that salts its requests
+neither restores another's prefixes nor learns from a fast first token that another sent the same prompt.
 Only final tokens are hashed: the coordinator saves prompt prefixes once their prefill is done, and drafted or
 rolled-back positions come after the prompt.
 
@@ -45,6 +47,13 @@ def prefix_seed(*, model: str, cache_type: str, salt: str = "") -> bytes:
     return hasher.digest()
 
 
+def salted(seed: bytes, salt: str) -> bytes:
+    """A request's seed: the deployment's, length-prefixed with the request's cache salt, so that no salt's prompts
+    hash as another's (nor as unsalted ones)."""
+    encoded = salt.encode()
+    return hashlib.sha256(b"strata-kv-salt-v1" + seed + len(encoded).to_bytes(8, "little") + encoded).digest()
+
+
 def block_hashes(tokens: tuple[int, ...], *, block: int, seed: bytes, limit: int) -> list[tuple[int, bytes]]:
     """(length, chained hash of tokens[:length]) for every multiple of `block` up to `limit`, shortest first."""
     found = []
@@ -73,39 +82,41 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def hashes(self, prompt: tuple[int, ...], *, limit: int) -> list[tuple[int, bytes]]:
-        """The chained hashes of the prompt's whole blocks up to `limit` tokens."""
-        return block_hashes(prompt, block=self.block, seed=self.seed, limit=limit)
+    def hashes(self, prompt: tuple[int, ...], *, limit: int, salt: str = "") -> list[tuple[int, bytes]]:
+        """The chained hashes of the prompt's whole blocks up to `limit` tokens, from the seed salted by the request's
+        `salt` (a request without one chains from the deployment's seed itself)."""
+        seed = self.seed if not salt else salted(self.seed, salt)
+        return block_hashes(prompt, block=self.block, seed=seed, limit=limit)
 
-    def longest(self, prompt: tuple[int, ...]) -> PrefixMatch | None:
+    def longest(self, prompt: tuple[int, ...], *, salt: str = "") -> PrefixMatch | None:
         """The longest indexed prefix of `prompt` that leaves at least one token to prefill (the last stage must
         sample from a real forward pass)."""
-        for length, digest in reversed(self.hashes(prompt, limit=len(prompt) - 1)):
+        for length, digest in reversed(self.hashes(prompt, limit=len(prompt) - 1, salt=salt)):
             key = self._entries.get(digest)
             if key is not None:
                 self._entries.move_to_end(digest)
                 return PrefixMatch(key=key, length=length)
         return None
 
-    def covered(self, prompt: tuple[int, ...]) -> int:
+    def covered(self, prompt: tuple[int, ...], *, salt: str = "") -> int:
         """How many leading tokens of `prompt` a known snapshot holds (0: none), without counting as a use: the
         router asks every pipeline's index, and only the one it picks restores."""
-        for length, digest in reversed(self.hashes(prompt, limit=len(prompt) - 1)):
+        for length, digest in reversed(self.hashes(prompt, limit=len(prompt) - 1, salt=salt)):
             if digest in self._entries:
                 return length
         return 0
 
-    def to_save(self, prompt: tuple[int, ...]) -> tuple[bytes, int] | None:
+    def to_save(self, prompt: tuple[int, ...], *, salt: str = "") -> tuple[bytes, int] | None:
         """The (key, length) of the longest chunk-aligned prefix of a prefilled `prompt` that no snapshot covers."""
         length = len(prompt) - len(prompt) % self.chunk
-        hashes = self.hashes(prompt, limit=length)
+        hashes = self.hashes(prompt, limit=length, salt=salt)
         if not hashes or hashes[-1][1] in self._entries:
             return None
         return hashes[-1][1], length
 
-    def add(self, prompt: tuple[int, ...], *, key: bytes, length: int) -> None:
+    def add(self, prompt: tuple[int, ...], *, key: bytes, length: int, salt: str = "") -> None:
         """Index every block boundary of the snapshot `key` of `prompt[:length]` (the stages now hold it)."""
-        for _end, digest in self.hashes(prompt, limit=length):
+        for _end, digest in self.hashes(prompt, limit=length, salt=salt):
             self._entries[digest] = key
             self._entries.move_to_end(digest)
         while len(self._entries) > self.max_entries:

@@ -35,6 +35,8 @@ class _Request(BaseModel):
     top_k: int = Field(default=0, ge=0)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)
+    # vLLM's: prompts share cached prefixes only with prompts of the same salt (strata.gateway.prefix_index).
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
 
     @field_validator("logit_bias")
     @classmethod

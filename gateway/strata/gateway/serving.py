@@ -360,6 +360,7 @@ class Serving:
                     stop_ids=self.tokenizer.stop_ids,
                     on_freed=functools.partial(self.admission.release, lane),
                     constraint=constraint,
+                    cache_salt=request.cache_salt or "",
                 )
                 runs.append(Run(generation=generation, prompt_tokens=len(prompt), stops=request.stop_strings()))
         except BaseException:

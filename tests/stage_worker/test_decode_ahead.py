@@ -161,10 +161,10 @@ class ServedCase:
     name: str
     chunks: tuple[Chunk, ...]
     rows: list[int] | None
-    revision: int = 7
+    changed: int | None = None  # a slot reset or restored since the step was launched
 
 
-LAUNCHED = Ahead(slots=(4, 9), positions=(10, 3), tokens=(50, 60), picks=None, revision=7)  # type: ignore[arg-type]
+LAUNCHED = Ahead(slots=(4, 9), positions=(10, 3), tokens=(50, 60), picks=None, revisions=(7, 2))  # type: ignore[arg-type]
 SERVED_CASES = [
     ServedCase("both slots", (_chunk(4, 10, 50), _chunk(9, 3, 60)), [0, 1]),
     ServedCase("one slot left out", (_chunk(9, 3, 60),), [1]),
@@ -179,10 +179,28 @@ SERVED_CASES = [
         (Chunk(slot=4, start_position=10, length=2, token_ids=(50, 8), sample=True, drafted=1),),
         None,
     ),
-    ServedCase("a slot reset or restored since", (_chunk(4, 10, 50),), None, revision=8),
+    ServedCase("its slot reset or restored since", (_chunk(4, 10, 50),), None, changed=4),
+    ServedCase("a slot left out changed since", (_chunk(4, 10, 50),), [0], changed=9),
 ]
 
 
 @pytest.mark.parametrize("case", SERVED_CASES, ids=lambda c: c.name)
 def test_a_step_is_taken_from_the_one_launched_ahead_only_when_it_asks_the_same(case: ServedCase) -> None:
-    assert rows_served(LAUNCHED, list(case.chunks), revision=case.revision) == case.rows
+    revisions = [0] * 10
+    revisions[4], revisions[9] = LAUNCHED.revisions
+    if case.changed is not None:
+        revisions[case.changed] += 1
+    assert rows_served(LAUNCHED, list(case.chunks), revisions=revisions) == case.rows
+
+
+def test_positions_taken_ahead_are_given_back_when_the_next_step_does_not_take_them(model_path: Path) -> None:
+    """A full pool must not refuse a prompt for cells a guess holds: after a step that does not take the launched
+    work (a prompt joins), and after one that leaves a slot out, each slot holds what the coordinator counts."""
+    engine = _engine(model_path, ahead=True)
+    steps = list(_play(engine, (*_steady((0, 1), 3), Move(slots=(0,)))))
+    held = {0: len(PROMPTS[0]) + 4, 1: len(PROMPTS[1]) + 3}  # 3 steps of both, then one of slot 0 alone
+    assert [len(step) for step in steps] == [1, 1, 2, 2, 2, 1]
+    assert {slot: engine.pool.length(slot) for slot in (0, 1)} == {0: held[0] + 1, 1: held[1]}
+    prompt = PROMPTS[2]
+    engine.step([Chunk(slot=2, start_position=0, length=len(prompt), token_ids=prompt, sample=True)], None)
+    assert {slot: engine.pool.length(slot) for slot in (0, 1)} == held

@@ -9,9 +9,9 @@ step N's picks, and only then reads step N's picks; the host's work overlaps the
 
 The next `Engine.step` takes the launched work when it asks exactly that: each of its chunks one of those slots at
 that position with the token step N picked, greedy as is (a slot whose request ended may be left out). Anything else
-(a new prompt, a sampled slot, a draft, a rollback) runs as it would have: each of its chunks truncates its slot at
-its start, which drops what the step launched ahead wrote there. The work launched ahead for nothing costs GPU time
-only; a slot it wrote past is truncated by whatever uses the slot next.
+(a new prompt, a sampled slot, a draft, a rollback) runs as it would have. Either way the position taken ahead in a
+slot the step does not take it for is given back at once, so the pool holds what the coordinator counts (a full pool
+must not refuse a prompt for cells a guess holds). The work launched ahead for nothing costs GPU time only.
 
 Not with a sliding-window pool: taking the next position's cells may give back a window block, which a rolled-back
 chunk of that slot would still need.
@@ -19,6 +19,7 @@ chunk of that slot would still need.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,7 +38,7 @@ class Ahead:
     positions: tuple[int, ...]
     tokens: tuple[int, ...]
     picks: Picks
-    revision: int  # the pool's, once the step had taken its cells: a slot reset or restored since voids the step
+    revisions: tuple[int, ...]  # each slot's in the pool once the step took its cells: a change since voids its row
 
 
 def takes_ahead(chunk: Chunk) -> bool:
@@ -51,11 +52,9 @@ def takes_ahead(chunk: Chunk) -> bool:
     )
 
 
-def rows_served(ahead: Ahead, chunks: list[Chunk], *, revision: int) -> list[int] | None:
+def rows_served(ahead: Ahead, chunks: list[Chunk], *, revisions: Sequence[int]) -> list[int] | None:
     """The rows of the step launched ahead that answer `chunks`, in the chunks' order; None when the step asks for
-    anything that step did not compute, or a slot changed since (the pool's `revision`)."""
-    if revision != ahead.revision:
-        return None
+    anything that step did not compute, or one of its slots changed since (the pool's `revisions`, by slot)."""
     row_of = {slot: row for row, slot in enumerate(ahead.slots)}
     rows = []
     for chunk in chunks:
@@ -65,6 +64,7 @@ def rows_served(ahead: Ahead, chunks: list[Chunk], *, revision: int) -> list[int
             or not takes_ahead(chunk)
             or chunk.start_position != ahead.positions[row]
             or tuple(chunk.token_ids) != (ahead.tokens[row],)
+            or revisions[chunk.slot] != ahead.revisions[row]
         ):
             return None
         rows.append(row)

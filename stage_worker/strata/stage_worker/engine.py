@@ -208,7 +208,7 @@ class Engine:
     def _step(self, chunks: list[Chunk], hidden: Tensor | None) -> StepResult:
         if all(chunk.length == 1 and not chunk.return_logits for chunk in chunks):
             return self._decode(chunks, hidden)
-        self._ahead = None  # its slots are truncated below, like any others
+        self._forget_ahead()
         for chunk in chunks:
             self.pool.truncate(slot=chunk.slot, position=chunk.start_position)
         if hidden is None:
@@ -296,11 +296,13 @@ class Engine:
     def _decode(self, chunks: list[Chunk], hidden: Tensor | None) -> StepResult:
         """One new position per slot, batched (and on CUDA replayed from a graph); greedy picks come back at once.
         Where it can, the step was launched ahead by the previous one, and this one launches the next."""
-        ahead, self._ahead = self._ahead, None
-        rows = None if ahead is None else rows_served(ahead, chunks, revision=self.pool.revision)
+        ahead = self._ahead
+        rows = None if ahead is None else rows_served(ahead, chunks, revisions=self.pool.revisions)
         if ahead is not None and rows is not None:
             picks = ahead.picks
+            self._forget_ahead(keep={chunk.slot for chunk in chunks})
         else:
+            self._forget_ahead()
             for chunk in chunks:
                 self.pool.truncate(slot=chunk.slot, position=chunk.start_position)
             cells = self.pool.take_all([(chunk.slot, chunk.start_position) for chunk in chunks])
@@ -332,9 +334,19 @@ class Engine:
                 positions=tuple(chunk.start_position + 1 for chunk in chunks),
                 tokens=tuple(sampled[chunk.slot].token_id for chunk in chunks),
                 picks=launched,
-                revision=self.pool.revision,
+                revisions=tuple(self.pool.revisions[chunk.slot] for chunk in chunks),
             )
         return StepResult(hidden=None, tokens=sampled, logits={})
+
+    def _forget_ahead(self, *, keep: frozenset[int] | set[int] = frozenset()) -> None:
+        """Drop the step launched ahead, giving back the position it took in each slot not in `keep` and not changed
+        since (a changed slot's positions are another request's now)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        for slot, position, revision in zip(ahead.slots, ahead.positions, ahead.revisions, strict=True):
+            if slot not in keep and self.pool.revisions[slot] == revision:
+                self.pool.truncate(slot=slot, position=position)
 
     def _drawn(self, chunks: list[Chunk], drawn: list[int], logits: Tensor, picks: Picks) -> StepResult:
         tokens, logprobs = picks.read()

@@ -175,9 +175,9 @@ class KVPool:
             raise ValueError(f"the sliding flags name {len(sliding)} layers; the pool holds {n_layers}")
         self.context = context
         self.parallel = parallel
-        # Counts the changes to a slot made outside a step (reset, place, adopt): work a step launched ahead
-        # (strata.stage_worker.decode_ahead) stands for the slots as they were when it was launched.
-        self.revision = 0
+        # Per slot, the changes made to it outside a step (reset, place, adopt): work a step launched ahead
+        # (strata.stage_worker.decode_ahead) stands for its slots as they were when it was launched.
+        self.revisions = [0] * parallel
         self.device = device
         self.block = block
         self.full = CellSpace(
@@ -328,7 +328,7 @@ class KVPool:
         """Empty the slot and give it cells for positions 0..length-1 (only those still in sight in the sliding
         window's space), already in the tables: a restored prefix is written there."""
         self.check(slot=slot, start_position=0, length=length)
-        self.revision += 1
+        self.revisions[slot] += 1
         try:
             new, _ = self.full.extend([(slot, 0, length)])[0]
             if self.window is None:
@@ -352,7 +352,7 @@ class KVPool:
         without a copy, and in fresh cells of the sliding-window space for what a query at `length` sees (a restored
         prefix writes those)."""
         self.check(slot=slot, start_position=0, length=length)
-        self.revision += 1
+        self.revisions[slot] += 1
         cells = self.full.adopt(slot=slot, blocks=blocks, length=length)
         if self.window is None:
             return PrefixCells(length=length, cells=cells)
@@ -369,7 +369,7 @@ class KVPool:
 
     def reset(self, slot: int) -> None:
         self._slot(slot)
-        self.revision += 1
+        self.revisions[slot] += 1
         for space in self._spaces():
             space.reset(slot)
 

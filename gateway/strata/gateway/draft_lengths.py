@@ -41,6 +41,11 @@ TIMING_WEIGHT = 0.2  # of the newest step, in a running figure of seconds a step
 DECAY = 0.7  # each verified run's counts weigh this much less at the next one: the estimate follows the text
 
 
+def smoothed(lately: float, seconds: float) -> float:
+    """A measured time folded into its running figure by TIMING_WEIGHT (the first measure, while there is none)."""
+    return seconds if not lately else lately + TIMING_WEIGHT * (seconds - lately)
+
+
 @dataclass(frozen=True, kw_only=True)
 class StepCost:
     marginal: float = DEFAULT_MARGINAL  # added cost of one more position, in one-position steps

@@ -31,7 +31,7 @@ import time
 from collections.abc import Iterable, Sequence
 
 import torch
-from strata.gateway.draft_lengths import TIMING_WEIGHT
+from strata.gateway.draft_lengths import smoothed
 from strata.gateway.speculation import DraftModelError, DraftSource, Speculation
 from strata.gguf import read_model_header
 from strata.gguf.errors import GGUFError
@@ -196,9 +196,7 @@ class DraftModelDrafter:
             begun = time.perf_counter()
             result = engine.step([Chunk(self.slot, start + at, len(piece), piece, sample=last)], None)
             if len(piece) <= TOKEN_STEP_POSITIONS:  # a decode step, not a prompt's prefill
-                spent = time.perf_counter() - begun
-                seconds = self._model.token_seconds
-                self._model.token_seconds = spent if not seconds else seconds + TIMING_WEIGHT * (spent - seconds)
+                self._model.token_seconds = smoothed(self._model.token_seconds, time.perf_counter() - begun)
             self.held.extend(piece)
             if last:
                 pick = result.tokens[self.slot]

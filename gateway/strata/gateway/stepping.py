@@ -14,7 +14,7 @@ import asyncio
 import math
 from collections import defaultdict
 
-from strata.gateway.draft_lengths import TIMING_WEIGHT, draft_lengths
+from strata.gateway.draft_lengths import draft_lengths, smoothed
 from strata.gateway.errors import GatewayError, PipelineError
 from strata.gateway.generation import Finished, Generation, Token, cells_in_use
 from strata.gateway.grammar import ConstraintViolationError
@@ -124,8 +124,7 @@ class Stepping(StageStream):
             return
         positions = sum(c.length for c in step.chunks)
         seconds = (self._clock() - step.written_at) / self.speculation.step_cost.ratio(max(positions, 1))
-        now = self._position_seconds
-        self._position_seconds = seconds if not now else now + TIMING_WEIGHT * (seconds - now)
+        self._position_seconds = smoothed(self._position_seconds, seconds)
 
     def _draft(self, g: Generation, *, used: int, budget: int) -> tuple[int, ...]:
         """The tokens g's drafter proposes after its last one, at most `budget` (none while the step does not draft):

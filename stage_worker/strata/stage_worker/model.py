@@ -30,7 +30,7 @@ from strata.gguf.architectures import Activation
 from strata.stage_worker.experts import MixtureOfExperts
 from strata.stage_worker.kernels.kv_write import rotate_and_write
 from strata.stage_worker.kernels.paged_attention import AttentionRule, Sequences, attend_dense, attend_pool
-from strata.stage_worker.kernels.quant_matmul import Gate
+from strata.stage_worker.kernels.quant_matmul import Gate, rms_norm
 from strata.stage_worker.kv_pool import LayerCache
 from strata.stage_worker.model_config import ModelConfig
 from strata.stage_worker.rope import Rope
@@ -181,8 +181,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # x * rsqrt(mean(x^2) + eps), in f32
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):

@@ -120,12 +120,16 @@ def _(x: Tensor, planes: list[Tensor], ggml_type: int, columns: int, gate: int) 
     return x.new_empty((x.shape[0], planes[0].shape[0]))
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """The model's RMSNorm (model.RMSNorm): x * rsqrt(mean(x^2) + eps) in f32, rounded to x's dtype, times the
+    weight. Here so that the normed kernels' oracle is the model's own function."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
 def normed_reference(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(h, rms_norm(h) * weight) with h = x (+ residual), as the model's RMSNorm computes it: the norm in f32,
-    rounded to x's dtype, then times the weight."""
+    """(h, rms_norm(h) * weight) with h = x (+ residual), in x's dtype."""
     h = x if residual is None else x + residual
-    normed = F.rms_norm(h.float(), (h.shape[-1],), eps=eps).to(h.dtype)
-    return h, (weight * normed).to(h.dtype)
+    return h, rms_norm(h, weight, eps).to(h.dtype)
 
 
 @torch.library.custom_op("strata::quant_linear_normed", mutates_args=())

@@ -97,18 +97,13 @@ class HostTier:
         """Host rows start.. written into `into` (views of a store's rows, in position order), ready for the compute
         stream: straight into the blocks, no device copy in between."""
         rows.wait()  # an entry offloaded moments ago may still be on its way
-        offset = start
         if self._stream is None:
-            for view in into:
-                _copy_rows(view, rows.rows.rows(offset, offset + view.values.shape[0]), non_blocking=False)
-                offset += view.values.shape[0]
+            _copy_into(into, rows.rows, start=start, non_blocking=False)
             return
         current = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(current)  # the blocks' earlier readers and writers go first
         with torch.cuda.stream(self._stream):
-            for view in into:
-                _copy_rows(view, rows.rows.rows(offset, offset + view.values.shape[0]), non_blocking=True)
-                offset += view.values.shape[0]
+            _copy_into(into, rows.rows, start=start, non_blocking=True)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self._stream)
         current.wait_event(event)
@@ -180,7 +175,12 @@ def _to_host(pieces: list[RawRows], *, pinned: bool) -> RawRows:
     return RawRows(values=gather([piece.values for piece in pieces]), scales=gather(scales) if scales else None)
 
 
-def _copy_rows(into: RawRows, rows: RawRows, *, non_blocking: bool) -> None:
-    into.values.copy_(rows.values, non_blocking=non_blocking)
-    if into.scales is not None and rows.scales is not None:
-        into.scales.copy_(rows.scales, non_blocking=non_blocking)
+def _copy_into(into: list[RawRows], rows: RawRows, *, start: int, non_blocking: bool) -> None:
+    """rows start.. copied into the views one after another."""
+    offset = start
+    for view in into:
+        part = rows.rows(offset, offset + view.values.shape[0])
+        view.values.copy_(part.values, non_blocking=non_blocking)
+        if view.scales is not None and part.scales is not None:
+            view.scales.copy_(part.scales, non_blocking=non_blocking)
+        offset += view.values.shape[0]

@@ -279,7 +279,7 @@ def _launch(
 ) -> tuple[Tensor, Tensor | None]:
     x = checked_rows(x, columns=columns * (2 if gate else 1), most=MAX_ROWS, kernel="fused")
     m_rows, n = x.shape[0], planes[0].shape[0]
-    residual = None if norm is None or norm.residual is None else norm.residual
+    residual = None if norm is None else norm.residual
     h = None if residual is None else torch.empty_like(x)
     if m_rows == 0:
         return x.new_empty((0, n)), h

@@ -42,6 +42,7 @@ from strata.stage_worker.kv_host import HostTier
 from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.model import StageModel
 from strata.stage_worker.prefix_cache import PrefixCache
+from strata.stage_worker.settings import default_dtype
 
 sys.path.insert(0, str(Path(__file__).parent))
 import depth
@@ -53,10 +54,6 @@ T = TypeVar("T")
 
 class PhaseTimeout(RuntimeError):
     """A phase ran past its deadline."""
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 @contextmanager
@@ -87,12 +84,8 @@ def pool_for(model: StageModel, *, context: int, parallel: int, device: torch.de
     c = model.config
     return KVPool(
         n_layers=len(model.layers), context=context, parallel=parallel, key_width=c.kv_dim, value_width=c.kv_dim,
-        type_k=KV, type_v=KV, dtype=depth_dtype(device), device=device, block=block,
+        type_k=KV, type_v=KV, dtype=default_dtype(device), device=device, block=block,
     )  # fmt: skip
-
-
-def depth_dtype(device: torch.device) -> torch.dtype:
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def block_bandwidth(model: StageModel, *, device: torch.device, blocks: int, repeats: int) -> dict[str, float]:
@@ -129,11 +122,11 @@ def decode_layouts(model: StageModel, *, device: torch.device, decode_depth: int
     generator = torch.Generator(device=device).manual_seed(0)
     for name, block in (("paged", BLOCK_TOKENS), ("contiguous", context)):
         pool = pool_for(model, context=context, parallel=1, device=device, block=block)
-        engine = Engine(model=model, pool=pool, device=device, dtype=depth_dtype(device))
+        engine = Engine(model=model, pool=pool, device=device, dtype=default_dtype(device))
         engine.warm_up()
         depth.fill(engine, slot=0, depth=decode_depth, generator=generator)
         speeds[name] = depth.decode_speed(engine, depths={0: decode_depth})
-        log(f"decode at {decode_depth}, {name} ({block}-position blocks): {speeds[name]:.1f} tok/s")
+        gpu.log(f"decode at {decode_depth}, {name} ({block}-position blocks): {speeds[name]:.1f} tok/s")
         del engine, pool
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -161,7 +154,7 @@ def ttft(
     `rounds` (the first compiles the kernels of each chunk shape)."""
     context = -(-(tokens + 2 * BLOCK_TOKENS) // BLOCK_TOKENS) * BLOCK_TOKENS
     pool = pool_for(model, context=context, parallel=2, device=device, block=BLOCK_TOKENS)
-    engine = Engine(model=model, pool=pool, device=device, dtype=depth_dtype(device), cuda_graphs=False)
+    engine = Engine(model=model, pool=pool, device=device, dtype=default_dtype(device), cuda_graphs=False)
     prompt = gpu.prompt(tokens, vocab=model.config.vocab_size, seed=7)
     saved = (tokens - 1) // BLOCK_TOKENS * BLOCK_TOKENS  # the block-aligned prefix, leaving a token to prefill
     snapshot_bytes = saved * pool.cell_bytes
@@ -193,7 +186,7 @@ def ttft(
         done = time.perf_counter()
         if again != first:
             raise RuntimeError(f"the restored prefix sampled token {again}, the recomputed one {first}")
-        log(
+        gpu.log(
             f"round {round_ + 1}: {tokens} tokens recomputed in {recompute_s:.3f} s, restored from the host tier in "
             f"{done - started:.3f} s ({copied - started:.3f} s of it the restore)"
         )
@@ -260,8 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         with deadline("writing the model", args.phase_timeout_s):
             path = args.model or write_model(Path(folder), device=device)
         with deadline("loading the model", args.phase_timeout_s):
-            model = gpu.load(path, span=(0, _layers(path)), device=device, dtype=depth_dtype(device))
-        log(f"model {path.name}: {len(model.layers)} layers on {device}")
+            model = gpu.load(path, span=(0, _layers(path)), device=device, dtype=default_dtype(device))
+        gpu.log(f"model {path.name}: {len(model.layers)} layers on {device}")
         figures: dict[str, dict[str, float | int | bool]] = {"sizes": dict(sizes)}
         with deadline("block copies", args.phase_timeout_s):
             figures["copy"] = block_bandwidth(model, device=device, blocks=sizes["copy_blocks"], repeats=5)

@@ -10,39 +10,7 @@ from strata.gguf.model import CacheType
 from strata.stage_worker.kv_host import HostTier, block_runs
 from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.prefix_cache import PrefixCache
-
-CPU = torch.device("cpu")
-WIDTH = 64
-LAYERS = 2
-BLOCK = 8
-
-
-def pool(cache_type: CacheType, *, context: int = 64, parallel: int = 3, window: int = 0) -> KVPool:
-    return KVPool(
-        n_layers=LAYERS,
-        context=context,
-        parallel=parallel,
-        key_width=WIDTH,
-        value_width=WIDTH,
-        type_k=cache_type,
-        type_v=cache_type,
-        dtype=torch.float32,
-        device=CPU,
-        block=BLOCK,
-        window=window,
-        sliding=(True, False) if window else (),
-        window_slack=BLOCK,
-    )
-
-
-def prefill(kv: KVPool, *, slot: int, length: int, seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    placed = kv.extend(slot=slot, start_position=0, length=length)
-    for layer, windowed in zip(kv.layers, kv.windowed, strict=True):
-        cells = placed.window.new if windowed and placed.window is not None else placed.full.new
-        layer.write(
-            cells, torch.randn(length, WIDTH, generator=generator), torch.randn(length, WIDTH, generator=generator)
-        )
+from strata_testbed.small_pools import BLOCK, CPU, prefill, small_pool
 
 
 def seen(kv: KVPool, *, slot: int, length: int) -> list[torch.Tensor]:
@@ -76,7 +44,7 @@ def snapshot_bytes(kv: KVPool, length: int) -> int:
 def test_a_snapshot_evicted_over_the_device_budget_comes_back_from_the_host_bit_exact(
     cache_type: CacheType, window: int, restored: int
 ) -> None:
-    kv = pool(cache_type, window=window)
+    kv = small_pool(cache_type, window=window)
     device_budget = snapshot_bytes(kv, 24) + snapshot_bytes(kv, 24) // 2  # one snapshot, not two
     cache = PrefixCache(budget_bytes=device_budget, host=HostTier(budget_bytes=1 << 20, device=CPU))
     prefill(kv, slot=0, length=24, seed=1)
@@ -102,7 +70,7 @@ def test_a_snapshot_evicted_over_the_device_budget_comes_back_from_the_host_bit_
 
 
 def test_a_slot_short_of_blocks_sends_the_snapshot_to_the_host_and_a_restore_brings_it_back() -> None:
-    kv = pool(CacheType.F16, context=32, parallel=2)  # four blocks of 8, and one for the second slot
+    kv = small_pool(CacheType.F16, context=32, parallel=2)  # four blocks of 8, and one for the second slot
     cache = PrefixCache(budget_bytes=1 << 20, host=HostTier(budget_bytes=1 << 20, device=CPU))
     prefill(kv, slot=0, length=24, seed=1)
     expected = seen(kv, slot=0, length=24)
@@ -127,7 +95,7 @@ def test_a_slot_short_of_blocks_sends_the_snapshot_to_the_host_and_a_restore_bri
     ],
 )
 def test_the_host_budget_lets_the_oldest_go_first(host_snapshots: int, kept: list[bytes]) -> None:
-    kv = pool(CacheType.F32, context=128, parallel=3)
+    kv = small_pool(CacheType.F32, context=128, parallel=3)
     one = snapshot_bytes(kv, 16)
     host = HostTier(budget_bytes=host_snapshots * one, device=CPU)
     cache = PrefixCache(budget_bytes=one, host=host)
@@ -143,7 +111,7 @@ def test_the_host_budget_lets_the_oldest_go_first(host_snapshots: int, kept: lis
 
 
 def test_clearing_forgets_the_host_entries_too() -> None:
-    kv = pool(CacheType.F32)
+    kv = small_pool(CacheType.F32)
     cache = PrefixCache(budget_bytes=snapshot_bytes(kv, 16), host=HostTier(budget_bytes=1 << 20, device=CPU))
     for slot, key in enumerate((b"a", b"b")):
         prefill(kv, slot=slot, length=16, seed=slot)
@@ -177,7 +145,7 @@ def test_block_runs_cover_the_positions_in_order(
 
 
 def test_a_restore_the_device_cannot_keep_stays_in_the_host_tier() -> None:
-    kv = pool(CacheType.F32, context=128)
+    kv = small_pool(CacheType.F32, context=128)
     one = snapshot_bytes(kv, 16)
     cache = PrefixCache(budget_bytes=one, host=HostTier(budget_bytes=1 << 20, device=CPU))
     prefill(kv, slot=0, length=16, seed=1)

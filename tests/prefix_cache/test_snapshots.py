@@ -10,36 +10,7 @@ from strata.gguf.model import CacheType
 from strata.stage_worker.errors import ContextExceededError
 from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.prefix_cache import PrefixCache
-
-CPU = torch.device("cpu")
-WIDTH = 64
-LAYERS = 2
-BLOCK = 8  # the lengths here are whole blocks, so free cells count positions
-
-
-def pool(cache_type: CacheType, *, context: int = 64, parallel: int = 3) -> KVPool:
-    return KVPool(
-        n_layers=LAYERS,
-        context=context,
-        parallel=parallel,
-        key_width=WIDTH,
-        value_width=WIDTH,
-        type_k=cache_type,
-        type_v=cache_type,
-        dtype=torch.float32,
-        device=CPU,
-        block=BLOCK,
-    )
-
-
-def prefill(kv: KVPool, *, slot: int, length: int, seed: int) -> None:
-    """Write random K and V for positions 0..length-1 of `slot`, as the forward pass would."""
-    generator = torch.Generator().manual_seed(seed)
-    cells = kv.extend(slot=slot, start_position=0, length=length).full.new
-    for layer in kv.layers:
-        layer.write(
-            cells, torch.randn(length, WIDTH, generator=generator), torch.randn(length, WIDTH, generator=generator)
-        )
+from strata_testbed.small_pools import BLOCK, LAYERS, WIDTH, prefill, small_pool
 
 
 def held(kv: KVPool, *, slot: int, length: int) -> torch.Tensor:
@@ -77,7 +48,7 @@ def contents(kv: KVPool, slot: int, length: int) -> list[tuple[torch.Tensor, ...
 def test_a_restored_slot_reads_back_bit_identical_to_the_prefill(
     cache_type: CacheType, saved: int, restored: int
 ) -> None:
-    kv = pool(cache_type, context=128)
+    kv = small_pool(cache_type, context=128)
     cache = PrefixCache(budget_bytes=1 << 20)
     prefill(kv, slot=0, length=40, seed=1)
     assert cache.save(pool=kv, slot=0, generation=3, key=b"k", length=saved)
@@ -94,7 +65,7 @@ def test_a_restored_slot_reads_back_bit_identical_to_the_prefill(
 
 
 def test_a_snapshot_costs_its_tokens_not_the_context() -> None:
-    kv = pool(CacheType.Q8_0, context=64)
+    kv = small_pool(CacheType.Q8_0, context=64)
     cache = PrefixCache(budget_bytes=1 << 20)
     prefill(kv, slot=0, length=32, seed=1)
     cache.save(pool=kv, slot=0, generation=0, key=b"a", length=16)
@@ -112,7 +83,7 @@ def test_a_snapshot_costs_its_tokens_not_the_context() -> None:
     ],
 )
 def test_a_restore_of_something_not_held_misses_and_is_counted(generation: int, key: bytes, length: int) -> None:
-    kv = pool(CacheType.F16)
+    kv = small_pool(CacheType.F16)
     cache = PrefixCache(budget_bytes=1 << 20)
     prefill(kv, slot=0, length=16, seed=1)
     cache.save(pool=kv, slot=0, generation=1, key=b"k", length=16)
@@ -121,7 +92,7 @@ def test_a_restore_of_something_not_held_misses_and_is_counted(generation: int, 
 
 
 def test_the_least_recently_used_snapshot_goes_first_and_the_budget_is_never_passed() -> None:
-    kv = pool(CacheType.F16, context=128, parallel=2)
+    kv = small_pool(CacheType.F16, context=128, parallel=2)
     snapshot = 16 * kv.cell_bytes
     cache = PrefixCache(budget_bytes=2 * snapshot + snapshot // 2)  # room for two snapshots, not three
     held: list[int] = []
@@ -149,7 +120,7 @@ def test_the_least_recently_used_snapshot_goes_first_and_the_budget_is_never_pas
     ],
 )
 def test_a_snapshot_that_cannot_fit_is_not_kept_and_evicts_nothing(budget: int, length: int) -> None:
-    kv = pool(CacheType.F32)
+    kv = small_pool(CacheType.F32)
     cache = PrefixCache(budget_bytes=budget)
     prefill(kv, slot=0, length=16, seed=1)
     assert not cache.save(pool=kv, slot=0, generation=0, key=b"k", length=length)
@@ -159,7 +130,7 @@ def test_a_snapshot_that_cannot_fit_is_not_kept_and_evicts_nothing(budget: int, 
 
 
 def test_a_restore_into_a_full_pool_takes_no_block_and_hits() -> None:
-    kv = pool(CacheType.F32, context=40)  # five blocks, and two for the other slots' partial last blocks
+    kv = small_pool(CacheType.F32, context=40)  # five blocks, and two for the other slots' partial last blocks
     cache = PrefixCache(budget_bytes=1 << 20)
     prefill(kv, slot=0, length=32, seed=1)
     cache.save(pool=kv, slot=0, generation=0, key=b"k", length=32)
@@ -170,14 +141,14 @@ def test_a_restore_into_a_full_pool_takes_no_block_and_hits() -> None:
 
 
 def test_a_snapshot_longer_than_the_slot_is_refused() -> None:
-    kv = pool(CacheType.F32)
+    kv = small_pool(CacheType.F32)
     prefill(kv, slot=0, length=8, seed=1)
     with pytest.raises(ContextExceededError, match="holds 8 positions"):
         PrefixCache(budget_bytes=1 << 20).save(pool=kv, slot=0, generation=0, key=b"k", length=16)
 
 
 def test_clearing_forgets_every_snapshot_and_frees_its_bytes() -> None:
-    kv = pool(CacheType.F32)
+    kv = small_pool(CacheType.F32)
     cache = PrefixCache(budget_bytes=1 << 20)
     prefill(kv, slot=0, length=16, seed=1)
     cache.save(pool=kv, slot=0, generation=0, key=b"k", length=16)
@@ -207,7 +178,7 @@ def rewrite(kv: KVPool, *, slot: int, start: int, length: int, seed: int) -> Non
 def test_a_write_into_a_shared_block_copies_it_and_the_snapshot_keeps_its_rows(
     writer: int, start: int, saved: int
 ) -> None:
-    kv = pool(CacheType.Q8_0)
+    kv = small_pool(CacheType.Q8_0)
     cache = PrefixCache(budget_bytes=1 << 20)
     prefill(kv, slot=0, length=24, seed=1)
     original = contents(kv, 0, saved)
@@ -227,7 +198,7 @@ def test_a_write_into_a_shared_block_copies_it_and_the_snapshot_keeps_its_rows(
 
 
 def test_a_slot_short_of_blocks_takes_back_those_only_snapshots_hold() -> None:
-    kv = pool(CacheType.F16, context=32, parallel=2)  # four blocks of 8, and one for the second slot
+    kv = small_pool(CacheType.F16, context=32, parallel=2)  # four blocks of 8, and one for the second slot
     cache = PrefixCache(budget_bytes=1 << 20)
     prefill(kv, slot=0, length=24, seed=1)
     assert cache.save(pool=kv, slot=0, generation=0, key=b"k", length=24)

@@ -13,15 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from strata.gguf import read_header
 from strata.gguf.model import CacheType
-from strata.gguf.sources import open_source
 from strata.gguf.testmodels import write_test_model
 from strata.gguf.testmodels.shapes import K_QUANT_SHAPE
 from strata.stage_worker.engine import Chunk, Engine
 from strata.stage_worker.kv_pool import KVPool
-from strata.stage_worker.loader import LoadProgress, load_stage
 from strata.stage_worker.weights.linear import PackedLinear
+from strata_testbed.stages import load_spans
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a GPU lease)")
 
@@ -33,13 +31,7 @@ STEPS = 16
 
 def _engine(path: Path, dtype: torch.dtype, *, ahead: bool | None = None) -> Engine:
     device = torch.device("cuda")
-    source = open_source(str(path))
-    try:
-        header = read_header(source)
-        model = load_stage(source=source, header=header, layer_start=0, layer_end=LAYERS, dtype=dtype,
-                           device=device, progress=LoadProgress())  # fmt: skip
-    finally:
-        source.close()
+    (model,) = load_spans(path, dtype=dtype, device=device)
     c = model.config
     pool = KVPool(
         n_layers=c.n_layer, context=128, parallel=4, key_width=c.kv_dim, value_width=c.kv_dim,

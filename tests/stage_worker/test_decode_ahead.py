@@ -16,17 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from strata.gguf import read_header
 from strata.gguf.model import CacheType
-from strata.gguf.sources import open_source
 from strata.gguf.testmodels import write_test_model
 from strata.stage_worker.decode import Decoder
 from strata.stage_worker.decode_ahead import Ahead, rows_served
 from strata.stage_worker.engine import Chunk, Engine
 from strata.stage_worker.kv_pool import KVPool
-from strata.stage_worker.loader import LoadProgress, load_stage
 from strata.stage_worker.model import StageModel
 from strata.stage_worker.sampling import Sampling
+from strata_testbed.stages import load_spans
 
 PROMPTS = {0: (1, 17, 200, 3, 45, 99), 1: (7, 250, 31, 64), 2: (12, 5, 77)}
 CONTEXT = 32
@@ -73,12 +71,7 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _stage(path: Path, *, layers: int) -> tuple[StageModel, KVPool]:
     """Layers 0..layers-1 of the model on the CPU in f32, and a pool of CONTEXT cells for three slots."""
-    source = open_source(str(path))
-    try:
-        model = load_stage(source=source, header=read_header(source), layer_start=0, layer_end=layers,
-                           dtype=torch.float32, device=torch.device("cpu"), progress=LoadProgress())  # fmt: skip
-    finally:
-        source.close()
+    (model,) = load_spans(path, [(0, layers)])
     c = model.config
     pool = KVPool(
         n_layers=layers, context=CONTEXT, parallel=3, key_width=c.kv_dim, value_width=c.kv_dim,

@@ -53,7 +53,7 @@ def host_share(engine: Engine, *, position: int, token: int, steps: int) -> tupl
             position += 1
         gpu.sync(engine.device)
         times.append((time.perf_counter() - begun) / steps)
-    graph = engine.decoder._captured[1].graph
+    graph = engine.decoder._captured[(1, 1)].graph
     gpu.sync(engine.device)
     begun = time.perf_counter()
     for _ in range(steps):
@@ -97,6 +97,8 @@ def render(r: dict[str, object], *, depth: int) -> str:
         "",
         f"engine step {r['step_ms']:.3f} ms (median of 5 runs of back-to-back steps); bare graph replay "
         f"{r['replay_ms']:.3f} ms (the host's part: {r['step_ms'] - r['replay_ms']:.3f} ms)",  # type: ignore[operator]
+        f"decoding ahead {'on' if r['ahead'] else 'off (not possible here)'}; with it off the step takes "
+        f"{r['step_behind_ms']:.3f} ms",
         f"kernels a step {table['kernels_per_step']:.0f}; kernel time {table['kernel_ms_per_step']:.3f} ms; gaps "
         f"between them {table['gap_ms_per_step']:.3f} ms",
         "",
@@ -129,9 +131,14 @@ def main() -> None:
         token = decode_once(engine, position=position, token=token)
         position += 1
     step, replay, position, token = host_share(engine, position=position, token=token, steps=50)
+    ahead, engine.decodes_ahead = engine.decodes_ahead, False
+    step_behind, _, position, token = host_share(engine, position=position, token=token, steps=50)
+    engine.decodes_ahead = ahead
     results: dict[str, object] = {
         "machine": gpu.machine(device),
         "step_ms": step * 1e3,
+        "step_behind_ms": step_behind * 1e3,
+        "ahead": ahead,
         "replay_ms": replay * 1e3,
         "kernels": kernel_table(engine, position=position, token=token, steps=args.steps),
     }

@@ -75,6 +75,14 @@ def kernel_speed(device: torch.device, *, depths: list[int]) -> dict[str, float]
         "256 splits": dataclasses.replace(base, waves=16, max_splits=256),
         "256 splits, 3 stages": dataclasses.replace(base, waves=16, max_splits=256, num_stages=3),
         "512 splits": dataclasses.replace(base, waves=32, max_splits=512),
+        "64 splits": dataclasses.replace(base, waves=4, max_splits=64),
+        "64-position tiles, 1 warp": dataclasses.replace(base, lone_block_n=64, num_warps=1),
+        "64-position tiles, 1 warp, 3 stages": dataclasses.replace(base, lone_block_n=64, num_warps=1, num_stages=3),
+        "4 stages": dataclasses.replace(base, num_stages=4),
+        "128-position tiles, 4 warps": dataclasses.replace(base, lone_block_n=128, num_warps=4),
+        "64 splits, 64-position tiles, 2 warps": dataclasses.replace(
+            base, waves=4, max_splits=64, lone_block_n=64, num_warps=2
+        ),
     }
     shapes = [(1, d) for d in depths] + [(STREAMS, STREAM_DEPTH)]
     speeds = {}

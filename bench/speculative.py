@@ -22,7 +22,8 @@ would not pay (strata.gateway.draft_lengths), and the table reports the steps it
 Before the servers start, an engine of the model in this process times decode steps of 1 and of 1 + max draft
 positions a slot, for 1 slot and for --streams slots, and prints the marginal cost of a position that
 `--position-cost` takes (the larger of the two, so a full batch is never over-drafted); --position-cost passes a
-value to the servers (default: the gateway's). Every wait has a deadline: the whole run stops at --deadline-s.
+value to the servers (default: the one just measured; the gateway's own default with --no-step-costs). Every wait
+has a deadline: the whole run stops at --deadline-s.
 """
 
 from __future__ import annotations
@@ -255,7 +256,9 @@ def main() -> None:
     parser.add_argument("--model", default="gemma", help="gemma (Gemma 3 270M), generated, or a GGUF file")
     parser.add_argument("--draft", default="self", help="method draft's model: self, generated, or a GGUF file")
     parser.add_argument("--draft-device", default="", help="where the draft computes (default: --device)")
-    parser.add_argument("--position-cost", type=float, default=None, help="passed to the servers")
+    parser.add_argument(
+        "--position-cost", type=float, default=None, help="passed to the servers (default: the one measured here)"
+    )
     parser.add_argument("--p-min", type=float, default=None, help="method draft's floor, passed to the servers")
     parser.add_argument("--no-step-costs", action="store_true", help="skip timing the engine's steps")
     parser.add_argument("--deadline-s", type=float, default=3000.0, help="the whole run stops after this")
@@ -278,6 +281,8 @@ def main() -> None:
             f"--position-cost {min(1.0, max(costs['marginal_one'], costs['marginal_many'], 0.0)):.3f}",
             flush=True,
         )
+        if args.position_cost is None:  # what a deployment sets from this bench: the servers below run with it
+            args.position_cost = round(min(1.0, max(costs["marginal_one"], costs["marginal_many"], 0.0)), 3)
     rows = []
     for stages in (int(s) for s in args.stages.split(",")):
         figures: dict[str, Figures] = {}

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 from strata.gateway.settings import GatewaySettings, from_environment
 from strata.gateway.speculation import DraftSource, NgramDrafter, Speculation, drafts_for
-from strata.stage_worker.engine import accept
+from strata.stage_worker.picks import accept
 from strata.stage_worker.sampling import Sampled
 
 

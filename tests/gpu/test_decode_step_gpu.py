@@ -1,6 +1,7 @@
 """What a GPU decode step does differently from the CPU's, checked against the same stage without it: each block's
 norms (and the residual adds before them) formed in the next quantised matrix's load of x (model.normed_projection),
-and the next step launched before this one's picks are read (strata.stage_worker.decode_ahead).
+the next step launched before this one's picks are read (strata.stage_worker.decode_ahead), and steps that verify
+drafts replayed from graphs of a few rows a slot (strata.stage_worker.wide_step).
 
 Needs a CUDA device (run on a GPU lease); skipped elsewhere, where the CPU path never takes the fused form. The kernel
 itself is checked against the reference on the CPU too (tests/stage_worker/test_quant_matmul.py's normed cases).
@@ -96,3 +97,29 @@ def test_decoding_ahead_decodes_as_without(streams: int, tmp_path: Path) -> None
     expected_tokens, expected_logprobs = _decode(_engine(path, torch.float32, ahead=False), streams)
     assert tokens == expected_tokens
     assert torch.equal(logprobs, expected_logprobs)
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+def test_drafts_verified_in_captured_steps_give_the_plain_tokens(streams: int, tmp_path: Path) -> None:
+    """Stream s drafts s + 1 tokens a step, the true continuation with its last token wrong: widths differ (fillers),
+    some drafts are accepted and one a step is rejected; the text is the one of one position a step."""
+    path = write_test_model(tmp_path / "model.gguf", architecture="llama", block_count=LAYERS, weight_type=Q.Q8_0).path
+    expected, _ = _decode(_engine(path, torch.float32, ahead=False), streams)
+    engine = _engine(path, torch.float32)
+    prompts = [Chunk(slot=s, start_position=0, length=len(PROMPT), token_ids=PROMPT, sample=True)
+               for s in range(streams)]  # fmt: skip
+    first = engine.step(prompts, None)
+    got = [[first.tokens[s].token_id] for s in range(streams)]
+    while min(len(tokens) for tokens in got) < STEPS:
+        chunks = []
+        for s in range(streams):
+            draft = list(expected[s][len(got[s]) : len(got[s]) + 1 + s])
+            if len(draft) > 1:
+                draft[-1] = 1 if draft[-1] != 1 else 2
+            chunks.append(Chunk(slot=s, start_position=len(PROMPT) + len(got[s]) - 1, length=1 + len(draft),
+                                token_ids=(got[s][-1], *draft), sample=True, drafted=len(draft)))  # fmt: skip
+        result = engine.step(chunks, None)
+        for s in range(streams):
+            got[s].extend(pick.token_id for pick in result.runs.get(s) or (result.tokens[s],))
+    assert [tokens[:STEPS] for tokens in got] == [tokens[:STEPS] for tokens in expected]
+    assert any(width > 1 for _, width in engine.decoder._captured), "no step of drafts was replayed from a graph"

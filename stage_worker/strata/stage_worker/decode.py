@@ -8,6 +8,9 @@ not the memory, sets the pace. Here the whole step runs as one body whose shapes
 at any depth: one launch per step. The inputs travel in one small host-to-device copy into static buffers;
 greedy tokens and their log-probabilities come back in one device-to-host copy.
 
+A step that verifies drafts (speculative decoding) carries a few positions a slot: the same body with `width` rows a
+slot, captured once per (B, width), so verifying k drafts costs a replay too, not an eager pass through the layers.
+
 On the CPU the same body runs eagerly, so the fidelity tests cover the batched attention too.
 """
 
@@ -25,9 +28,9 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class DecodeOutput:
-    hidden: Tensor | None  # [B, D] for the next stage; None on the last stage
-    logits: Tensor | None  # [B, vocab] f32 (last stage)
-    greedy: Tensor | None  # [2, B] f32: argmax token and its log-probability (last stage)
+    hidden: Tensor | None  # [rows, D] for the next stage; None on the last stage
+    logits: Tensor | None  # [rows, vocab] f32 (last stage)
+    greedy: Tensor | None  # [2, rows] f32: argmax token and its log-probability (last stage)
 
 
 @dataclass(frozen=True)
@@ -35,8 +38,8 @@ class Picks:
     """A last-stage decode step's greedy picks: on the device (where the next step may take its tokens from them)
     and on their way to the host, without waiting for the GPU until they are read."""
 
-    device: Tensor  # [2, B] f32
-    host: Tensor  # [2, B] f32, pinned on CUDA
+    device: Tensor  # [2, rows] f32
+    host: Tensor  # [2, rows] f32, pinned on CUDA
     ready: torch.cuda.Event | None  # recorded after the copy; None on the CPU
 
     def read(self) -> tuple[list[float], list[float]]:
@@ -45,6 +48,9 @@ class Picks:
             self.ready.synchronize()
         tokens, logprobs = self.host.tolist()
         return tokens, logprobs
+
+
+WIDEST = 8  # rows a slot a captured step takes at most: a step verifying up to 7 drafted positions
 
 
 @dataclass(frozen=True)
@@ -79,10 +85,10 @@ class Decoder:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
             self._run = torch.compile(run_block, dynamic=dynamic)
         n = pool.parallel
-        # slots, positions, cells, tokens, and the cells of the sliding-window layers when they have their own
-        self.inputs = torch.zeros(5, n, dtype=torch.long, device=self.device)
-        self.hidden = torch.zeros(n, model.config.dim, dtype=dtype, device=self.device)
-        self._captured: dict[int, _Captured] = {}
+        # Per row: slot, position, cell, token, and the cell of the sliding-window layers when they have their own
+        self.inputs = torch.zeros(5, n * WIDEST, dtype=torch.long, device=self.device)
+        self.hidden = torch.zeros(n * WIDEST, model.config.dim, dtype=dtype, device=self.device)
+        self._captured: dict[tuple[int, int], _Captured] = {}  # by (slots, rows a slot)
         self._rows = torch.arange(n, dtype=torch.long, device=self.device)
         self._memory = torch.cuda.graph_pool_handle() if graphs else None
         # Warm-up and capture run on a stream of the stage's own device. torch.cuda.graph's default capture stream
@@ -103,9 +109,13 @@ class Decoder:
         tokens: list[int],
         hidden: Tensor | None,
         fed: tuple[Picks, list[int]] | None = None,
+        width: int = 1,
     ) -> DecodeOutput:
-        """`fed`: take the tokens from an earlier step's picks (those rows of them) on the device, not from `tokens`:
-        that step's picks need not have reached the host."""
+        """Per row: slots, positions, cells and tokens, `width` rows a slot (its consecutive positions). `fed`: take
+        the tokens from an earlier step's picks (those rows of them) on the device, not from `tokens`: that step's
+        picks need not have reached the host."""
+        if not 1 <= width <= WIDEST or len(slots) % width:
+            raise ValueError(f"a decode step takes 1..{WIDEST} rows a slot, the same for each: {len(slots)} by {width}")
         b = len(slots)
         full, window = zip(*cells, strict=True)
         host = torch.tensor([slots, positions, list(full), tokens or [0] * b, list(window)], dtype=torch.long)
@@ -119,9 +129,10 @@ class Decoder:
                 self.inputs[3, :b].copy_(picks.device[0].index_select(0, index))
         if hidden is not None:
             self.hidden[:b].copy_(hidden, non_blocking=True)
+        key = (b // width, width)
         if not self.graphs:
-            return self._body(b)
-        captured = self._captured.get(b) or self._capture(b)
+            return self._body(*key)
+        captured = self._captured.get(key) or self._capture(*key)
         captured.graph.replay()
         return captured.output
 
@@ -139,7 +150,7 @@ class Decoder:
         ready.record(torch.cuda.current_stream(self.device))
         return Picks(device=output.greedy, host=host, ready=ready)
 
-    def _capture(self, b: int) -> _Captured:
+    def _capture(self, b: int, width: int) -> _Captured:
         # Warm up on the capture stream (the step's real work; the replay repeats it exactly), then capture on it.
         # Both under the stage's device too: the kernels' launches and the graph's pool follow the current device, and
         # a stage on cuda:1 driven from a thread whose current device is cuda:0 would otherwise mix the two.
@@ -150,17 +161,18 @@ class Decoder:
             current = torch.cuda.current_stream(self.device)
             stream.wait_stream(current)
             with torch.cuda.stream(stream):
-                self._body(b)
+                self._body(b, width)
             current.wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._memory, stream=stream):
-                output = self._body(b)
+                output = self._body(b, width)
         captured = _Captured(graph=graph, output=output)
-        self._captured[b] = captured
+        self._captured[(b, width)] = captured
         return captured
 
-    def _body(self, b: int) -> DecodeOutput:
-        slots, positions, cells, tokens, window_cells = self.inputs[:, :b]
+    def _body(self, b: int, width: int) -> DecodeOutput:
+        n = b * width
+        slots, positions, cells, tokens, window_cells = self.inputs[:, :n]
         window = self.pool.window
         layout = decode_layout(
             table=self.pool.table,
@@ -168,12 +180,13 @@ class Decoder:
             positions=positions,
             cells=cells,
             rows=self._rows[:b],
+            width=width,
             window_table=None if window is None else window.table,
             window_cells=None if window is None else window_cells,
         )
-        x = self.model.embed(tokens) if self.model.is_first else self.hidden[:b]  # [B, D]
-        x = self.model(x, rope=self.rope, caches=self.pool.layers, layout=layout, run=self._run)  # [B, D]
+        x = self.model.embed(tokens) if self.model.is_first else self.hidden[:n]  # [N, D]
+        x = self.model(x, rope=self.rope, caches=self.pool.layers, layout=layout, run=self._run)  # [N, D]
         if not self.model.is_last:
             return DecodeOutput(hidden=x, logits=None, greedy=None)
-        logits = self.model.head(x).float()  # [B, vocab]
+        logits = self.model.head(x).float()  # [N, vocab]
         return DecodeOutput(hidden=None, logits=logits, greedy=greedy_pick(logits))

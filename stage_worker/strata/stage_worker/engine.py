@@ -7,13 +7,10 @@ A step is validated whole before it touches the pool, so a bad chunk changes not
 position per slot) takes the batched path in strata.stage_worker.decode, captured in CUDA graphs on GPUs.
 
 Speculative decoding: a chunk may end in `drafted` positions whose tokens the coordinator guessed. Every stage
-computes them like any other positions; the last picks a token after each of the chunk's last drafted + 1 positions
-and keeps its picks up to the first that differs from the draft (`accept`), so the tokens are exactly those that one
-position a step would have produced. That holds for sampled picks too: a pick is drawn from its position's
-distribution with the uniform number seeded by (seed, position), as a step of one position draws it, and the draft
-counts only where that draw is the draft (which happens with the draft's probability: this is speculative sampling
-with a proposal certain of its token, coupled to the plain draw). The KV of the rejected positions stays behind in
-the slot until the next step, which starts after the accepted ones and truncates the slot there, as every step does.
+computes them like any other positions, the last verifies them (strata.stage_worker.picks), and a step of a few
+positions a slot runs as a decode step (strata.stage_worker.wide_step). The KV of the rejected positions stays behind
+in the slot until the next step, which starts after the accepted ones and truncates the slot there, as every step
+does.
 """
 
 from __future__ import annotations
@@ -28,7 +25,9 @@ from strata.stage_worker.errors import ContextExceededError, InvalidRequestError
 from strata.stage_worker.kv_cells import Piece, Placement
 from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.model import ChunkView, StageModel, StepLayout, step_layout
+from strata.stage_worker.picks import pick
 from strata.stage_worker.sampling import Sampled, Sampling, sample_rows
+from strata.stage_worker.wide_step import WideStep, widen
 from torch import Tensor
 
 
@@ -56,16 +55,6 @@ class StepResult:
     tokens: dict[int, Sampled]  # slot -> sampled token (last stage), for chunks without drafted positions
     logits: dict[int, Tensor]  # slot -> [length, vocab] (last stage, when asked)
     runs: dict[int, tuple[Sampled, ...]] = field(default_factory=dict)  # slot -> accepted drafts + one pick (last)
-
-
-def accept(picks: list[Sampled], draft: tuple[int, ...]) -> tuple[Sampled, ...]:
-    """The picks after a drafted chunk's last len(draft) + 1 positions, up to and including the first that differs
-    from the draft: pick j follows the position that holds draft[j - 1] (pick 0 the last undrafted one), so a pick
-    counts only while every draft token before it was the model's own pick."""
-    taken = 0
-    while taken < len(draft) and picks[taken].token_id == draft[taken]:
-        taken += 1
-    return tuple(picks[: taken + 1])
 
 
 class Engine:
@@ -209,6 +198,11 @@ class Engine:
         if all(chunk.length == 1 and not chunk.return_logits for chunk in chunks):
             return self._decode(chunks, hidden)
         self._forget_ahead()
+        wide = widen(chunks)
+        if wide is not None:
+            done = self._wide(chunks, hidden, wide)
+            if done is not None:
+                return done
         for chunk in chunks:
             self.pool.truncate(slot=chunk.slot, position=chunk.start_position)
         if hidden is None:
@@ -226,28 +220,48 @@ class Engine:
             ends.append(row)
             if chunk.return_logits:
                 logits[chunk.slot] = self.model.head(x[row - chunk.length : row]).float()  # [length, vocab]
-        picking = [chunk for chunk in chunks if chunk.sample]
-        if not picking:
-            return StepResult(hidden=None, tokens={}, logits=logits)
-        # Each sampled chunk's last row, or its last drafted + 1 rows: row r of a chunk picks position start + r + 1.
-        rows, params, positions = [], [], []
+        # Each sampled chunk's last drafted + 1 rows (its last row, without drafts), in order.
+        chosen: list[int] = []
+        rows = []
         for chunk, end in zip(chunks, ends, strict=True):
             if chunk.sample:
-                for r in range(chunk.length - 1 - chunk.drafted, chunk.length):
-                    rows.append(end - chunk.length + r)
-                    params.append(chunk.sampling)
-                    positions.append(chunk.start_position + r + 1)
-        picks = sample_rows(self.model.head(x[rows]), params=params, positions=positions)  # [rows, vocab] logits
-        single: dict[int, Sampled] = {}
-        runs: dict[int, tuple[Sampled, ...]] = {}
-        at = 0
-        for chunk in picking:
-            mine, at = picks[at : at + chunk.drafted + 1], at + chunk.drafted + 1
-            if chunk.drafted:
-                runs[chunk.slot] = accept(mine, chunk.token_ids[chunk.length - chunk.drafted :])
-            else:
-                single[chunk.slot] = mine[0]
+                rows.append((chunk, list(range(len(chosen), len(chosen) + chunk.drafted + 1))))
+                chosen.extend(range(end - 1 - chunk.drafted, end))
+        if not rows:
+            return StepResult(hidden=None, tokens={}, logits=logits)
+        single, runs = pick(rows, self.model.head(x[chosen]))
         return StepResult(hidden=None, tokens=single, logits=logits, runs=runs)
+
+    def _wide(self, chunks: list[Chunk], hidden: Tensor | None, wide: WideStep) -> StepResult | None:
+        """A few positions a slot as one decode step (strata.stage_worker.wide_step); None where the pool cannot
+        give the fillers cells now, and the step runs as any other."""
+        try:
+            cells = [cell for run in self.pool.take_runs(wide.pieces) for cell in run]
+        except (ContextExceededError, PoolExhaustedError):
+            return None
+        if hidden is not None:
+            hidden = hidden.to(device=self.device, dtype=self.dtype)[self._index(wide.source)]
+        out = self.decoder.run(
+            slots=wide.slots,
+            positions=wide.positions,
+            cells=cells,
+            tokens=wide.tokens if self.model.is_first else [],
+            hidden=hidden,
+            width=wide.width,
+        )
+        for slot, position in wide.fillers:
+            self.pool.truncate(slot=slot, position=position)
+        if out.hidden is not None:
+            return StepResult(hidden=out.hidden[self._index(wide.real)], tokens={}, logits={})
+        if out.logits is None:
+            raise RuntimeError("the last stage's decode body returned no logits")
+        greedy = self.decoder.picks(out).read()
+        single, runs = pick([(c, rows) for c, rows in zip(chunks, wide.picks, strict=True) if rows], out.logits,
+                            greedy=greedy)  # fmt: skip
+        return StepResult(hidden=None, tokens=single, logits={}, runs=runs)
+
+    def _index(self, rows: list[int]) -> Tensor:
+        return torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
 
     def _forward_in_parts(self, pieces: list[Piece], x: Tensor) -> Tensor:
         """The step's rows through the layers, in as many parts as the sliding-window blocks need: each part takes

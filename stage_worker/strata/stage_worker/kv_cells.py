@@ -182,8 +182,15 @@ class CellSpace:
 
     def take(self, positions: list[tuple[int, int]]) -> list[int]:
         """A decode step's one new cell per (slot, position), on the host only: the step puts them in the table."""
-        self.grow([(slot, position, 1) for slot, position in positions])
-        return [self.cell(slot=slot, position=position) for slot, position in positions]
+        return [run[0] for run in self.take_runs([(slot, position, 1) for slot, position in positions])]
+
+    def take_runs(self, pieces: list[Piece]) -> list[list[int]]:
+        """`take` for a few positions a slot (a step that verifies drafts): per piece, its positions' new cells."""
+        self.grow(pieces)
+        return [
+            [self.cell(slot=slot, position=position) for position in range(start, start + length)]
+            for slot, start, length in pieces
+        ]
 
     def held(self, *, slot: int, end: int) -> tuple[int, Tensor]:
         """(first, the cells of positions first..end-1): what the slot still holds of its first `end` positions."""

@@ -300,17 +300,22 @@ class KVPool:
 
     def take_all(self, positions: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """`take` for every (slot, position) of a decode step at once: all of them or none."""
-        for slot, position in positions:
-            self.check(slot=slot, start_position=position, length=1)
-        cells = self.full.take(positions)
+        return [run[0] for run in self.take_runs([(slot, position, 1) for slot, position in positions])]
+
+    def take_runs(self, pieces: list[Piece]) -> list[list[tuple[int, int]]]:
+        """`take_all` for a few positions a slot: per piece, each position's new cells (full-attention, sliding-
+        window), on the host only; all of them or none. Each slot is truncated to its piece's start first."""
+        for slot, start, length in pieces:
+            self.check(slot=slot, start_position=start, length=length)
+        cells = self.full.take_runs(pieces)
         if self.window is None:
-            return [(cell, 0) for cell in cells]
+            return [[(cell, 0) for cell in run] for run in cells]
         try:
-            window = self.window.take(positions)
+            window = self.window.take_runs(pieces)
         except PoolExhaustedError:
-            self._undo([(slot, position, 1) for slot, position in positions])
+            self._undo(pieces)
             raise
-        return list(zip(cells, window, strict=True))
+        return [list(zip(full, mine, strict=True)) for full, mine in zip(cells, window, strict=True)]
 
     def prefix(self, *, slot: int, length: int) -> PrefixCells | None:
         """The cells of the slot's positions 0..length-1; None when the sliding-window layers no longer hold all

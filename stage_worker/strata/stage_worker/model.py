@@ -134,16 +134,17 @@ def step_layout(
 
 @dataclass(frozen=True)
 class DecodeLayout:
-    """A decode step: one row per slot, each attending over exactly its slot's positions, read in place.
+    """A decode step: one row per slot (or a few, the same number each: a step that verifies drafts), each attending
+    over exactly its slot's positions, read in place.
 
-    Every field is a device tensor whose shape depends on B alone, so the step is captured once per batch size in a
-    CUDA graph and replayed at any depth.
+    Every field is a device tensor whose shape depends on B (and the rows a slot) alone, so the step is captured once
+    per batch size in a CUDA graph and replayed at any depth.
     """
 
-    positions: Tensor  # [B] position of each slot's new token
-    write_cells: Tensor  # [B] pool cell each row's K/V goes to
+    positions: Tensor  # [B * width] position of each row
+    write_cells: Tensor  # [B * width] pool cell each row's K/V goes to
     table: Tensor  # [parallel, context] the pool's table
-    sequences: Sequences  # row b is slot slots[b] seeing positions 0..positions[b]
+    sequences: Sequences  # sequence b: slot slots[b]'s rows, seeing positions 0..its last row's
     window: DecodeLayout | None = None  # the same step in the sliding-window layers' cells, when they have their own
 
     def attend(self, q: Tensor, cache: LayerCache, config: ModelConfig, rule: AttentionRule) -> Tensor:
@@ -157,13 +158,26 @@ def decode_layout(
     positions: Tensor,
     cells: Tensor,
     rows: Tensor,
+    width: int = 1,
     window_table: Tensor | None = None,
     window_cells: Tensor | None = None,
 ) -> DecodeLayout:
     """Put each row's new cell in the pool's table (device only), and its sliding-window cell in that space's table
-    when there is one. rows: [B] 0..B-1, made once by the caller."""
+    when there is one. slots, positions, cells: [B * width], `width` rows a slot, its consecutive positions in order
+    (a step that verifies drafts); rows: [B] 0..B-1, made once by the caller."""
     table[slots, positions] = cells
-    sequences = Sequences(slots=slots, q_starts=rows, q_lens=torch.ones_like(rows), kv_lens=positions + 1, max_q_len=1)
+    if width == 1:
+        sequences = Sequences(
+            slots=slots, q_starts=rows, q_lens=torch.ones_like(rows), kv_lens=positions + 1, max_q_len=1
+        )
+    else:  # the kernel indexes the sequences' columns densely: one copy each of the strided views
+        sequences = Sequences(
+            slots=slots[::width].contiguous(),
+            q_starts=rows * width,
+            q_lens=torch.full_like(rows, width),
+            kv_lens=positions[width - 1 :: width] + 1,
+            max_q_len=width,
+        )
     window = None
     if window_table is not None and window_cells is not None:
         window_table[slots, positions] = window_cells

@@ -185,7 +185,11 @@ class Decoder:
             window_cells=None if window is None else window_cells,
         )
         x = self.model.embed(tokens) if self.model.is_first else self.hidden[:n]  # [N, D]
-        x = self.model(x, rope=self.rope, caches=self.pool.layers, layout=layout, run=self._run)  # [N, D]
+        # Steps of several rows a slot run the blocks uncompiled inside their graphs. Compiled, each new range of row
+        # counts (the products pick their kernels by rows) recompiled the block in the middle of serving: on an H200,
+        # 1-20 s at the first step of 12 slots by 5 rows, or of 1 slot by 2, where a capture alone takes 30 ms.
+        run = self._run if width == 1 else run_block
+        x = self.model(x, rope=self.rope, caches=self.pool.layers, layout=layout, run=run)  # [N, D]
         if not self.model.is_last:
             return DecodeOutput(hidden=x, logits=None, greedy=None)
         logits = self.model.head(x).float()  # [N, vocab]

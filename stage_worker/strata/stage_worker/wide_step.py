@@ -1,12 +1,12 @@
 """A step of a few positions a slot, run as a decode step: how its rows are laid out.
 
-Speculative decoding verifies `[last, d1..dk]` for each slot in one step. Run eagerly, like a prefill chunk, that step
-pays the host's launch time for every kernel of every layer, which on a GPU costs more than the drafts save; run as
-the decode body (strata.stage_worker.decode) with `width` rows a slot, it is one graph replay. A graph has fixed
-shapes, so every slot gets the same number of rows: a chunk shorter than the widest is followed by filler positions
-(its last token again, at the next positions), which take real cells for the step and are given back after it. They
-come after the chunk's own positions, so causal attention keeps them out of every real row's result, and their picks
-are never read.
+Speculative decoding verifies `[last, d1..dk]` for each slot in one step, and a draft model feeds the run the target
+accepted in one. Run eagerly, like a prefill chunk, such a step pays the host's launch time for every kernel of every
+layer, which on a GPU costs more than the drafts save; run as the decode body (strata.stage_worker.decode) with
+`width` rows a slot, it is one graph replay. A graph has fixed shapes, so every slot gets the same number of rows: a
+chunk shorter than the widest is followed by filler positions (its last token again, at the next positions), which
+take real cells for the step and are given back after it. They come after the chunk's own positions, so causal
+attention keeps them out of every real row's result, and their picks are never read.
 """
 
 from __future__ import annotations
@@ -39,11 +39,12 @@ class WideStep:
 
 
 def widen(chunks: Sequence[Chunk]) -> WideStep | None:
-    """The rows of a step that verifies drafts: every chunk one position and the drafts after it, at most WIDEST
-    positions, none asking for its logits. None for any other step: one with a prompt's chunk runs as prefill does,
-    one without drafts as the plain decode step."""
+    """The rows of a step of a few positions a slot after what it holds: drafts to verify, or a few tokens to feed
+    (a draft model catching up with an accepted run), at most WIDEST positions a chunk, none asking for its logits.
+    None for any other step: one with a prompt's first chunk runs as prefill does, one of single positions as the
+    plain decode step."""
     width = max(chunk.length for chunk in chunks)
-    if width == 1 or width > WIDEST or any(c.return_logits or c.length != c.drafted + 1 for c in chunks):
+    if width == 1 or width > WIDEST or any(c.return_logits or (c.start_position == 0 and c.length > 1) for c in chunks):
         return None
     slots: list[int] = []
     positions: list[int] = []

@@ -57,6 +57,11 @@ LAYOUTS = [
         slots=[2, 2, 0, 0], positions=[9, 10, 3, 4], tokens=[4, 4, 1, 2], real=[0, 2, 3], source=[0, 0, 1, 2],
         picks=[[], [2, 3]], fillers=[(2, 10)],
     ),
+    LayoutCase(
+        "a few tokens fed after what the slot holds", (Chunk(1, 30, 3, (4, 5, 6), sample=True),), 3,
+        slots=[1, 1, 1], positions=[30, 31, 32], tokens=[4, 5, 6], real=[0, 1, 2], source=[0, 1, 2], picks=[[2]],
+        fillers=[],
+    ),
     LayoutCase("plain decode rows only: the decode step", (_drafting(0, 4, (8,)), _drafting(1, 7, (9,))), None),
     LayoutCase("a prompt's chunk: prefill", (Chunk(0, 0, 3, (1, 2, 3), sample=True), _drafting(1, 7, (9, 8))), None),
     LayoutCase("logits asked for", (Chunk(0, 5, 2, (1, 2), sample=True, return_logits=True, drafted=1),), None),

@@ -1,8 +1,10 @@
 """Building the driver's steps and handing out what their replies carry.
 
 A step carries a chunk per generation that may step now: a prefill slice, or the last sampled token (with the tokens
-speculation drafts after it). The KV pool is shared by all slots, so a chunk that would overrun it, or the context,
-ends its generation with finish_reason "length" instead. A generation under a grammar (strata.gateway.grammar) carries
+speculation drafts after it). A chunk that would run past the context ends its generation with finish_reason
+"length". The KV pool is shared by all slots: a chunk that would overrun it waits for the cells other generations
+free as they finish; only when nothing under way can free any (no step in flight, none to send) does the waiting
+generation that holds the fewest cells end with "length", so the others go on. A generation under a grammar (strata.gateway.grammar) carries
 its mask of allowed tokens in each chunk that samples, computed when the chunk is built (after its previous token
 landed and advanced the grammar); it ends with "stop" as soon as the grammar allows nothing more, without a step to
 sample the end-of-text token.
@@ -47,6 +49,7 @@ class Stepping(StageStream):
         if budgets and not any(budgets.values()):
             self.metrics.speculative_off_steps.inc()
         chunks = []
+        short: list[Generation] | None = []  # waiting for cells of the shared pool (None: some will come free)
         for g in sorted(chosen, key=lambda g: g.slot):
             slot = g.slot
             if g.fed < len(g.prompt):
@@ -73,11 +76,18 @@ class Stepping(StageStream):
                     sampling=g.sampling.to_proto(g.generated, g.prompt_tokens),
                     drafted=len(draft),
                 )
-            if used + chunk.length > self.context or chunk.start_position + chunk.length > self.context:
+            if chunk.start_position + chunk.length > self.context:
                 self._finish(g, Finished("length"))
+                short = None  # its cells come free before the next step
+                continue
+            if used + chunk.length > self.context:
+                if short is not None:
+                    short.append(g)
                 continue
             used += chunk.length
             chunks.append(chunk)
+        if short and not chunks and not self._in_flight:
+            self._finish(min(short, key=lambda g: (g.cells(), -g.slot)), Finished("length"))
         return self._with_masks(chunks)
 
     async def _propose_off_loop(self) -> None:

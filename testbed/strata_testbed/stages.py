@@ -6,7 +6,11 @@ from pathlib import Path
 
 import torch
 from strata.gguf.header import read_header
+from strata.gguf.model import CacheType
 from strata.gguf.sources import open_source
+from strata.kv_layout import BLOCK_TOKENS
+from strata.stage_worker.engine import Chunk, Engine, StepResult
+from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.loader import LoadProgress, load_stage
 from strata.stage_worker.model import StageModel
 
@@ -42,3 +46,33 @@ def load_spans(
         ]
     finally:
         source.close()
+
+
+def cpu_engines(
+    path: Path,
+    spans: list[tuple[int, int]],
+    *,
+    cache_type: CacheType,
+    context: int = 64,
+    parallel: int = 2,
+    block: int = BLOCK_TOKENS,
+) -> list[Engine]:
+    """An engine per span on the CPU, float32, each with a pool of `context` cells shared by `parallel` slots."""
+    built = []
+    for (start, end), model in zip(spans, load_spans(path, spans), strict=True):
+        c = model.config
+        pool = KVPool(
+            n_layers=end - start, context=context, parallel=parallel, key_width=c.kv_dim, value_width=c.kv_dim,
+            type_k=cache_type, type_v=cache_type, dtype=torch.float32, device=CPU, block=block,
+        )  # fmt: skip
+        built.append(Engine(model=model, pool=pool, device=CPU, dtype=torch.float32))
+    return built
+
+
+def through(stages: list[Engine], chunks: list[Chunk]) -> StepResult:
+    """One step through every stage in order, each stage's hidden states into the next; the last stage's result."""
+    hidden = None
+    for engine in stages:
+        result = engine.step(chunks, hidden)
+        hidden = result.hidden
+    return result

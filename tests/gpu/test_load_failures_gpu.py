@@ -91,10 +91,10 @@ def more_cells_than_the_gpu_holds(model: Path, monkeypatch: pytest.MonkeyPatch) 
 def a_synchronisation_inside_every_capture(model: Path, monkeypatch: pytest.MonkeyPatch) -> Size:
     """A host synchronisation during capture, as stray host work in a step would make: CUDA refuses it and
     invalidates the capture, on the compiled path and on the plain one."""
-    real: Callable[[Decoder, int], DecodeOutput] = Decoder._body
+    real: Callable[[Decoder, int, int], DecodeOutput] = Decoder._body
 
-    def body(self: Decoder, b: int) -> DecodeOutput:
-        out = real(self, b)
+    def body(self: Decoder, b: int, width: int) -> DecodeOutput:
+        out = real(self, b, width)
         if torch.cuda.is_current_stream_capturing():
             torch.cuda.synchronize(self.device)
         return out

@@ -8,36 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 from strata.gguf.model import CacheType
-from strata.stage_worker.engine import Chunk, Engine, StepResult
+from strata.stage_worker.engine import Chunk, Engine
 from strata.stage_worker.errors import InvalidRequestError
-from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.sampling import Sampling
-from strata_testbed.stages import load_spans
+from strata_testbed.stages import cpu_engines, through
 
 CPU = torch.device("cpu")
 PROMPT = (1, 17, 200, 3, 45, 99, 12, 7, 250, 31, 64, 128)
 STEPS = 10
 SPANS = {"one stage": [(0, 3)], "three stages": [(0, 1), (1, 2), (2, 3)]}
-
-
-def engines(path: Path, spans: list[tuple[int, int]], cache_type: CacheType) -> list[Engine]:
-    built = []
-    for (start, end), model in zip(spans, load_spans(path, spans), strict=True):
-        c = model.config
-        pool = KVPool(
-            n_layers=end - start, context=64, parallel=2, key_width=c.kv_dim, value_width=c.kv_dim,
-            type_k=cache_type, type_v=cache_type, dtype=torch.float32, device=CPU,
-        )  # fmt: skip
-        built.append(Engine(model=model, pool=pool, device=CPU, dtype=torch.float32))
-    return built
-
-
-def through(stages: list[Engine], chunks: list[Chunk]) -> StepResult:
-    hidden = None
-    for engine in stages:
-        result = engine.step(chunks, hidden)
-        hidden = result.hidden
-    return result
 
 
 def one_at_a_time(stages: list[Engine], *, slot: int, steps: int, sampling: Sampling) -> list[int]:
@@ -85,10 +64,10 @@ def test_verified_drafts_give_the_tokens_of_one_position_a_step(
 ) -> None:
     """Sampled picks are the same seeded draws as one position a step makes: the same text, so the same
     distribution, and a draft counts exactly when the draw is the draft."""
-    plain = engines(tiny_models["llama"], spans, cache_type)
+    plain = cpu_engines(tiny_models["llama"], spans, cache_type=cache_type)
     reference = one_at_a_time(plain, slot=0, steps=STEPS + 3, sampling=sampling)
     other = next(t for t in range(1, 300) if t not in reference)
-    drafting = engines(tiny_models["llama"], spans, cache_type)
+    drafting = cpu_engines(tiny_models["llama"], spans, cache_type=cache_type)
     runs = speculating(drafting, slot=1, guess=reference, other=other, sampling=sampling)
     assert [t for run in runs for t in run][: STEPS - 1] == reference[1:STEPS]
     assert any(len(run) > 1 for run in runs), "some drafts were accepted"
@@ -109,7 +88,7 @@ BAD_CHUNKS = {
 
 @pytest.mark.parametrize("chunk", BAD_CHUNKS.values(), ids=BAD_CHUNKS.keys())
 def test_a_drafted_chunk_the_last_stage_cannot_verify_is_refused(tiny_models: dict[str, Path], chunk: Chunk) -> None:
-    (engine,) = engines(tiny_models["llama"], SPANS["one stage"], CacheType.F32)
+    (engine,) = cpu_engines(tiny_models["llama"], SPANS["one stage"], cache_type=CacheType.F32)
     with pytest.raises(InvalidRequestError, match=r"slot 0: .*draft"):
         engine.step([chunk], None)
     assert engine.pool.length(0) == 0, "a refused step changes nothing"

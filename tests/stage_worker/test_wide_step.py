@@ -14,10 +14,9 @@ from strata.gguf.model import CacheType
 from strata.stage_worker import engine as engine_module
 from strata.stage_worker.decode import WIDEST, Decoder
 from strata.stage_worker.engine import Chunk, Engine, StepResult
-from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.sampling import Sampling
 from strata.stage_worker.wide_step import widen
-from strata_testbed.stages import load_spans
+from strata_testbed.stages import cpu_engines, through
 
 CPU = torch.device("cpu")
 PROMPT = (1, 17, 200, 3, 45, 99, 12, 7)
@@ -85,24 +84,8 @@ def test_rows_fillers_and_picks_of_a_wide_step(case: LayoutCase) -> None:
     assert (wide.real, wide.source, wide.picks, wide.fillers) == (case.real, case.source, case.picks, case.fillers)
 
 
-def _engines(path: Path, spans: list[tuple[int, int]], *, context: int) -> list[Engine]:
-    built = []
-    for (start, end), model in zip(spans, load_spans(path, spans), strict=True):
-        c = model.config
-        pool = KVPool(
-            n_layers=end - start, context=context, parallel=3, key_width=c.kv_dim, value_width=c.kv_dim,
-            type_k=CacheType.Q8_0, type_v=CacheType.Q8_0, dtype=torch.float32, device=CPU, block=4,
-        )  # fmt: skip
-        built.append(Engine(model=model, pool=pool, device=CPU, dtype=torch.float32))
-    return built
-
-
-def _through(stages: list[Engine], chunks: list[Chunk]) -> StepResult:
-    hidden = None
-    for engine in stages:
-        result = engine.step(chunks, hidden)
-        hidden = result.hidden
-    return result
+def _engines(path: Path, case: EngineCase) -> list[Engine]:
+    return cpu_engines(path, case.spans, cache_type=CacheType.Q8_0, context=case.context, parallel=3, block=4)
 
 
 def _picks(result: StepResult) -> dict[int, list[tuple[int, float]]]:
@@ -135,7 +118,7 @@ def _play(stages: list[Engine], case: EngineCase) -> tuple[list[dict[int, list[t
     steps from where each slot's accepted run ends: every step's picks, and the free cells of each stage after."""
     slots = range(len(case.drafts))
     prompts = [PROMPT[: 7 - 2 * slot] for slot in slots]
-    first = _through(stages, [Chunk(s, 0, len(prompts[s]), prompts[s], sample=True) for s in slots])
+    first = through(stages, [Chunk(s, 0, len(prompts[s]), prompts[s], sample=True) for s in slots])
     last = {s: first.tokens[s].token_id for s in slots}
     at = {s: len(prompts[s]) for s in slots}
     seen = [_picks(first)]
@@ -144,13 +127,13 @@ def _play(stages: list[Engine], case: EngineCase) -> tuple[list[dict[int, list[t
               drafted=len(case.drafts[s]))
         for s in slots
     ]  # fmt: skip
-    step = _through(stages, chunks)
+    step = through(stages, chunks)
     seen.append(_picks(step))
     for s, picks in seen[-1].items():
         at[s] += len(picks)
         last[s] = picks[-1][0]
     for _ in range(2):
-        plain = _through(stages, [Chunk(s, at[s], 1, (last[s],), sample=True) for s in slots])
+        plain = through(stages, [Chunk(s, at[s], 1, (last[s],), sample=True) for s in slots])
         seen.append(_picks(plain))
         for s in slots:
             at[s], last[s] = at[s] + 1, plain.tokens[s].token_id
@@ -169,10 +152,20 @@ def test_a_wide_step_answers_as_the_same_step_run_eagerly(
         return run(self, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(Decoder, "run", counted)
-    wide = _play(_engines(tiny_models["llama"], case.spans, context=case.context), case)
+    wide = _play(
+        cpu_engines(
+            tiny_models["llama"], case.spans, cache_type=CacheType.Q8_0, context=case.context, parallel=3, block=4
+        ),
+        case,
+    )
     ran_wide = any(width > 1 for width in widths)
     monkeypatch.setattr(engine_module, "widen", lambda chunks: None)
-    eager = _play(_engines(tiny_models["llama"], case.spans, context=case.context), case)
+    eager = _play(
+        cpu_engines(
+            tiny_models["llama"], case.spans, cache_type=CacheType.Q8_0, context=case.context, parallel=3, block=4
+        ),
+        case,
+    )
     (wide_picks, wide_free), (eager_picks, eager_free) = wide, eager
     assert wide_free == eager_free, "the fillers' cells are given back"
     assert [{s: [t for t, _ in p] for s, p in step.items()} for step in wide_picks] == [

@@ -4,10 +4,10 @@ A step carries a chunk per generation that may step now: a prefill slice, or the
 speculation drafts after it). A chunk that would run past the context ends its generation with finish_reason
 "length". The KV pool is shared by all slots: a chunk that would overrun it waits for the cells other generations
 free as they finish; only when nothing under way can free any (no step in flight, none to send) does the waiting
-generation that holds the fewest cells end with "length", so the others go on. A generation under a grammar (strata.gateway.grammar) carries
-its mask of allowed tokens in each chunk that samples, computed when the chunk is built (after its previous token
-landed and advanced the grammar); it ends with "stop" as soon as the grammar allows nothing more, without a step to
-sample the end-of-text token.
+generation that holds the fewest cells end with "length", so the others go on. A generation under a grammar
+(strata.gateway.grammar) carries its mask of allowed tokens in each chunk that samples, computed when the chunk is
+built (after its previous token landed and advanced the grammar); it ends with "stop" as soon as the grammar allows
+nothing more, without a step to sample the end-of-text token.
 """
 
 from __future__ import annotations

@@ -76,3 +76,22 @@ def test_a_mask_holds_one_bit_per_token_in_whole_words(tmp_path: Path, vocab: in
     size = (vocab + 31) // 32 * 4
     assert len(constraints[0].mask()) == size
     assert [len(m or b"") for m in grammars.masks(constraints)] == [size] * len(constraints)
+
+
+def test_a_drafts_masks_are_those_of_advancing_one_token_at_a_time_and_the_matcher_rolls_back(
+    tokenizer: GGUFTokenizer,
+) -> None:
+    grammars = Grammars(tokenizer)
+    grammar = grammars.json_schema(SCHEMAS[0], param="schema")
+    drafting, stepping = grammars.start(grammar), grammars.start(grammar)
+    text = tokenizer.encode('{"a":12', add_special=False)
+    wrong = tokenizer.encode("x", add_special=False)
+    assert drafting.allows([*text, *wrong]) == len(text), "a draft is allowed up to the first refused token"
+    before = drafting.mask()
+    masks = drafting.draft_masks(text)
+    assert drafting.mask() == before, "the matcher is back where it was"
+    expected = []
+    for token in text:
+        stepping.advance(token)
+        expected.append(stepping.mask())
+    assert masks == expected

@@ -93,14 +93,13 @@ def test_bounds_out_of_range_are_refused(bounds: dict[str, float]) -> None:
 
 
 REQUESTS = {
-    "greedy or sampled": ({"penalised": False, "constrained": False}, True),
-    "penalised": ({"penalised": True, "constrained": False}, False),
-    "under a grammar": ({"penalised": False, "constrained": True}, False),
+    "greedy, sampled or under a grammar (each drafted pick takes its own mask)": ({"penalised": False}, True),
+    "penalised": ({"penalised": True}, False),
 }
 
 
 @pytest.mark.parametrize(("request_kind", "drafts"), REQUESTS.values(), ids=REQUESTS.keys())
-def test_only_requests_whose_picks_depend_on_their_own_logits_are_drafted(
+def test_only_requests_whose_picks_depend_on_their_own_logits_and_masks_are_drafted(
     request_kind: dict[str, object], drafts: bool
 ) -> None:
     assert drafts_for(**request_kind) is drafts  # type: ignore[arg-type]

@@ -1,19 +1,23 @@
 """Speculative decoding through the coordinator's driver on real stage servers: the same greedy tokens with
-speculation on as off across 1, 2 and 3 stages, drafts counted and accepted, fewer steps, and a stop token or the
-length ending the generation where it ends without speculation."""
+speculation on as off across 1, 2 and 3 stages and under a grammar, drafts counted and accepted, fewer steps, and a
+stop token or the length ending the generation where it ends without speculation."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from strata.gateway.errors import PipelineError
 from strata.gateway.generation import Finished, Sampling, Token
+from strata.gateway.grammar import Constraint, Grammars
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.pipeline import Pipeline
 from strata.gateway.speculation import Speculation
+from strata.gateway.tokenizer import GGUFTokenizer, TokenizerSpec
+from strata.gguf import read_model_header
 from strata.gguf.model import CacheType
 from strata.gguf.testmodels import write_test_model
 from strata.lease import FencingToken
@@ -47,6 +51,7 @@ class Outcome:
 async def generate(
     port: int, *, speculation: Speculation | None, sampled_beside: bool, metrics: GatewayMetrics,
     stop_ids: frozenset[int] = frozenset(), max_tokens: int = NEW_TOKENS, sampling: Sampling = GREEDY,
+    constraint: Callable[[], Constraint] | None = None,
 ) -> Outcome:  # fmt: skip
     ready = asyncio.Event()
     pipeline = Pipeline(
@@ -58,8 +63,9 @@ async def generate(
         await asyncio.wait_for(ready.wait(), timeout=30)
         freed = asyncio.Event()
         greedy = pipeline.submit(
-            slot=0, prompt=PROMPT, max_tokens=max_tokens, sampling=sampling, stop_ids=stop_ids, on_freed=freed.set
-        )
+            slot=0, prompt=PROMPT, max_tokens=max_tokens, sampling=sampling, stop_ids=stop_ids, on_freed=freed.set,
+            constraint=None if constraint is None else constraint(),
+        )  # fmt: skip
         if sampled_beside:  # a request that is never drafted, decoding in the same steps
             pipeline.submit(
                 slot=1, prompt=PROMPT[:9], max_tokens=NEW_TOKENS, sampling=Sampling(temperature=0.8, seed=3),
@@ -169,3 +175,29 @@ def test_a_last_stage_that_answers_a_sampled_chunk_with_no_token_ends_the_genera
     with local_pipeline(model, SPANS[1], context=256) as stages:
         error = asyncio.run(broken(stages[0].port, stages[0].service))
     assert "with no token for 0" in str(error)
+
+
+def test_under_a_grammar_each_drafted_pick_takes_the_mask_its_draft_leads_to(model: Path) -> None:
+    """Digits and a few letters only: the flat logits of a generated model loop inside the mask, so n-gram drafts are
+    proposed, cut before any token the grammar refuses, and accepted; the text is the one without speculation."""
+    tokenizer = GGUFTokenizer(TokenizerSpec.from_metadata(read_model_header(str(model))[0].metadata))
+    grammars = Grammars(tokenizer)
+    grammar = grammars.lark("start: /[0-9a-c]{80}/", param="grammar")
+
+    def constraint() -> Constraint:
+        return grammars.start(grammar)
+
+    with local_pipeline(model, SPANS[2], context=256) as stages:
+        port = stages[0].port
+        off = asyncio.run(
+            generate(port, speculation=None, sampled_beside=False, metrics=GatewayMetrics(), constraint=constraint)
+        )
+        metrics = GatewayMetrics()
+        on = asyncio.run(
+            generate(port, speculation=Speculation(), sampled_beside=False, metrics=metrics, constraint=constraint)
+        )
+    text = tokenizer.decode(list(off.tokens))
+    assert text
+    assert set(text) <= set("0123456789abc"), text
+    assert on.tokens == off.tokens
+    assert 0 < counted(metrics, "accepted") <= counted(metrics, "drafted")

@@ -79,7 +79,12 @@ BAD_CHUNKS = {
     "token ids missing": Chunk(0, 0, 3, (3,), sample=True, drafted=2),
     "no sampling": Chunk(0, 0, 3, (3, 4, 5), drafted=2),
     "logits asked for": Chunk(0, 0, 3, (3, 4, 5), sample=True, return_logits=True, drafted=2),
-    "a grammar's mask": Chunk(0, 0, 3, (3, 4, 5), sample=True, sampling=Sampling(allowed=b"\xff"), drafted=2),
+    "a grammar's mask for the first pick only": Chunk(
+        0, 0, 3, (3, 4, 5), sample=True, sampling=Sampling(allowed=b"\xff"), drafted=2
+    ),
+    "masks for the drafted picks without the first's": Chunk(
+        0, 0, 3, (3, 4, 5), sample=True, drafted=2, draft_allowed=(b"\xff", b"\xff")
+    ),
     "a repetition penalty": Chunk(
         0, 0, 3, (3, 4, 5), sample=True, sampling=Sampling(repetition_penalty=1.2, penalized=(3,)), drafted=2
     ),
@@ -92,3 +97,32 @@ def test_a_drafted_chunk_the_last_stage_cannot_verify_is_refused(tiny_models: di
     with pytest.raises(InvalidRequestError, match=r"slot 0: .*draft"):
         engine.step([chunk], None)
     assert engine.pool.length(0) == 0, "a refused step changes nothing"
+
+
+def only(token: int, *, vocab: int) -> bytes:
+    """A grammar's mask that allows one token: bit token % 32 of little-endian uint32 word token // 32."""
+    words = [0] * ((vocab + 31) // 32)
+    words[token // 32] |= 1 << (token % 32)
+    return b"".join(word.to_bytes(4, "little") for word in words)
+
+
+MASKED = {
+    "every draft allowed and picked": ((40, 41), (40, 41, 9), (40, 41, 9)),
+    "the second pick's mask refuses the draft": ((40, 41), (40, 5, 9), (40, 5)),
+}
+
+
+@pytest.mark.parametrize(("draft", "forced", "run"), MASKED.values(), ids=MASKED.keys())
+def test_each_pick_of_a_drafted_chunk_samples_inside_its_own_mask(
+    tiny_models: dict[str, Path], draft: tuple[int, ...], forced: tuple[int, ...], run: tuple[int, ...]
+) -> None:
+    """Masks that allow one token each force the picks, so the run shows which mask each pick took."""
+    (engine,) = cpu_engines(tiny_models["llama"], SPANS["one stage"], cache_type=CacheType.F32)
+    engine.step([Chunk(0, 0, len(PROMPT), PROMPT)], None)
+    masks = [only(token, vocab=engine.model.config.vocab_size) for token in forced]
+    chunk = Chunk(
+        0, len(PROMPT), 1 + len(draft), (7, *draft), sample=True, sampling=Sampling(allowed=masks[0]),
+        drafted=len(draft), draft_allowed=tuple(masks[1:]),
+    )  # fmt: skip
+    result = engine.step([chunk], None)
+    assert tuple(s.token_id for s in result.runs[0]) == run

@@ -173,6 +173,25 @@ class Constraint:
         # ones): cut it, or a stage would refuse a mask longer than its vocabulary.
         return mask[: self.grammars.mask_bytes]
 
+    def allows(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, from the first, the grammar allows to come next (a draft is cut there)."""
+        return int(self._matcher.validate_tokens(list(tokens)))
+
+    def draft_masks(self, draft: Sequence[int]) -> list[bytes]:
+        """The mask of the pick after each token of a draft (one the grammar `allows` whole): the matcher takes the
+        draft, gives each mask, and rolls back to where it was."""
+        masks: list[bytes] = []
+        consumed = 0
+        try:
+            for token in draft:
+                self.advance(token)
+                consumed += 1
+                masks.append(self.mask())
+        finally:
+            if consumed:
+                self._matcher.rollback(consumed)
+        return masks
+
     def advance(self, token_id: int) -> None:
         if not self._matcher.consume_token(token_id):
             raise ConstraintViolationError(f"token {token_id} is outside the grammar: {self._matcher.get_error()}")

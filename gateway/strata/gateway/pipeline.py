@@ -210,7 +210,7 @@ class Pipeline(Stepping, PrefixCaching):
             cache_salt=cache_salt,
         )
         s = self.speculation
-        if s is not None and drafts_for(penalised=sampling.penalised, constrained=constraint is not None):
+        if s is not None and drafts_for(penalised=sampling.penalised):
             generation.drafter = (
                 NgramDrafter(prompt, speculation=s) if self._drafters is None else self._drafters(prompt)
             )

@@ -15,8 +15,10 @@ the generation's latest n tokens occurred before, for n from `ngram_max` down to
 followed them there. Agents and editors repeat their context (code being edited, tool results quoted back,
 structured output), which is where it pays; on text that does not repeat it proposes nothing and costs nothing.
 
-What it applies to: requests without a grammar or penalties, whose picks depend only on their own position's
-logits and seed. Requests under a grammar or with penalties decode one position a step beside them. How long each
+What it applies to: requests without penalties, whose picks depend only on their own position's logits, seed and
+mask. Under a grammar, a draft ends before the first token the grammar refuses, and each drafted position's pick
+samples inside the mask its draft leads to, so the text is the one decoding a position a step gives. Requests with
+penalties decode one position a step beside them. How long each
 lane's draft may be in a step, or whether the step drafts at all, strata.gateway.draft_lengths decides from the lanes'
 recent acceptance and what a position costs: with a full batch a step is no longer bound by reading the weights, and
 drafts that would cost what they save are not asked for.
@@ -147,7 +149,8 @@ class NgramDrafter:
         """Nothing to give back: the index is this object's own."""
 
 
-def drafts_for(*, penalised: bool, constrained: bool) -> bool:
+def drafts_for(*, penalised: bool) -> bool:
     """Whether a request's tokens may be verified from drafts: its pick at a position depends on nothing but that
-    position's logits and seed (no penalty counting earlier picks, no grammar whose mask follows them)."""
-    return not penalised and not constrained
+    position's logits, seed and mask (no penalty counting earlier picks). A grammar's mask follows the tokens before
+    it, so the driver gives each drafted position the mask that its draft leads to (strata.gateway.stepping)."""
+    return not penalised

@@ -154,13 +154,18 @@ class Stepping(StageStream):
             draft = proposed if len(proposed) >= self.speculation.min_draft else ()
         else:
             draft = g.drafter.propose(room)
+        if draft and g.constraint is not None:  # a token the grammar refuses is never picked: the draft ends before it
+            draft = draft[: g.constraint.allows(draft)]
+            if len(draft) < self.speculation.min_draft:
+                draft = ()
         if draft:
             self.metrics.speculative_drafted.inc(len(draft))
         return draft
 
     def _with_masks(self, chunks: list[stage_pb2.SlotChunk]) -> list[stage_pb2.SlotChunk]:
-        """Each sampling chunk of a constrained generation gets its mask, all of the step's computed together; a
-        generation whose grammar failed ends with an error and leaves the step."""
+        """Each sampling chunk of a constrained generation gets its mask, all of the step's computed together, and a
+        drafted one the mask of each drafted position's pick; a generation whose grammar failed ends with an error and
+        leaves the step."""
         constrained = [(c, g) for c in chunks if c.sample and (g := self._active[c.slot]).constraint is not None]
         if not constrained:
             return chunks
@@ -171,8 +176,14 @@ class Stepping(StageStream):
                 error = g.constraint.error if g.constraint is not None else ""
                 self._finish(g, PipelineError(f"the output constraint failed: {error}"))
                 failed.add(chunk.slot)
-            else:
-                chunk.allowed_tokens = mask
+                continue
+            chunk.allowed_tokens = mask
+            if chunk.drafted and g.constraint is not None:  # each drafted position's pick: the mask its draft leads to
+                try:
+                    chunk.draft_allowed_tokens.extend(g.constraint.draft_masks(chunk.token_ids[-chunk.drafted :]))
+                except ConstraintViolationError as exc:
+                    self._finish(g, PipelineError(f"the output constraint failed: {exc}"))
+                    failed.add(chunk.slot)
         return [c for c in chunks if c.slot not in failed]
 
     def _dispatch(self, step: Step, reply: stage_pb2.ForwardReply) -> None:

@@ -47,7 +47,7 @@ class Speculative(SpecPart):
             "tokens in its own prompt and output (code edits, quoted tool results, structured output repeat "
             "themselves); the stages verify them in one step. draft: a small GGUF of the target's vocabulary "
             "(draftModel), run in each gateway pod on its CPU, proposes its greedy continuation. Applies to requests "
-            "without a grammar or penalties; the text is the same as without it, sampled text included."
+            "without penalties (under a grammar too); the text is the same as without it, sampled text included."
         )
     )
     draft_model: ModelSource | None = Field(

@@ -47,6 +47,7 @@ class Chunk:
     sampling: Sampling = field(default_factory=Sampling)
     return_logits: bool = False
     drafted: int = 0  # the last `drafted` token ids are a draft to verify (speculative decoding)
+    draft_allowed: tuple[bytes, ...] = ()  # under a grammar: the mask of the pick after each drafted position
 
 
 @dataclass(frozen=True)
@@ -151,10 +152,11 @@ class Engine:
                 )
             self._validate_draft(chunk)
             mask_words = (self.model.config.vocab_size + 31) // 32
-            if len(chunk.sampling.allowed) > 4 * mask_words:
+            longest = max(len(mask) for mask in (chunk.sampling.allowed, *chunk.draft_allowed))
+            if longest > 4 * mask_words:
                 raise InvalidRequestError(
                     f"slot {chunk.slot}: an allowed-token mask over {self.model.config.vocab_size} tokens is at most "
-                    f"{4 * mask_words} bytes, got {len(chunk.sampling.allowed)}"
+                    f"{4 * mask_words} bytes, got {longest}"
                 )
             if self.model.is_first:
                 if len(chunk.token_ids) != chunk.length:
@@ -181,11 +183,17 @@ class Engine:
                 f"with a position before them and all {chunk.length} token ids (got {len(chunk.token_ids)})"
             )
         s = chunk.sampling
-        if not chunk.sample or chunk.return_logits or s.allowed or s.penalized:
+        if not chunk.sample or chunk.return_logits or s.penalized:
             raise InvalidRequestError(
                 f"slot {chunk.slot}: drafted positions are verified by the picks after them alone: a drafted chunk "
-                "samples and returns no logits, with no allowed-token mask and no repetition penalty (both depend on "
-                "the tokens picked before each position)"
+                "samples and returns no logits, with no repetition penalty (it counts the tokens picked before each "
+                "position)"
+            )
+        if (s.allowed or chunk.draft_allowed) and (not s.allowed or len(chunk.draft_allowed) != chunk.drafted):
+            raise InvalidRequestError(
+                f"slot {chunk.slot}: under a grammar, each pick of a drafted chunk has its own mask: allowed_tokens "
+                f"for the first and draft_allowed_tokens for the {chunk.drafted} after the drafted positions, got "
+                f"{'one' if s.allowed else 'no'} allowed_tokens and {len(chunk.draft_allowed)} draft_allowed_tokens"
             )
 
     @torch.inference_mode()

@@ -6,15 +6,18 @@ one), so a pick counts only while every draft token before it was the model's ow
 those that one position a step would have produced. That holds for sampled picks too: a pick is drawn from its
 position's distribution with the uniform number seeded by (seed, position), as a step of one position draws it, and
 the draft counts only where that draw is the draft (which happens with the draft's probability: this is speculative
-sampling with a proposal certain of its token, coupled to the plain draw).
+sampling with a proposal certain of its token, coupled to the plain draw). Under a grammar each pick samples inside
+its own mask: the first inside the chunk's, pick k inside the one that the draft's first k tokens lead to (the
+coordinator computes them, as it computes every mask).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from strata.stage_worker.sampling import Sampled, sample_rows
+from strata.stage_worker.sampling import Sampled, Sampling, sample_rows
 from torch import Tensor
 
 if TYPE_CHECKING:
@@ -32,6 +35,13 @@ def accept(picks: list[Sampled], draft: tuple[int, ...]) -> tuple[Sampled, ...]:
     return tuple(picks[: taken + 1])
 
 
+def pick_sampling(chunk: Chunk, k: int) -> Sampling:
+    """How a chunk's k-th pick samples: under a grammar, pick k > 0 follows drafted position k and takes its mask."""
+    if k == 0 or not chunk.draft_allowed:
+        return chunk.sampling
+    return replace(chunk.sampling, allowed=chunk.draft_allowed[k - 1])
+
+
 def pick(
     rows: Sequence[tuple[Chunk, list[int]]],
     logits: Tensor,
@@ -45,7 +55,7 @@ def pick(
     positions = [
         chunk.start_position + chunk.length - len(mine) + k + 1 for chunk, mine in taken for k in range(len(mine))
     ]
-    params = [chunk.sampling for chunk, mine in taken for _ in mine]
+    params = [pick_sampling(chunk, k) for chunk, mine in taken for k in range(len(mine))]
     chosen = [row for _, mine in taken for row in mine]
     drawn = iter(sample_rows(logits[chosen], params=params, positions=positions) if taken else ())
     single: dict[int, Sampled] = {}

@@ -63,6 +63,7 @@ def chunk_from_proto(message: stage_pb2.SlotChunk) -> Chunk:
         ),
         return_logits=message.return_logits,
         drafted=message.drafted,
+        draft_allowed=tuple(message.draft_allowed_tokens),
     )
 
 

@@ -176,7 +176,7 @@ def test_a_decoding_window_slot_holds_only_the_blocks_its_window_reaches(window:
     context = 3 * window + 2 * block
     cells = CellSpace(blocks=per_slot, block=block, parallel=1, context=context, window=window, device=CPU)
     for position in range(context):
-        (cell,) = cells.take([(0, position)])
+        ((cell,),) = cells.take_runs([(0, position, 1)])
         held = cells.blocks_of(0)
         assert len(held) <= per_slot
         assert cell // block == held[-1]

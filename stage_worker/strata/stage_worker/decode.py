@@ -105,7 +105,7 @@ class Decoder:
         *,
         slots: list[int],
         positions: list[int],
-        cells: list[tuple[int, int]],  # per slot: its new cell in the full-attention and the sliding-window space
+        cells: list[tuple[int, int]],  # per row: its new cell in the full-attention and the sliding-window space
         tokens: list[int],
         hidden: Tensor | None,
         fed: tuple[Picks, list[int]] | None = None,
@@ -116,20 +116,20 @@ class Decoder:
         picks need not have reached the host."""
         if not 1 <= width <= WIDEST or len(slots) % width:
             raise ValueError(f"a decode step takes 1..{WIDEST} rows a slot, the same for each: {len(slots)} by {width}")
-        b = len(slots)
+        n = len(slots)
         full, window = zip(*cells, strict=True)
-        host = torch.tensor([slots, positions, list(full), tokens or [0] * b, list(window)], dtype=torch.long)
-        self.inputs[:, :b].copy_(host, non_blocking=True)
+        host = torch.tensor([slots, positions, list(full), tokens or [0] * n, list(window)], dtype=torch.long)
+        self.inputs[:, :n].copy_(host, non_blocking=True)
         if fed is not None:
             picks, rows = fed
-            if rows == list(range(b)):
-                self.inputs[3, :b].copy_(picks.device[0, :b])
+            if rows == list(range(n)):
+                self.inputs[3, :n].copy_(picks.device[0, :n])
             else:
                 index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
-                self.inputs[3, :b].copy_(picks.device[0].index_select(0, index))
+                self.inputs[3, :n].copy_(picks.device[0].index_select(0, index))
         if hidden is not None:
-            self.hidden[:b].copy_(hidden, non_blocking=True)
-        key = (b // width, width)
+            self.hidden[:n].copy_(hidden, non_blocking=True)
+        key = (n // width, width)
         if not self.graphs:
             return self._body(*key)
         captured = self._captured.get(key) or self._capture(*key)

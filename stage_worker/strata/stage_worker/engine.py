@@ -26,7 +26,7 @@ from strata.stage_worker.kv_cells import Piece, Placement
 from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.model import ChunkView, StageModel, StepLayout, step_layout
 from strata.stage_worker.picks import pick
-from strata.stage_worker.sampling import Sampled, Sampling, sample_rows
+from strata.stage_worker.sampling import Sampled, Sampling
 from strata.stage_worker.wide_step import WideStep, widen
 from torch import Tensor
 
@@ -339,9 +339,9 @@ class Engine:
                 return StepResult(hidden=out.hidden.clone(), tokens={}, logits={})
             if out.logits is None or out.greedy is None:
                 raise RuntimeError("the last stage's decode body returned no logits")
-            drawn = [i for i, chunk in enumerate(chunks) if chunk.sample and not chunk.sampling.greedy_as_is]
-            if drawn:  # the slots that sample, bias, mask or ask for log-probabilities: together, in one pass
-                return self._drawn(chunks, drawn, out.logits, self.decoder.picks(out))
+            if any(chunk.sample and not chunk.sampling.greedy_as_is for chunk in chunks):
+                # the slots that sample, bias, mask or ask for log-probabilities: together, in one pass
+                return self._drawn(chunks, out.logits, self.decoder.picks(out))
             picks, rows = self.decoder.picks(out), list(range(len(chunks)))
         launched = self._launch_ahead(chunks, picks, rows) if self.decodes_ahead else None
         tokens, logprobs = picks.read()
@@ -370,20 +370,11 @@ class Engine:
             if slot not in keep and self.pool.revisions[slot] == revision:
                 self.pool.truncate(slot=slot, position=position)
 
-    def _drawn(self, chunks: list[Chunk], drawn: list[int], logits: Tensor, picks: Picks) -> StepResult:
-        tokens, logprobs = picks.read()
-        sampled = {
-            chunk.slot: Sampled(token_id=int(tokens[i]), logprob=logprobs[i], top_logprobs=())
-            for i, chunk in enumerate(chunks)
-            if chunk.sample and chunk.sampling.greedy_as_is
-        }
-        picked = sample_rows(
-            logits[drawn],
-            params=[chunks[i].sampling for i in drawn],
-            positions=[chunks[i].start_position + 1 for i in drawn],
-        )
-        sampled |= {chunks[i].slot: pick for i, pick in zip(drawn, picked, strict=True)}
-        return StepResult(hidden=None, tokens=sampled, logits={})
+    def _drawn(self, chunks: list[Chunk], logits: Tensor, picks: Picks) -> StepResult:
+        """The step's picks: the greedy ones from the decode body, the others drawn from its logits."""
+        rows = [(chunk, [i]) for i, chunk in enumerate(chunks) if chunk.sample]
+        single, _ = pick(rows, logits, greedy=picks.read())
+        return StepResult(hidden=None, tokens=single, logits={})
 
     def _launch_ahead(self, chunks: list[Chunk], picks: Picks, rows: list[int]) -> Picks | None:
         """The next step of these slots, launched before `picks` are read, its tokens taken from them on the device;

@@ -180,12 +180,9 @@ class CellSpace:
             placed.append((new, self.table[slot, self._first[slot] : start + length]))
         return placed
 
-    def take(self, positions: list[tuple[int, int]]) -> list[int]:
-        """A decode step's one new cell per (slot, position), on the host only: the step puts them in the table."""
-        return [run[0] for run in self.take_runs([(slot, position, 1) for slot, position in positions])]
-
     def take_runs(self, pieces: list[Piece]) -> list[list[int]]:
-        """`take` for a few positions a slot (a step that verifies drafts): per piece, its positions' new cells."""
+        """A decode step's new cells, on the host only (the step puts them in the table): per piece, its positions'
+        (one a slot, or a few: a step that verifies drafts)."""
         self.grow(pieces)
         return [
             [self.cell(slot=slot, position=position) for position in range(start, start + length)]

@@ -82,6 +82,9 @@ BAD_CHUNKS = {
     "a grammar's mask for the first pick only": Chunk(
         0, 0, 3, (3, 4, 5), sample=True, sampling=Sampling(allowed=b"\xff"), drafted=2
     ),
+    "masks for drafted picks on a chunk without drafts": Chunk(
+        0, 0, 3, (3, 4, 5), sample=True, draft_allowed=(b"\xff",)
+    ),
     "masks for the drafted picks without the first's": Chunk(
         0, 0, 3, (3, 4, 5), sample=True, drafted=2, draft_allowed=(b"\xff", b"\xff")
     ),

@@ -176,6 +176,11 @@ class Engine:
     @staticmethod
     def _validate_draft(chunk: Chunk) -> None:
         if not chunk.drafted:
+            if chunk.draft_allowed:
+                raise InvalidRequestError(
+                    f"slot {chunk.slot}: {len(chunk.draft_allowed)} draft_allowed_tokens for a chunk without drafted "
+                    "positions: they are the masks of the picks after drafted positions"
+                )
             return
         if not 0 < chunk.drafted < chunk.length or len(chunk.token_ids) != chunk.length:
             raise InvalidRequestError(

@@ -123,3 +123,38 @@ def test_drafts_verified_in_captured_steps_give_the_plain_tokens(streams: int, t
             got[s].extend(pick.token_id for pick in result.runs.get(s) or (result.tokens[s],))
     assert [tokens[:STEPS] for tokens in got] == [tokens[:STEPS] for tokens in expected]
     assert any(width > 1 for _, width in engine.decoder._captured), "no step of drafts was replayed from a graph"
+
+
+def _compiled_kernels() -> int:
+    """Kernels Triton has compiled in this process so far: the project's JIT functions' caches, on every device."""
+    from strata.stage_worker.kernels import paged_attention_triton, quant_gemm_triton, quant_matmul_triton
+    from triton.runtime.jit import JITFunction
+
+    modules = (paged_attention_triton, quant_gemm_triton, quant_matmul_triton)
+    functions = [value for module in modules for value in vars(module).values() if isinstance(value, JITFunction)]
+    return sum(len(entry[0]) for fn in functions for entry in fn.device_caches.values())
+
+
+@pytest.mark.parametrize("weight_type", [Q.Q8_0, Q.Q4_K], ids=lambda t: t.name)
+def test_after_warm_up_no_step_shape_compiles(weight_type: GGMLQuantizationType, tmp_path: Path) -> None:
+    """Every batch of 1..parallel slots, a row each or WIDEST, runs kernels the warm-up compiled: none compiles while
+    serving (strata.stage_worker.warm_steps)."""
+    from strata.stage_worker.decode import WIDEST
+
+    path = write_test_model(tmp_path / "model.gguf", architecture="llama", block_count=2, weight_type=weight_type).path
+    engine = _engine(path, torch.bfloat16)
+    engine.warm_up()
+    before = _compiled_kernels()
+    assert before > 0, "the warm-up compiled no Triton kernel: the count below would prove nothing"
+    for width in range(1, WIDEST + 1):
+        for streams in range(1, engine.pool.parallel + 1):
+            chunks = [Chunk(slot=s, start_position=0, length=2, token_ids=(5, 6)) for s in range(streams)]
+            engine.step(chunks, None)  # a prompt's first positions: prefill, kernels of its own
+            prefilled = _compiled_kernels()
+            tokens = tuple(range(7, 7 + width))
+            step = [Chunk(slot=s, start_position=2, length=width, token_ids=tokens, sample=True,
+                          drafted=width - 1) for s in range(streams)]  # fmt: skip
+            engine.step(step, None)
+            assert _compiled_kernels() == prefilled, f"a step of {streams} slots by {width} rows compiled a kernel"
+            for s in range(streams):
+                engine.pool.reset(s)

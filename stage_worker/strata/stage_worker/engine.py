@@ -27,6 +27,7 @@ from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.model import ChunkView, StageModel, StepLayout, step_layout
 from strata.stage_worker.picks import pick
 from strata.stage_worker.sampling import Sampled, Sampling
+from strata.stage_worker.warm_steps import warm_steps
 from strata.stage_worker.wide_step import WideStep, widen
 from torch import Tensor
 
@@ -105,26 +106,10 @@ class Engine:
         self._ahead: Ahead | None = None
 
     def warm_up(self) -> None:
-        """Run the decode step (on GPUs: compile and capture it) for one slot and for several before the stage says
-        it is ready, so no request waits for it and no broken path serves (dynamic shapes: these two cover every
-        batch size and depth)."""
+        """Run the decode step (on GPUs: compile and capture it) for the shapes of strata.stage_worker.warm_steps
+        before the stage says it is ready, so no request waits for a compiler and no broken path serves."""
         with on_device(self.device):
-            self._warm_up()
-
-    def _warm_up(self) -> None:
-        for batch in sorted({1, min(2, self.pool.parallel)}):
-            slots = list(range(batch))
-            hidden = (
-                None
-                if self.model.is_first
-                else torch.zeros(batch, self.model.config.dim, dtype=self.dtype, device=self.device)
-            )
-            try:
-                cells = [self.pool.take(slot=slot, position=0) for slot in slots]
-                self.decoder.run(slots=slots, positions=[0] * batch, cells=cells, tokens=[0] * batch, hidden=hidden)
-            finally:  # a failed compilation leaves the slots empty too, for the engine that replaces this one
-                for slot in slots:
-                    self.pool.reset(slot)
+            warm_steps(decoder=self.decoder, pool=self.pool, model=self.model, dtype=self.dtype)
 
     def validate(self, chunks: list[Chunk], hidden: Tensor | None) -> None:
         if not chunks:

@@ -63,7 +63,12 @@ def _dequantise(values, scales_ptr, cell, stride_sc, first_column, pos_ok, d_ok,
     return numbers * scale.to(numbers.dtype)
 
 
-@triton.jit
+# The partial results' strides follow the batch's split count, which follows its size: specialised on them, the kernels
+# compiled again for each new batch size in the middle of serving (seconds each on an H200).
+_BY_SPLITS = ["stride_on", "stride_oh", "stride_os", "stride_ln", "stride_lh"]
+
+
+@triton.jit(do_not_specialize=_BY_SPLITS)
 def _attend_split(
     q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, table_ptr, slots_ptr, q_starts_ptr, q_lens_ptr, kv_lens_ptr,
     o_part_ptr, lse_part_ptr,
@@ -169,7 +174,7 @@ def _attend_split(
     tl.store(lse_part_ptr + rows * stride_ln + head * stride_lh + split, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=[*_BY_SPLITS, "splits"])
 def _merge_splits(
     o_part_ptr, lse_part_ptr, out_ptr,
     stride_on, stride_oh, stride_os, stride_ln, stride_lh, stride_outn, stride_outh,
@@ -246,6 +251,37 @@ def launch_shape(*, programs: int, rows: int, device: torch.device, config: Laun
     return Launch(splits=splits, warps=warps, block_n=config.lone_block_n if lone else config.block_n)
 
 
+@dataclass(frozen=True)
+class TileShape:
+    rep: int  # a program's rows of one query position: the GQA group, padded to a power of two
+    block_t: int  # query positions a program takes
+    block_d: int
+    q_tiles: int  # programs a sequence's query positions need
+    block_n: int  # key positions a tile
+    launch: Launch
+
+    @property
+    def variant(self) -> tuple[object, ...]:
+        """What picks the compiled kernels of a launch beyond the layer's fixed attributes: a launch of a new variant
+        compiles (seconds), so a stage's warm-up runs a step of each its batches meet (strata.stage_worker.decode)."""
+        splits = triton.next_power_of_2(self.launch.splits)  # the merge's tile
+        return (self.block_t, self.q_tiles == 1, self.block_n, self.launch.warps, splits)
+
+
+def tile_shape(
+    *, n_seq: int, max_q_len: int, n_head: int, n_head_kv: int, head_dim: int, device: torch.device,
+    config: LaunchConfig = DEFAULT,
+) -> TileShape:  # fmt: skip
+    """How a batch of `n_seq` sequences of up to `max_q_len` query positions is tiled and launched."""
+    rep = triton.next_power_of_2(n_head // n_head_kv)
+    block_t = max(1, (16 if max_q_len == 1 else 64) // rep)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    q_tiles = triton.cdiv(max_q_len, block_t)
+    launch = launch_shape(programs=n_seq * q_tiles * n_head_kv, rows=block_t * rep, device=device, config=config)
+    block_n = launch.block_n if block_d <= 128 else launch.block_n // 2
+    return TileShape(rep=rep, block_t=block_t, block_d=block_d, q_tiles=q_tiles, block_n=block_n, launch=launch)
+
+
 def paged_attention(
     q: Tensor,
     *,
@@ -275,18 +311,17 @@ def paged_attention(
             raise ValueError(f"the sequences' {name} must be one contiguous tensor, not strided {column.stride()}")
     n, n_head, head_dim = q.shape
     n_rep = n_head // n_head_kv
-    rep = triton.next_power_of_2(n_rep)
-    block_t = max(1, (16 if max_q_len == 1 else 64) // rep)
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    q_tiles = triton.cdiv(max_q_len, block_t)
-    n_seq = slots.shape[0]
-    launch = launch_shape(programs=n_seq * q_tiles * n_head_kv, rows=block_t * rep, device=q.device, config=config)
+    shape = tile_shape(
+        n_seq=slots.shape[0], max_q_len=max_q_len, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
+        device=q.device, config=config,
+    )  # fmt: skip
+    rep, block_t, block_d, q_tiles, block_n = shape.rep, shape.block_t, shape.block_d, shape.q_tiles, shape.block_n
+    launch = shape.launch
     splits = launch.splits
-    block_n = launch.block_n if block_d <= 128 else launch.block_n // 2
     o_part = torch.empty(n, n_head, splits, head_dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(n, n_head, splits, dtype=torch.float32, device=q.device)
     f16_tiles = keys.dtype in (torch.int8, torch.float16) and values.dtype in (torch.int8, torch.float16)
-    _attend_split[(n_seq * q_tiles, n_head_kv, splits)](
+    _attend_split[(slots.shape[0] * q_tiles, n_head_kv, splits)](
         q, keys, keys if key_scales is None else key_scales, values, values if value_scales is None else value_scales,
         table, slots, q_starts, q_lens, kv_lens, o_part, lse_part,
         scale, window if window > 0 else NO_WINDOW, softcap,

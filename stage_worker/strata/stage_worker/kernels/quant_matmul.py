@@ -46,6 +46,17 @@ FUSED_MAX_ROWS = 4
 GEMM_MAX_ROWS = 64
 
 
+def rows_variant(rows: int) -> tuple[str, int, bool]:
+    """Which compiled kernels a product of `rows` rows of x runs (a new one compiles for seconds): the fused kernel
+    by the power of two that holds the rows (and one row alone), the tensor-core one by its tile of rows (and whether
+    they fill tiles of 16), or dequantise-then-cuBLAS. A stage's warm-up runs a step of each one its batches meet."""
+    if rows <= FUSED_MAX_ROWS:
+        return ("fused", 1 << (rows - 1).bit_length(), rows == 1)
+    if rows <= GEMM_MAX_ROWS:
+        return ("gemm", max(16, 1 << (rows - 1).bit_length()), rows % 16 == 0)
+    return ("dense", 0, False)
+
+
 class Gate(IntEnum):
     """What x is made of (quant_blocks_triton's GATE_ constants): x itself, or act(gate) * up of a gated feed-forward's
     [M, 2K] gate and up, which the kernels form as they load x."""

@@ -1,0 +1,69 @@
+"""The decode steps a stage warms up (strata.stage_worker.warm_steps): one and two slots, then the first shape of each
+kernel variant its steps can meet, and the products' kernel variants by rows (strata.stage_worker.kernels)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from pathlib import Path
+
+import pytest
+import torch
+from strata.gguf.model import CacheType
+from strata.gguf.testmodels import write_test_model
+from strata.stage_worker.decode import WIDEST
+from strata.stage_worker.engine import Engine
+from strata.stage_worker.kernels.quant_matmul import FUSED_MAX_ROWS, GEMM_MAX_ROWS, rows_variant
+from strata.stage_worker.kv_pool import KVPool
+from strata.stage_worker.warm_steps import warm_shapes
+from strata_testbed.stages import load_spans
+
+SHAPES: list[tuple[str, int, Callable[[int, int], Hashable], list[tuple[int, int]]]] = [
+    ("nothing compiled: one slot and two", 16, lambda s, w: None, [(1, 1), (2, 1)]),
+    ("one lane: one slot", 1, lambda s, w: None, [(1, 1)]),
+    ("a variant for steps of several rows", 4, lambda s, w: w > 1, [(1, 1), (2, 1), (1, 2)]),
+    ("a variant past 8 slots", 16, lambda s, w: s > 8, [(1, 1), (2, 1), (9, 1)]),
+    (
+        "variants by rows: the first shape of each",
+        16,
+        lambda s, w: rows_variant(s * w),
+        [(1, 1), (2, 1), (3, 1), (5, 1), (16, 1), (9, 2), (16, 2), (11, 3), (16, 3), (13, 5)],
+    ),
+]
+
+
+@pytest.mark.parametrize(("parallel", "variant", "expected"), [c[1:] for c in SHAPES], ids=[c[0] for c in SHAPES])
+def test_warm_shapes(parallel: int, variant: Callable[[int, int], Hashable], expected: list[tuple[int, int]]) -> None:
+    shapes = warm_shapes(parallel, variant)
+    assert shapes == expected
+    met = {variant(s, w) for s in range(1, parallel + 1) for w in range(1, WIDEST + 1)}
+    assert {variant(s, w) for s, w in shapes} == met, "a variant a step can meet is left to compile while serving"
+
+
+ROWS = [
+    ("one row: the fused kernel, alone", 1, ("fused", 1, True)),
+    ("three rows: the fused kernel's tile of 4", 3, ("fused", 4, False)),
+    ("the fused kernel's last", FUSED_MAX_ROWS, ("fused", FUSED_MAX_ROWS, False)),
+    ("past it: the tensor-core kernel's tile of 16", FUSED_MAX_ROWS + 1, ("gemm", 16, False)),
+    ("whole tiles of 16", 32, ("gemm", 32, True)),
+    ("the tensor-core kernel's last", GEMM_MAX_ROWS, ("gemm", GEMM_MAX_ROWS, True)),
+    ("past it: dequantise, then cuBLAS", GEMM_MAX_ROWS + 1, ("dense", 0, False)),
+]
+
+
+@pytest.mark.parametrize(("rows", "expected"), [c[1:] for c in ROWS], ids=[c[0] for c in ROWS])
+def test_rows_variant(rows: int, expected: tuple[str, int, bool]) -> None:
+    assert rows_variant(rows) == expected
+
+
+def test_warm_up_runs_its_steps_and_leaves_the_pool_empty(tmp_path: Path) -> None:
+    path = write_test_model(tmp_path / "model.gguf", architecture="llama", block_count=2).path
+    (model,) = load_spans(path, dtype=torch.float32, device=torch.device("cpu"))
+    c = model.config
+    pool = KVPool(
+        n_layers=c.n_layer, context=64, parallel=3, key_width=c.kv_dim, value_width=c.kv_dim,
+        type_k=CacheType.F32, type_v=CacheType.F32, dtype=torch.float32, device=torch.device("cpu"),
+    )  # fmt: skip
+    engine = Engine(model=model, pool=pool, device=torch.device("cpu"), dtype=torch.float32)
+    free = pool.free_cells
+    engine.warm_up()
+    assert pool.free_cells == free

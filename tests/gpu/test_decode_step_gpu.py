@@ -141,7 +141,10 @@ def test_after_warm_up_no_step_shape_compiles(weight_type: GGMLQuantizationType,
     serving (strata.stage_worker.warm_steps)."""
     from strata.stage_worker.decode import WIDEST
 
-    path = write_test_model(tmp_path / "model.gguf", architecture="llama", block_count=2, weight_type=weight_type).path
+    shape = K_QUANT_SHAPE if weight_type == Q.Q4_K else None  # K-quant rows are 256 values a block
+    path = write_test_model(
+        tmp_path / "model.gguf", architecture="llama", block_count=2, shape=shape, weight_type=weight_type
+    ).path
     engine = _engine(path, torch.bfloat16)
     engine.warm_up()
     before = _compiled_kernels()

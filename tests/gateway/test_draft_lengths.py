@@ -4,6 +4,8 @@ not pay; never a decision whose expected tokens per unit of cost fall below plai
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from strata.gateway.draft_lengths import PRIOR_ACCEPTANCE, Acceptance, StepCost, draft_lengths
 
@@ -135,3 +137,44 @@ def test_a_draft_models_own_steps_count_against_its_drafts(
     tokens = decoding + sum(sum(acceptance[s] ** j for j in range(1, k + 1)) for s, k in chosen.items())
     spent = GPU_LIKE.ratio(decoding + sum(chosen.values())) + sum(made.get(s, 0.0) * k for s, k in chosen.items())
     assert tokens / spent >= decoding / GPU_LIKE.ratio(decoding), "never below plain decoding's estimate"
+
+
+def _by_scanning(
+    *, decoding: int, acceptance: dict[int, float], max_draft: int, min_draft: int, cost: StepCost,
+    draft_cost: dict[int, float],
+) -> dict[int, int]:  # fmt: skip
+    """The rule of strata.gateway.draft_lengths written plainly: every move of every lane weighed at each step."""
+    lengths = dict.fromkeys(acceptance, 0)
+    tokens, positions, making = float(decoding), decoding, 0.0
+    while True:
+        options = []
+        for slot, rate in acceptance.items():
+            k = lengths[slot]
+            if k < max_draft:
+                added = min_draft if k == 0 else 1
+                gain = sum(rate**j for j in range(k + 1, k + added + 1))
+                price = (cost.marginal + draft_cost.get(slot, 0.0)) * added
+                options.append((gain / price if price else float("inf"), slot, gain, added))
+        if not options:
+            return lengths
+        _, slot, gain, added = max(options, key=lambda o: o[0])  # the first of equals, as the lanes are named
+        made = making + draft_cost.get(slot, 0.0) * added
+        if (tokens + gain) / (cost.ratio(positions + added) + made) <= tokens / (cost.ratio(positions) + making):
+            return lengths
+        lengths[slot] += added
+        tokens, positions, making = tokens + gain, positions + added, made
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_heap_chooses_as_a_scan_of_every_lane_would(seed: int) -> None:
+    rng = random.Random(seed)  # noqa: S311 - cases, not secrets
+    lanes = rng.choice([1, 2, 5, 16, 64])
+    acceptance = {slot: rng.choice([rng.random(), 1.0, 0.5, 0.0]) for slot in rng.sample(range(128), lanes)}
+    draft_cost = {slot: rng.choice([0.0, 0.05, 0.5, 1.0]) for slot in acceptance if rng.random() < 0.5}
+    max_draft = rng.randint(1, 7)
+    arguments = {
+        "decoding": lanes + rng.randint(0, 8), "acceptance": acceptance, "max_draft": max_draft,
+        "min_draft": rng.randint(1, max_draft), "cost": StepCost(marginal=rng.choice([0.0, 0.01, 0.1, 0.5, 1.0])),
+        "draft_cost": draft_cost,
+    }  # fmt: skip
+    assert draft_lengths(**arguments) == _by_scanning(**arguments)  # type: ignore[arg-type]

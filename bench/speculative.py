@@ -3,7 +3,7 @@ stages, with the acceptance beside each speedup; and what one more position cost
 
     .venv/bin/python bench/speculative.py [--method ngram,draft] [--stages 1,2] [--tokens 96] [--rounds 3]
         [--streams 16] [--context 16384] [--device cuda] [--model gemma|generated|FILE] [--draft self|generated|FILE]
-        [--draft-device DEVICE] [--position-cost X] [--deadline-s 3000]
+        [--draft-device DEVICE] [--max-draft 4] [--position-cost X] [--deadline-s 3000]
 
 Runs real `strata serve` process trees on loopback, one after another in one run: one without speculation and one
 per method for each stage count. The model is the real Gemma 3 270M (Q4_K_M, the test extra's file) unless --model
@@ -60,7 +60,7 @@ PROMPT = (
     "def pipeline_stages(layers, devices):\n"
 )
 BAR = 0.95  # the batch with speculation on, over plain decoding: at least this
-MAX_DRAFT = 4  # the gateway's default, which the servers run with
+MAX_DRAFT = 4  # the gateway's default (--max-draft)
 
 
 class Deadline:
@@ -102,9 +102,9 @@ def models(model: str, draft: str, folder: Path) -> tuple[Path, Path]:
     return target, Path(draft)
 
 
-def step_costs(target: Path, *, device: str, streams: int, rounds: int = 5) -> dict[str, float]:
+def step_costs(target: Path, *, device: str, streams: int, max_draft: int, rounds: int = 5) -> dict[str, float]:
     """Median seconds of decode steps on an engine of the whole model: 1 slot and `streams` slots, each of 1 and
-    of 1 + MAX_DRAFT positions a slot; and the marginal position costs they imply."""
+    of 1 + max_draft positions a slot; and the marginal position costs they imply."""
     from strata.gateway.draft_model import load_draft_model
     from strata.gateway.speculation import DraftSource, Speculation
     from strata.gguf import read_model_header
@@ -129,12 +129,12 @@ def step_costs(target: Path, *, device: str, streams: int, rounds: int = 5) -> d
             times.append(time.perf_counter() - begun)
         return statistics.median(times[2:])
 
-    one, one_k = timed(1, 1), timed(1, 1 + MAX_DRAFT)
-    many, many_k = timed(streams, 1), timed(streams, 1 + MAX_DRAFT)
+    one, one_k = timed(1, 1), timed(1, 1 + max_draft)
+    many, many_k = timed(streams, 1), timed(streams, 1 + max_draft)
     return {
         "one": one, "one_k": one_k, "many": many, "many_k": many_k,
-        "marginal_one": (one_k / one - 1) / MAX_DRAFT,
-        "marginal_many": (many_k / one - 1) / (streams * (1 + MAX_DRAFT) - 1),
+        "marginal_one": (one_k / one - 1) / max_draft,
+        "marginal_many": (many_k / one - 1) / (streams * (1 + max_draft) - 1),
     }  # fmt: skip
 
 
@@ -144,7 +144,7 @@ def served(
 ) -> Iterator[Served]:
     extra: tuple[str, ...] = ()
     if method:
-        extra = ("--speculative", method)
+        extra = ("--speculative", method, "--max-draft", str(args.max_draft))
         if args.position_cost is not None:
             extra += ("--position-cost", str(args.position_cost))
     if method == "draft":
@@ -259,6 +259,9 @@ def main() -> None:
     parser.add_argument(
         "--position-cost", type=float, default=None, help="passed to the servers (default: the one measured here)"
     )
+    parser.add_argument(
+        "--max-draft", type=int, default=MAX_DRAFT, help="draft tokens a step at most, passed to the servers"
+    )
     parser.add_argument("--p-min", type=float, default=None, help="method draft's floor, passed to the servers")
     parser.add_argument("--no-step-costs", action="store_true", help="skip timing the engine's steps")
     parser.add_argument("--deadline-s", type=float, default=3000.0, help="the whole run stops after this")
@@ -270,13 +273,13 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="bench-speculative-"))
     target, draft = models(args.model, args.draft, folder)
     if not args.no_step_costs:
-        costs = step_costs(target, device=args.device, streams=args.streams)
+        costs = step_costs(target, device=args.device, streams=args.streams, max_draft=args.max_draft)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the engine is gone: its memory goes back before the servers start
         print(
-            f"steps of {target.name} on {args.device}: 1 slot {costs['one'] * 1e3:.1f} ms, with {MAX_DRAFT} "
+            f"steps of {target.name} on {args.device}: 1 slot {costs['one'] * 1e3:.1f} ms, with {args.max_draft} "
             f"drafts {costs['one_k'] * 1e3:.1f} ms; {args.streams} slots {costs['many'] * 1e3:.1f} ms, with "
-            f"{MAX_DRAFT} drafts each {costs['many_k'] * 1e3:.1f} ms; a position's marginal cost "
+            f"{args.max_draft} drafts each {costs['many_k'] * 1e3:.1f} ms; a position's marginal cost "
             f"{costs['marginal_one']:.3f} (1 slot), {costs['marginal_many']:.3f} ({args.streams} slots): "
             f"--position-cost {min(1.0, max(costs['marginal_one'], costs['marginal_many'], 0.0)):.3f}",
             flush=True,

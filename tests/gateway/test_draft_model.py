@@ -8,12 +8,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import pytest
 from strata.gateway.draft_model import (
     DraftModel,
+    DraftModelDrafter,
     kept_positions,
     load_draft_model,
     vocabulary_refusal,
@@ -21,7 +22,7 @@ from strata.gateway.draft_model import (
 from strata.gateway.generation import Finished, Sampling, Token
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.pipeline import Pipeline
-from strata.gateway.speculation import Drafter, DraftModelError, DraftSource, Speculation
+from strata.gateway.speculation import Drafter, DraftModelError, DraftSource, Speculation, proposals
 from strata.gguf import read_model_header
 from strata.gguf.header import GGUFHeader
 from strata.gguf.model import CacheType
@@ -101,13 +102,15 @@ async def generate(
 
 class Unpriced:
     """A draft model's drafter whose steps the driver takes as free. These tests check the text that verifying its
-    drafts gives; on a CPU the draft costs what the target's step does, and the driver would stop drafting."""
+    drafts gives; on a CPU the draft costs what the target's step does, and the driver would stop drafting. Its
+    proposals go through the draft model's shared steps, as the inner drafter's would."""
 
     computes = True
     token_seconds = 0.0
 
-    def __init__(self, inner: Drafter) -> None:
+    def __init__(self, inner: DraftModelDrafter, shared: UnpricedLanes) -> None:
         self.inner = inner
+        self.shared = shared
 
     def extend(self, tokens: Iterable[int]) -> None:
         self.inner.extend(tokens)
@@ -119,10 +122,24 @@ class Unpriced:
         self.inner.close()
 
 
+class UnpricedLanes:
+    """The draft model's shared proposals, for Unpriced drafters."""
+
+    def __init__(self, model: DraftModel) -> None:
+        self.model = model
+
+    def propose(self, lanes: Sequence[tuple[Drafter, int]]) -> list[tuple[int, ...]]:
+        inner = [(drafter.inner, limit) for drafter, limit in lanes if isinstance(drafter, Unpriced)]
+        assert len(inner) == len(lanes), "only Unpriced drafters share these proposals"
+        return self.model.propose(inner)
+
+
 def unpriced(model: DraftModel) -> Callable[[tuple[int, ...]], Drafter | None]:
+    lanes = UnpricedLanes(model)
+
     def drafter(prompt: tuple[int, ...]) -> Drafter | None:
         made = model.drafter(prompt)
-        return None if made is None else Unpriced(made)
+        return None if made is None else Unpriced(made, lanes)
 
     return drafter
 
@@ -171,6 +188,7 @@ class GatedDrafter:
 
     computes = True
     token_seconds = 0.0
+    shared = None
 
     def __init__(self) -> None:
         self.gate = threading.Event()
@@ -249,6 +267,46 @@ def test_a_rejected_guess_is_fed_again_from_where_the_request_differs(files: dic
     assert drafter.held[: len(PROMPT) + 1] == [*PROMPT, wrong]
     assert len(drafter.held) == len(PROMPT) + 2
     assert len(again) == 2
+
+
+def test_lanes_proposed_together_get_the_drafts_each_gets_alone(files: dict[str, Path]) -> None:
+    """Two requests (the draft model's two slots) with other prompts and limits, over three rounds: the first
+    proposal with the prompts' prefill, then one lane after all its guesses and a bonus token, the other after a
+    rejected first guess; in shared steps on one draft model and one by one on another, the same drafts and slots."""
+    limits = [4, 2]
+    both: list[list[DraftModelDrafter]] = []
+    for _ in range(2):
+        model = draft_model(files, "target")
+        made = [model.drafter(prompt) for prompt in (PROMPT, PROMPT[5:])]
+        both.append([d for d in made if d is not None])
+    alone, together = both
+    assert len(alone) == len(together) == 2
+    for round_ in range(3):
+        expected = [d.propose(limit) for d, limit in zip(alone, limits, strict=True)]
+        got = proposals([(d, limit) for d, limit in zip(together, limits, strict=True)])
+        assert got == expected, f"round {round_}"
+        assert all(expected), "every lane drafted: the rounds check feeds after guesses"
+        assert [d.held for d in together] == [d.held for d in alone]
+        for drafters in both:
+            drafters[0].extend((*expected[0], 5))
+            drafters[1].extend(((expected[1][0] + 1) % 1000,))
+
+
+def test_a_lane_whose_draft_fails_goes_undrafted_and_the_others_keep_their_drafts(files: dict[str, Path]) -> None:
+    """The first lane's prompt leaves its draft slot too few positions for its guesses: the shared step fails, each
+    lane is tried alone, and only that one goes on without drafts (its drafter closed, its slot free)."""
+    model, reference = draft_model(files, "target"), draft_model(files, "target")
+    crowded = tuple(10 + i % 900 for i in range(CONTEXT - 2))
+    failing, fine = model.drafter(crowded), model.drafter(PROMPT)
+    alone = reference.drafter(PROMPT)
+    assert failing is not None
+    assert fine is not None
+    assert alone is not None
+    got = proposals([(failing, 4), (fine, 4)])
+    assert got == [(), alone.propose(4)]
+    assert failing.closed
+    assert not fine.closed
+    assert model.free_slots == 1
 
 
 # The slot's tokens, the request's tokens, and how many positions stay before feeding.

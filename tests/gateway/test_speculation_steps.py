@@ -89,6 +89,7 @@ class TimedDrafter:
     """A drafter that computes (a draft model), whose tokens cost `token_seconds` each to make."""
 
     computes = True
+    shared = None
 
     def __init__(self, token_seconds: float) -> None:
         self.token_seconds = token_seconds

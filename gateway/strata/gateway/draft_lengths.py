@@ -12,8 +12,9 @@ costs more than it saves. The decision weighs both, per lane, from numbers the d
 - each lane's acceptance rate: the chance that its next draft token is accepted, given the one before it was
   (`Acceptance`, from the lane's recent verified runs). A draft of k then yields 1 + a + a² + … + a^k tokens on average.
 
-A draft model also costs its own steps, one per draft token, a lane at a time: the driver measures what a draft token
-costs against a one-position step of the pipeline, and the decision adds it to the price of that lane's drafts.
+A draft model also costs its own steps, one per draft token, which the step's drafting lanes share: the driver
+measures what a draft token costs a lane (a draft step's time over the lanes it carried) against a one-position step
+of the pipeline, and the decision adds it to the price of that lane's drafts.
 
 The decision maximises the step's expected tokens per unit of cost: starting from no drafts (one position a lane, what
 plain decoding yields), it repeatedly makes the move with the most expected tokens per unit of cost added — starting a
@@ -93,7 +94,7 @@ def draft_lengths(
     """Each drafting lane's draft length for a step (0: none) by the rule above. `decoding`: the slots that decode in
     the step, drafting or not (each yields one token for one position); `acceptance`: slot -> rate for those that may
     draft; `draft_cost`: slot -> what each of its draft tokens costs to make, in one-position steps (a draft model
-    computes one step per token, one lane after another; n-gram lookup costs nothing and is left out)."""
+    computes one step per token for the lanes drafting together; n-gram lookup costs nothing and is left out)."""
     making = draft_cost or {}
     if not 1 <= min_draft <= max_draft:
         raise ValueError(f"draft lengths need 1 <= min draft ({min_draft}) <= max draft ({max_draft})")

@@ -16,10 +16,13 @@ costs the draft the accepted run plus one position for each further guess.
 Refused at start-up, naming both files: a draft whose vocabulary differs from the target's in size or in any
 token's text, since its token ids would mean other text than the target's.
 
-The driver asks for a proposal in a worker thread (a DraftModelDrafter `computes`), so the gateway's event loop
-serves everything else while the draft runs; one lock keeps the draft's engine to one thread at a time, since the
-drivers of several pipelines share it. Drafting the next run while the stages verify this one ("tail drafting") is
-the next piece; until then the method pays where the draft is much cheaper than a pipeline step.
+The driver asks for a step's proposals in one worker thread (a DraftModelDrafter `computes`), so the gateway's event
+loop serves everything else while the draft runs; one lock keeps the draft's engine to one thread at a time, since the
+drivers of several pipelines share it. The lanes of a step propose together (DraftModel.propose): one engine step
+feeds every lane what its slot lacks, then one step a draft token carries every lane still drafting, so a full batch
+drafts in about as many draft steps as one lane does, where one lane after another took a step a lane and token.
+Drafting the next run while the stages verify this one ("tail drafting") is the next piece; until then the method
+pays where the draft is much cheaper than a pipeline step.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 from strata.gateway.draft_lengths import smoothed
-from strata.gateway.speculation import DraftModelError, DraftSource, Speculation
+from strata.gateway.speculation import Drafter, DraftModelError, DraftSource, Speculation
 from strata.gguf import read_model_header
 from strata.gguf.errors import GGUFError
 from strata.gguf.header import GGUFHeader
@@ -131,6 +134,73 @@ class DraftModel:
             self.engine.pool.reset(slot)
             self._free.append(slot)
 
+    def propose(self, lanes: Sequence[tuple[Drafter, int]]) -> list[tuple[int, ...]]:
+        """Each lane's draft: up to its `limit` (and max draft) greedy tokens after its request's last, stopping
+        before the first under the probability floor; () when fewer than the minimum draft, or once its drafter has
+        failed. All lanes step together: one engine step feeds every lane what its slot lacks, then one step a draft
+        token carries every lane still drafting. A step that fails fails all its lanes, so each is tried again alone:
+        the one at fault goes on undrafted (its drafter closed), the others keep their drafts."""
+        s = self.speculation
+        mine = [(self._own(drafter), min(limit, s.max_draft)) for drafter, limit in lanes]
+        going = [(d, limit) for d, limit in mine if not d.closed and limit >= s.min_draft and d.tokens]
+        drafts: dict[int, tuple[int, ...]] = {}
+        try:
+            with self.lock:
+                going = [(d, limit) for d, limit in going if not d.closed]
+                drafts = dict(zip((id(d) for d, _ in going), self._guess(going, p_min=s.p_min), strict=True))
+        except StageError as exc:  # the draft's own pool refused (context, window)
+            if len(going) > 1:
+                return [self.propose([lane])[0] for lane in lanes]
+            d = going[0][0]
+            log.warning("draft model %s failed on slot %d; its request decodes undrafted: %s", self.name, d.slot, exc)
+            d.close()
+        return [draft if len(draft := drafts.get(id(d), ())) >= s.min_draft else () for d, _ in mine]
+
+    def _own(self, drafter: Drafter) -> DraftModelDrafter:
+        if not isinstance(drafter, DraftModelDrafter) or drafter.shared is not self:
+            raise TypeError(f"draft model {self.name} proposes for its own drafters only, not {drafter!r}")
+        return drafter
+
+    def _guess(self, lanes: list[tuple[DraftModelDrafter, int]], *, p_min: float) -> list[tuple[int, ...]]:
+        """The lanes' greedy runs (see `propose`), every lane's slot fed first from where it differs from its
+        request's tokens (the engine truncates the slot there, so a rejected guess leaves nothing behind)."""
+        feeds = []
+        for d, _ in lanes:
+            kept = kept_positions(d.held, d.tokens)
+            del d.held[kept:]
+            feeds.append((d, d.tokens[kept:]))
+        picks: dict[int, Sampled] = {}
+        for at in range(0, max((len(tokens) for _, tokens in feeds), default=0), PREFILL_CHUNK):
+            fed = [(d, tuple(tokens[at : at + PREFILL_CHUNK])) for d, tokens in feeds if at < len(tokens)]
+            last = {id(d) for d, tokens in feeds if at < len(tokens) <= at + PREFILL_CHUNK}
+            picks |= self._step([(d, piece, id(d) in last) for d, piece in fed])
+        drafts: dict[int, list[int]] = {id(d): [] for d, _ in lanes}
+        drafting = list(lanes)
+        while drafting:
+            going = []
+            for d, limit in drafting:
+                pick = picks[id(d)]
+                if sure_enough(pick, p_min=p_min):
+                    drafts[id(d)].append(pick.token_id)
+                    if len(drafts[id(d)]) < limit:
+                        going.append((d, limit))
+            if going:
+                picks |= self._step([(d, (picks[id(d)].token_id,), True) for d, _ in going])
+            drafting = going
+        return [tuple(drafts[id(d)]) for d, _ in lanes]
+
+    def _step(self, pieces: list[tuple[DraftModelDrafter, tuple[int, ...], bool]]) -> dict[int, Sampled]:
+        """One engine step of each drafter's piece after what its slot holds (sampled where asked): the picks by
+        drafter. A step of decode-sized pieces times what a draft token costs a lane: the step over its lanes."""
+        chunks = [Chunk(d.slot, len(d.held), len(piece), piece, sample=sample) for d, piece, sample in pieces]
+        begun = time.perf_counter()
+        result = self.engine.step(chunks, None)
+        if all(len(piece) <= TOKEN_STEP_POSITIONS for _, piece, _ in pieces):  # decode steps, not a prompt's prefill
+            self.token_seconds = smoothed(self.token_seconds, (time.perf_counter() - begun) / len(pieces))
+        for d, piece, _ in pieces:
+            d.held.extend(piece)
+        return {id(d): result.tokens[d.slot] for d, _, sample in pieces if sample}
+
 
 class DraftModelDrafter:
     """One request's drafter (the interface of strata.gateway.speculation.Drafter) on its slot of the draft model."""
@@ -151,58 +221,19 @@ class DraftModelDrafter:
     def extend(self, tokens: Iterable[int]) -> None:
         self.tokens.extend(tokens)
 
+    @property
+    def shared(self) -> DraftModel:
+        return self._model
+
     def propose(self, limit: int) -> tuple[int, ...]:
-        """Up to `limit` (and max draft) greedy draft tokens after the request's last, stopping before the first
-        under the probability floor; () when fewer than the minimum draft, or once the draft has failed."""
-        s = self._model.speculation
-        limit = min(limit, s.max_draft)
-        if self.closed or limit < s.min_draft or not self.tokens:
-            return ()
-        try:
-            with self._model.lock:
-                draft = () if self.closed else self._guess(limit, p_min=s.p_min)
-        except StageError as exc:  # the draft's own pool refused (context, window): the request goes on undrafted
-            name = self._model.name
-            log.warning("draft model %s failed on slot %d; its request decodes undrafted: %s", name, self.slot, exc)
-            self.close()
-            return ()
-        return draft if len(draft) >= s.min_draft else ()
+        """This request's draft alone (DraftModel.propose)."""
+        return self._model.propose([(self, limit)])[0]
 
     def close(self) -> None:
         """Give the slot back (the request finished or was cancelled); a second close does nothing."""
         if not self.closed:
             self.closed = True
             self._model.release(self.slot)
-
-    def _guess(self, limit: int, *, p_min: float) -> tuple[int, ...]:
-        kept = kept_positions(self.held, self.tokens)
-        pick = self._feed(kept, self.tokens[kept:])
-        draft: list[int] = []
-        while sure_enough(pick, p_min=p_min):
-            draft.append(pick.token_id)
-            if len(draft) == limit:
-                break
-            pick = self._feed(len(self.held), [pick.token_id])
-        return tuple(draft)
-
-    def _feed(self, start: int, tokens: Sequence[int]) -> Sampled:
-        """Feed `tokens` from position `start` (the slot truncated there), in pieces; the greedy pick after them."""
-        del self.held[start:]
-        engine = self._model.engine
-        pick: Sampled | None = None
-        for at in range(0, len(tokens), PREFILL_CHUNK):
-            piece = tuple(tokens[at : at + PREFILL_CHUNK])
-            last = at + PREFILL_CHUNK >= len(tokens)
-            begun = time.perf_counter()
-            result = engine.step([Chunk(self.slot, start + at, len(piece), piece, sample=last)], None)
-            if len(piece) <= TOKEN_STEP_POSITIONS:  # a decode step, not a prompt's prefill
-                self._model.token_seconds = smoothed(self._model.token_seconds, time.perf_counter() - begun)
-            self.held.extend(piece)
-            if last:
-                pick = result.tokens[self.slot]
-        if pick is None:
-            raise ValueError("a draft feed needs at least one token")
-        return pick
 
 
 def load_draft_model(

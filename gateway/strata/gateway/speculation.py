@@ -88,12 +88,25 @@ class DraftSource:
     cache_type: CacheType = DRAFT_CACHE_TYPE  # the draft's KV (strata.draft_memory sizes it so)
 
 
+class SharedProposer(Protocol):
+    """What computes the proposals of several requests' drafters together (a draft model: one step a draft token for
+    all of them, where one a request would take as many)."""
+
+    def propose(self, lanes: Sequence[tuple[Drafter, int]]) -> list[tuple[int, ...]]:
+        """Each lane's proposal under its limit, as its drafter's `propose` would give it."""
+        ...
+
+
 class Drafter(Protocol):
     """What the driver asks of a request's drafter (strata.gateway.pipeline): each token the request produced, in
     order; a proposal before each decode step; and close once the request ends (finished, cancelled, abandoned).
-    `computes`: its proposals run a model, so the driver asks for them in a worker thread, never on its loop."""
+    `computes`: its proposals run a model, so the driver asks for them in a worker thread, never on its loop;
+    `shared`: what proposes for it together with other requests' drafters (None: it proposes alone)."""
 
     computes: bool
+
+    @property
+    def shared(self) -> SharedProposer | None: ...
 
     @property
     def token_seconds(self) -> float:
@@ -113,6 +126,7 @@ class NgramDrafter:
 
     computes = False  # a few dictionary lookups: on the driver's loop
     token_seconds = 0.0
+    shared = None
 
     def __init__(self, prompt: Sequence[int], *, speculation: Speculation) -> None:
         self.speculation = speculation
@@ -147,6 +161,22 @@ class NgramDrafter:
 
     def close(self) -> None:
         """Nothing to give back: the index is this object's own."""
+
+
+def proposals(lanes: Sequence[tuple[Drafter, int]]) -> list[tuple[int, ...]]:
+    """Each lane's proposal under its limit: the lanes of one shared proposer together, the others one by one."""
+    out: list[tuple[int, ...]] = [()] * len(lanes)
+    together: dict[int, tuple[SharedProposer, list[int]]] = {}
+    for index, (drafter, limit) in enumerate(lanes):
+        shared = drafter.shared
+        if shared is None:
+            out[index] = drafter.propose(limit)
+        else:
+            together.setdefault(id(shared), (shared, []))[1].append(index)
+    for shared, indices in together.values():
+        for index, proposal in zip(indices, shared.propose([lanes[i] for i in indices]), strict=True):
+            out[index] = proposal
+    return out
 
 
 def drafts_for(*, penalised: bool) -> bool:

@@ -20,7 +20,7 @@ from strata.gateway.draft_lengths import draft_lengths, smoothed
 from strata.gateway.errors import GatewayError, PipelineError
 from strata.gateway.generation import Finished, Generation, Token, cells_in_use
 from strata.gateway.grammar import ConstraintViolationError
-from strata.gateway.speculation import Speculation
+from strata.gateway.speculation import Speculation, proposals
 from strata.gateway.stage_stream import StageStream, Step
 from strata.kv_layout import BLOCK_TOKENS
 from strata.rpc.v1 import stage_pb2
@@ -98,12 +98,17 @@ class Stepping(StageStream):
         # The step to come takes at most these: budgets over all of them are no longer than the step's own.
         waiting = [g for g in self._active.values() if not g.cancelled and not g.in_flight and not g.held]
         budgets = self._draft_budgets(waiting)
-        for g in waiting:
-            d = g.drafter
-            if d is None or not d.computes or g.proposed is not None or not budgets.get(g.slot, 0):
-                continue
-            limit = min(g.max_tokens - g.produced, self.context - g.fed, budgets[g.slot] + 1) - 1
-            g.proposed = await asyncio.to_thread(d.propose, limit)
+        asking = [
+            (g, min(g.max_tokens - g.produced, self.context - g.fed, budgets[g.slot] + 1) - 1)
+            for g in waiting
+            if g.drafter is not None and g.drafter.computes and g.proposed is None and budgets.get(g.slot, 0)
+        ]
+        if not asking:
+            return
+        # One thread for all of them: a draft model proposes for every lane in shared steps (one a draft token).
+        lanes = [(g.drafter, limit) for g, limit in asking if g.drafter is not None]
+        for (g, _), proposal in zip(asking, await asyncio.to_thread(proposals, lanes), strict=True):
+            g.proposed = proposal
 
     def _draft_budgets(self, stepping: list[Generation]) -> dict[int, int]:
         """How many tokens each decoding generation with a drafter may draft in a step of `stepping`

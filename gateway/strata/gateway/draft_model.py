@@ -142,11 +142,11 @@ class DraftModel:
         the one at fault goes on undrafted (its drafter closed), the others keep their drafts."""
         s = self.speculation
         mine = [(self._own(drafter), min(limit, s.max_draft)) for drafter, limit in lanes]
-        going = [(d, limit) for d, limit in mine if not d.closed and limit >= s.min_draft and d.tokens]
+        going = [(d, limit) for d, limit in mine if limit >= s.min_draft and d.tokens]
         drafts: dict[int, tuple[int, ...]] = {}
         try:
             with self.lock:
-                going = [(d, limit) for d, limit in going if not d.closed]
+                going = [(d, limit) for d, limit in going if not d.closed]  # a close waits for the lock
                 drafts = dict(zip((id(d) for d, _ in going), self._guess(going, p_min=s.p_min), strict=True))
         except StageError as exc:  # the draft's own pool refused (context, window)
             if len(going) > 1:

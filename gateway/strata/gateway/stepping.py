@@ -99,15 +99,15 @@ class Stepping(StageStream):
         waiting = [g for g in self._active.values() if not g.cancelled and not g.in_flight and not g.held]
         budgets = self._draft_budgets(waiting)
         asking = [
-            (g, min(g.max_tokens - g.produced, self.context - g.fed, budgets[g.slot] + 1) - 1)
+            (g, (d, min(g.max_tokens - g.produced, self.context - g.fed, budgets[g.slot] + 1) - 1))
             for g in waiting
-            if g.drafter is not None and g.drafter.computes and g.proposed is None and budgets.get(g.slot, 0)
+            if (d := g.drafter) is not None and d.computes and g.proposed is None and budgets.get(g.slot, 0)
         ]
         if not asking:
             return
         # One thread for all of them: a draft model proposes for every lane in shared steps (one a draft token).
-        lanes = [(g.drafter, limit) for g, limit in asking if g.drafter is not None]
-        for (g, _), proposal in zip(asking, await asyncio.to_thread(proposals, lanes), strict=True):
+        drafted = await asyncio.to_thread(proposals, [lane for _, lane in asking])
+        for (g, _), proposal in zip(asking, drafted, strict=True):
             g.proposed = proposal
 
     def _draft_budgets(self, stepping: list[Generation]) -> dict[int, int]:

@@ -62,10 +62,10 @@ def warm_steps(*, decoder: Decoder, pool: KVPool, model: StageModel, dtype: torc
         rows = batch * width
         hidden = None if model.is_first else torch.zeros(rows, model.config.dim, dtype=dtype, device=decoder.device)
         try:
-            try:
-                runs = pool.take_runs([(slot, 0, width) for slot in slots])
-            except (ContextExceededError, PoolExhaustedError):
-                continue  # a pool too small for this shape never serves a step of it
+            runs = pool.take_runs([(slot, 0, width) for slot in slots])  # all of them or none
+        except (ContextExceededError, PoolExhaustedError):
+            continue  # a pool too small for this shape never serves a step of it
+        try:
             decoder.run(
                 slots=[slot for slot in slots for _ in range(width)],
                 positions=list(range(width)) * batch,

@@ -263,7 +263,8 @@ class TileShape:
     @property
     def variant(self) -> tuple[object, ...]:
         """What picks the compiled kernels of a launch beyond the layer's fixed attributes: a launch of a new variant
-        compiles (seconds), so a stage's warm-up runs a step of each its batches meet (strata.stage_worker.decode)."""
+        compiles (seconds), so a stage's warm-up runs a step of each its batches meet
+        (strata.stage_worker.warm_steps)."""
         splits = triton.next_power_of_2(self.launch.splits)  # the merge's tile
         return (self.block_t, self.q_tiles == 1, self.block_n, self.launch.warps, splits)
 

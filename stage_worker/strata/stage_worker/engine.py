@@ -105,9 +105,12 @@ class Engine:
         self.decodes_ahead = possible and (graphs if decode_ahead is None else decode_ahead)
         self._ahead: Ahead | None = None
 
+    @torch.inference_mode()
     def warm_up(self) -> None:
         """Run the decode step (on GPUs: compile and capture it) for the shapes of strata.stage_worker.warm_steps
-        before the stage says it is ready, so no request waits for a compiler and no broken path serves."""
+        before the stage says it is ready, so no request waits for a compiler and no broken path serves. Under
+        inference mode, as `step` runs: compiled code is kept by the grad mode it was made in, so a warm-up with
+        grad enabled left every step shape first met while serving to compile its blocks again."""
         with on_device(self.device):
             warm_steps(decoder=self.decoder, pool=self.pool, model=self.model, dtype=self.dtype)
 

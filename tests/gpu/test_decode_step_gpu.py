@@ -99,11 +99,18 @@ def test_decoding_ahead_decodes_as_without(streams: int, tmp_path: Path) -> None
     assert torch.equal(logprobs, expected_logprobs)
 
 
-@pytest.mark.parametrize("streams", [1, 3])
-def test_drafts_verified_in_captured_steps_give_the_plain_tokens(streams: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("architecture", "streams"), [("llama", 1), ("llama", 3), ("gemma3", 3)], ids=["llama-1", "llama-3", "gemma3-3"]
+)
+def test_drafts_verified_in_captured_steps_give_the_plain_tokens(
+    architecture: str, streams: int, tmp_path: Path
+) -> None:
     """Stream s drafts s + 1 tokens a step, the true continuation with its last token wrong: widths differ (fillers),
-    some drafts are accepted and one a step is rejected; the text is the one of one position a step."""
-    path = write_test_model(tmp_path / "model.gguf", architecture="llama", block_count=LAYERS, weight_type=Q.Q8_0).path
+    some drafts are accepted and one a step is rejected; the text is the one of one position a step. The steps of
+    drafts run compiled blocks (model.run_wide_block), the plain ones their own."""
+    path = write_test_model(
+        tmp_path / "model.gguf", architecture=architecture, block_count=LAYERS, weight_type=Q.Q8_0
+    ).path
     expected, _ = _decode(_engine(path, torch.float32, ahead=False), streams)
     engine = _engine(path, torch.float32)
     prompts = [Chunk(slot=s, start_position=0, length=len(PROMPT), token_ids=PROMPT, sample=True)
@@ -125,6 +132,13 @@ def test_drafts_verified_in_captured_steps_give_the_plain_tokens(streams: int, t
     assert any(width > 1 for _, width in engine.decoder._captured), "no step of drafts was replayed from a graph"
 
 
+def _compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process so far (the decode steps' blocks)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def _compiled_kernels() -> int:
     """Kernels Triton has compiled in this process so far: the project's JIT functions' caches, on every device."""
     from strata.stage_worker.kernels import paged_attention_triton, quant_gemm_triton, quant_matmul_triton
@@ -135,20 +149,28 @@ def _compiled_kernels() -> int:
     return sum(len(entry[0]) for fn in functions for entry in fn.device_caches.values())
 
 
-@pytest.mark.parametrize("weight_type", [Q.Q8_0, Q.Q4_K], ids=lambda t: t.name)
-def test_after_warm_up_no_step_shape_compiles(weight_type: GGMLQuantizationType, tmp_path: Path) -> None:
-    """Every batch of 1..parallel slots, a row each or WIDEST, runs kernels the warm-up compiled: none compiles while
-    serving (strata.stage_worker.warm_steps)."""
+@pytest.mark.parametrize(
+    ("architecture", "weight_type"),
+    [("llama", Q.Q8_0), ("llama", Q.Q4_K), ("gemma3", Q.Q8_0)],
+    ids=["llama-Q8_0", "llama-Q4_K", "gemma3-Q8_0"],
+)
+def test_after_warm_up_no_step_shape_compiles(
+    architecture: str, weight_type: GGMLQuantizationType, tmp_path: Path
+) -> None:
+    """Every batch of 1..parallel slots by 1..WIDEST rows a slot runs blocks and kernels the warm-up compiled: none
+    compiles while serving (strata.stage_worker.warm_steps)."""
     from strata.stage_worker.decode import WIDEST
 
     shape = K_QUANT_SHAPE if weight_type == Q.Q4_K else None  # K-quant rows are 256 values a block
     path = write_test_model(
-        tmp_path / "model.gguf", architecture="llama", block_count=2, shape=shape, weight_type=weight_type
+        tmp_path / "model.gguf", architecture=architecture, block_count=2, shape=shape, weight_type=weight_type
     ).path
     engine = _engine(path, torch.bfloat16)
     engine.warm_up()
     before = _compiled_kernels()
     assert before > 0, "the warm-up compiled no Triton kernel: the count below would prove nothing"
+    graphs = _compiled_graphs()
+    assert graphs > 0, "the warm-up compiled no block: the count below would prove nothing"
     for width in range(1, WIDEST + 1):
         for streams in range(1, engine.pool.parallel + 1):
             chunks = [Chunk(slot=s, start_position=0, length=2, token_ids=(5, 6)) for s in range(streams)]
@@ -159,5 +181,6 @@ def test_after_warm_up_no_step_shape_compiles(weight_type: GGMLQuantizationType,
                           drafted=width - 1) for s in range(streams)]  # fmt: skip
             engine.step(step, None)
             assert _compiled_kernels() == prefilled, f"a step of {streams} slots by {width} rows compiled a kernel"
+            assert _compiled_graphs() == graphs, f"a step of {streams} slots by {width} rows compiled a block"
             for s in range(streams):
                 engine.pool.reset(s)

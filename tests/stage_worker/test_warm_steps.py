@@ -3,29 +3,47 @@ kernel variant its steps can meet, and the products' kernel variants by rows (st
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 
 import pytest
 import torch
 from strata.gguf.model import CacheType
 from strata.gguf.testmodels import write_test_model
-from strata.stage_worker.decode import WIDEST
-from strata.stage_worker.engine import Engine
+from strata.stage_worker.decode import WIDEST, Decoder
+from strata.stage_worker.engine import Chunk, Engine
 from strata.stage_worker.kernels.quant_matmul import FUSED_MAX_ROWS, GEMM_MAX_ROWS, rows_variant
 from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.warm_steps import warm_shapes
 from strata_testbed.stages import load_spans
 
-SHAPES: list[tuple[str, int, Callable[[int, int], Hashable], list[tuple[int, int]]]] = [
-    ("nothing compiled: one slot and two", 16, lambda s, w: None, [(1, 1), (2, 1)]),
-    ("one lane: one slot", 1, lambda s, w: None, [(1, 1)]),
-    ("a variant for steps of several rows", 4, lambda s, w: w > 1, [(1, 1), (2, 1), (1, 2)]),
-    ("a variant past 8 slots", 16, lambda s, w: s > 8, [(1, 1), (2, 1), (9, 1)]),
+ONE_ROW = (1,)
+EVERY_WIDTH = tuple(range(1, WIDEST + 1))
+SHAPES: list[tuple[str, int, Callable[[int, int], Hashable], Sequence[int], list[tuple[int, int]]]] = [
+    ("nothing compiled: one slot and two", 16, lambda s, w: None, ONE_ROW, [(1, 1), (2, 1)]),
+    ("one lane: one slot", 1, lambda s, w: None, ONE_ROW, [(1, 1)]),
+    ("a variant for steps of several rows", 4, lambda s, w: w > 1, ONE_ROW, [(1, 1), (2, 1), (1, 2)]),
+    ("a variant past 8 slots", 16, lambda s, w: s > 8, ONE_ROW, [(1, 1), (2, 1), (9, 1)]),
+    (
+        "blocks compiled at every width: one slot and two at each",
+        16,
+        lambda s, w: None,
+        EVERY_WIDTH,
+        [(s, w) for w in EVERY_WIDTH for s in (1, 2)],
+    ),
+    ("every width, one lane: one slot at each", 1, lambda s, w: None, EVERY_WIDTH, [(1, w) for w in EVERY_WIDTH]),
+    (
+        "every width and a variant past 8 slots",
+        16,
+        lambda s, w: s > 8,
+        EVERY_WIDTH,
+        [*((s, w) for w in EVERY_WIDTH for s in (1, 2)), (9, 1)],
+    ),
     (
         "variants by rows: the first shape of each",
         16,
         lambda s, w: rows_variant(s * w),
+        ONE_ROW,
         [
             (1, 1),
             (2, 1),
@@ -53,9 +71,13 @@ SHAPES: list[tuple[str, int, Callable[[int, int], Hashable], list[tuple[int, int
 ]
 
 
-@pytest.mark.parametrize(("parallel", "variant", "expected"), [c[1:] for c in SHAPES], ids=[c[0] for c in SHAPES])
-def test_warm_shapes(parallel: int, variant: Callable[[int, int], Hashable], expected: list[tuple[int, int]]) -> None:
-    shapes = warm_shapes(parallel, variant)
+@pytest.mark.parametrize(
+    ("parallel", "variant", "widths", "expected"), [c[1:] for c in SHAPES], ids=[c[0] for c in SHAPES]
+)
+def test_warm_shapes(
+    parallel: int, variant: Callable[[int, int], Hashable], widths: Sequence[int], expected: list[tuple[int, int]]
+) -> None:
+    shapes = warm_shapes(parallel, variant, widths)
     assert shapes == expected
     met = {variant(s, w) for s in range(1, parallel + 1) for w in range(1, WIDEST + 1)}
     assert {variant(s, w) for s, w in shapes} == met, "a variant a step can meet is left to compile while serving"
@@ -76,15 +98,37 @@ def test_rows_variant(rows: int, expected: tuple[str, int, bool]) -> None:
     assert rows_variant(rows) == expected
 
 
-def test_warm_up_runs_its_steps_and_leaves_the_pool_empty(tmp_path: Path) -> None:
-    path = write_test_model(tmp_path / "model.gguf", architecture="llama", block_count=2).path
+def _engine(path: Path) -> Engine:
     (model,) = load_spans(path, dtype=torch.float32, device=torch.device("cpu"))
     c = model.config
     pool = KVPool(
         n_layers=c.n_layer, context=64, parallel=3, key_width=c.kv_dim, value_width=c.kv_dim,
         type_k=CacheType.F32, type_v=CacheType.F32, dtype=torch.float32, device=torch.device("cpu"),
     )  # fmt: skip
-    engine = Engine(model=model, pool=pool, device=torch.device("cpu"), dtype=torch.float32)
-    free = pool.free_cells
+    return Engine(model=model, pool=pool, device=torch.device("cpu"), dtype=torch.float32)
+
+
+def test_warm_up_runs_its_steps_and_leaves_the_pool_empty(tmp_path: Path) -> None:
+    engine = _engine(write_test_model(tmp_path / "model.gguf", architecture="llama", block_count=2).path)
+    free = engine.pool.free_cells
     engine.warm_up()
-    assert pool.free_cells == free
+    assert engine.pool.free_cells == free
+
+
+def test_warm_up_runs_under_inference_mode_as_steps_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled code is kept by the grad mode it was made in: warmed up with grad enabled, every step shape first met
+    while serving (under inference mode) compiled its blocks again (an H200, 2026-11-28)."""
+    engine = _engine(write_test_model(tmp_path / "model.gguf", architecture="llama", block_count=2).path)
+    modes: list[bool] = []
+    run = Decoder.run
+
+    def recorded(self: Decoder, **kwargs: object) -> object:
+        modes.append(torch.is_inference_mode_enabled())
+        return run(self, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Decoder, "run", recorded)
+    engine.warm_up()
+    engine.step([Chunk(slot=0, start_position=0, length=2, token_ids=(5, 6), sample=True)], None)
+    engine.step([Chunk(slot=0, start_position=2, length=1, token_ids=(7,), sample=True)], None)
+    assert len(modes) >= 3, "the warm-up and the decode step ran the decoder"
+    assert all(modes), modes

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -346,6 +346,13 @@ def run_block(
 ) -> tuple[Tensor, Tensor]:
     out: tuple[Tensor, Tensor] = block(x, residual, rope=rope, cos=cos, sin=sin, cache=cache, layout=layout)
     return out
+
+
+def run_wide_block(*args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+    """run_block for steps of several rows a slot (strata.stage_worker.wide_step). A function of its own because
+    torch.compile keeps compiled code by code object: the wide steps' graphs (a few a width) stay apart from the
+    one-row step's, and a one-row step never walks their guards."""
+    return run_block(*args, **kwargs)
 
 
 class StageModel(nn.Module):

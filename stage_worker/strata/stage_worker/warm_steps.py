@@ -59,7 +59,7 @@ def variant_of(model: StageModel, device: torch.device) -> Callable[[int, int], 
 
 def warm_steps(*, decoder: Decoder, pool: KVPool, model: StageModel, dtype: torch.dtype) -> None:
     """Run (on GPUs: compile and capture) a decode step of each of `warm_shapes`, on cells taken and given back."""
-    widths = range(1, WIDEST + 1) if decoder.compiled else (1,)
+    widths = decoder.compiled_widths or (1,)
     for batch, width in warm_shapes(pool.parallel, variant_of(model, decoder.device), widths):
         slots = list(range(batch))
         rows = batch * width

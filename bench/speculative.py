@@ -211,12 +211,14 @@ def complete(server: Served, *, tokens: int, deadline: Deadline) -> tuple[str, i
 
 
 def counters(server: Served, deadline: Deadline) -> dict[str, float]:
-    """The gateway's speculation counters: drafted, accepted, off steps."""
+    """The gateway's counters: drafted, accepted, off steps; steps answered and the positions they carried."""
     text = httpx.get(server.root + "/metrics", timeout=deadline.left(30)).text
     names = {
         "drafted": "strata_gateway_speculative_drafted_tokens_total",
         "accepted": "strata_gateway_speculative_accepted_tokens_total",
         "off": "strata_gateway_speculative_off_steps_total",
+        "steps": "strata_gateway_steps_total",
+        "positions": "strata_gateway_step_positions_total",
     }
     values = {line.split()[0]: float(line.split()[-1]) for line in text.splitlines() if line.startswith("strata_")}
     return {key: values.get(name, 0.0) for key, name in names.items()}
@@ -233,6 +235,7 @@ class Figures:
         float  # the batch's decode tokens/s: each stream's tokens after its first over its time after it, summed
     )
     many_first: float  # seconds to a batch stream's first token (median)
+    many_seconds: float  # the batch's time, first request to last token
     one_counts: dict[str, float]  # speculation counters over the one-stream rounds
     many_counts: dict[str, float]  # over the batch
 
@@ -254,7 +257,8 @@ def measure(server: Served, *, args: argparse.Namespace, deadline: Deadline) -> 
         batch_start = counters(server, deadline)
         begun = time.perf_counter()
         done = list(pool.map(lambda _: complete(server, tokens=args.tokens, deadline=deadline), range(args.streams)))
-        aggregate = sum(produced for _, produced, _, _ in done) / (time.perf_counter() - begun)
+        batch_seconds = time.perf_counter() - begun
+        aggregate = sum(produced for _, produced, _, _ in done) / batch_seconds
     decode = sum((produced - 1) / max(elapsed - first, 1e-9) for _, produced, elapsed, first in done)
     after = counters(server, deadline)
     return Figures(
@@ -265,6 +269,7 @@ def measure(server: Served, *, args: argparse.Namespace, deadline: Deadline) -> 
         many=aggregate,
         many_decode=decode,
         many_first=statistics.median(first for _, _, _, first in done),
+        many_seconds=batch_seconds,
         one_counts=_diff(before, one_done),
         many_counts=_diff(batch_start, after),
     )
@@ -329,11 +334,13 @@ def main() -> None:
         for method in ["", *methods]:
             with served(target, stages=stages, args=args, method=method, draft=draft, deadline=deadline) as server:
                 figures[method] = measure(server, args=args, deadline=deadline)
-            label = method or "off"
+            f, label = figures[method], method or "off"
+            steps = f.many_counts["steps"]
             print(
-                f"{stages} stage(s), {label}: decode {figures[method].one:.1f} tok/s, whole completion "
-                f"{figures[method].whole:.1f}, batch {figures[method].many:.1f} (decode "
-                f"{figures[method].many_decode:.1f}, first token {figures[method].many_first * 1e3:.0f} ms)",
+                f"{stages} stage(s), {label}: decode {f.one:.1f} tok/s, whole completion {f.whole:.1f}, batch "
+                f"{f.many:.1f} (decode {f.many_decode:.1f}, first token {f.many_first * 1e3:.0f} ms; {steps:.0f} "
+                f"steps, {f.many_counts['positions'] / max(steps, 1):.1f} positions and "
+                f"{f.many_seconds / max(steps, 1) * 1e3:.2f} ms each)",
                 flush=True,
             )
         off = figures[""]

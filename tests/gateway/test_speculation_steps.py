@@ -63,6 +63,11 @@ def test_a_verified_run_updates_its_lanes_acceptance() -> None:
     expected.observe(drafted=chunk.drafted, accepted=2)
     assert g.acceptance.rate == expected.rate != before
     assert g.fed == len(PROMPT) + 3
+    counted = pipeline.metrics.registry.get_sample_value
+    assert (counted("strata_gateway_steps_total"), counted("strata_gateway_step_positions_total")) == (
+        1.0,
+        chunk.length,
+    ), "the step and the positions it carried are counted"
 
 
 SHADOWS = {"the step picked the n-gram guess: the rate rises": (1, True), "it picked another: it falls": (9, False)}

@@ -50,6 +50,11 @@ class GatewayMetrics:
         )
         self.tokens_generated = Counter("strata_gateway_tokens_generated", "Tokens sampled for clients", registry=r)
         self.prompt_tokens = Counter("strata_gateway_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.steps = Counter("strata_gateway_steps", "Steps the last stage answered", registry=r)
+        self.step_positions = Counter(
+            "strata_gateway_step_positions", "Positions the answered steps carried: prompt slices, tokens, drafts",
+            registry=r,
+        )  # fmt: skip
         self.ready = Gauge("strata_gateway_ready", "1 while the pipeline accepts requests", registry=r)
         self.speculative_drafted = Counter(
             "strata_gateway_speculative_drafted_tokens", "Tokens proposed by speculation for the stages to verify",

@@ -193,6 +193,8 @@ class Stepping(StageStream):
 
     def _dispatch(self, step: Step, reply: stage_pb2.ForwardReply) -> None:
         self._time_step(step)
+        self.metrics.steps.inc()
+        self.metrics.step_positions.inc(sum(c.length for c in step.chunks))
         sampled: defaultdict[int, list[stage_pb2.SampledToken]] = defaultdict(list)
         for token in reply.tokens:  # a drafted chunk's slot has its run of tokens, in order
             sampled[token.slot].append(token)

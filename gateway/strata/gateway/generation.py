@@ -114,12 +114,31 @@ class Generation:
 
     async def stream(self) -> AsyncIterator[Token | Finished]:
         """Tokens until a Finished; raises the GatewayError that ended the generation, if one did."""
+        async for together in self.in_runs():
+            for event in together:
+                yield event
+
+    async def in_runs(self) -> AsyncIterator[list[Token | Finished]]:
+        """The events as they land, each time all that are queued: a step that verified drafts hands over a run of
+        tokens at once, and a reader that takes them together writes to its client once, not once a token. The last
+        list ends with a Finished; the GatewayError that ended the generation is raised after the tokens before it."""
         while True:
+            events: list[Token | Finished] = []
+            error: GatewayError | None = None
             event = await self.events.get()
-            if isinstance(event, GatewayError):
-                raise event
-            yield event
-            if isinstance(event, Finished):
+            while True:
+                if isinstance(event, GatewayError):
+                    error = event
+                    break
+                events.append(event)
+                if isinstance(event, Finished) or self.events.empty():
+                    break
+                event = self.events.get_nowait()
+            if events:
+                yield events
+            if error is not None:
+                raise error
+            if events and isinstance(events[-1], Finished):
                 return
 
 

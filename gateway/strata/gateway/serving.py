@@ -398,23 +398,33 @@ class Serving:
         assembler = TextAssembler(self.tokenizer, stops=run.stops)
         started = last = self._clock()
         try:
-            async for event in generation.stream():
-                if isinstance(event, Finished):
-                    yield Piece(text=assembler.flush(), finish_reason=event.reason)
+            async for landed in generation.in_runs():
+                # The tokens that landed together make one piece: with speculation a step lands several a request,
+                # and a piece a token made the client's stream a write a token, the gateway's dearest work.
+                piece = Piece(text="")
+                for event in landed:
+                    if isinstance(event, Finished):
+                        piece.text += assembler.flush()
+                        piece.finish_reason = event.reason
+                        break
+                    now = self._clock()
+                    histogram = (
+                        self.metrics.time_to_first_token
+                        if run.completion_tokens == 0
+                        else self.metrics.inter_token_latency
+                    )
+                    histogram.observe(now - (started if run.completion_tokens == 0 else last))
+                    last = now
+                    run.completion_tokens += 1
+                    self.metrics.tokens_generated.inc()
+                    piece.text += assembler.add(event.token_id) if event.token_id not in self.tokenizer.stop_ids else ""
+                    piece.tokens.append(event)
+                    if assembler.stopped:
+                        piece.finish_reason = "stop"
+                        break
+                yield piece
+                if piece.finish_reason:
                     return
-                now = self._clock()
-                histogram = (
-                    self.metrics.time_to_first_token if run.completion_tokens == 0 else self.metrics.inter_token_latency
-                )
-                histogram.observe(now - (started if run.completion_tokens == 0 else last))
-                last = now
-                run.completion_tokens += 1
-                self.metrics.tokens_generated.inc()
-                text = assembler.add(event.token_id) if event.token_id not in self.tokenizer.stop_ids else ""
-                if assembler.stopped:
-                    yield Piece(text=text, tokens=[event], finish_reason="stop")
-                    return
-                yield Piece(text=text, tokens=[event])
         finally:
             if not generation.finished:
                 self.pipelines.cancel(generation)

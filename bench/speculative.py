@@ -18,8 +18,11 @@ other way (a generated model's logits are nearly flat, so there it does). One st
 completions, streamed; its decode tokens/s count the tokens after the first over the time after it (the first waits for
 the prompt, which speculation does not touch: on an H200, 80-100 ms of a 150 ms Gemma completion of 64 tokens), and the
 whole completion's ratio stands beside it. The batch: --streams completions at once (16 by default, a full batch), their
-aggregate tokens/s. The bar is that the batch never goes below 0.95x of plain decoding: the draft length decision turns
-drafting off where it would not pay (strata.gateway.draft_lengths), and the table reports the steps it did so.
+aggregate tokens/s, the median of --rounds batches; beside it the batch's decode tokens/s (each stream's, after its
+first token, summed) and its first-token wait, which the prompts' prefill decides (on an H200 most of a 64-token
+batch of Gemma, and the noisiest part: it depends on how many prompts arrived before the first prefill step). The
+bar is that the batch never goes below 0.95x of plain decoding: the draft length decision turns drafting off where it
+would not pay (strata.gateway.draft_lengths), and the table reports the steps it did so.
 
 Before the servers start, an engine of the model in this process times decode steps of 1 and of 1 + max draft
 positions a slot, for 1 slot and for --streams slots, and prints the marginal cost of a position that
@@ -251,25 +254,34 @@ def measure(server: Served, *, args: argparse.Namespace, deadline: Deadline) -> 
         speeds.append((produced - 1) / max(elapsed - first, 1e-9))
         wholes.append(produced / elapsed)
     one_done = counters(server, deadline)
+    aggregates, decodes, firsts, texts, seconds = [], [], [], [], 0.0
     with ThreadPoolExecutor(args.streams) as pool:
         # Untimed first: a GPU stage captures its decode step for each new batch size on first use.
         list(pool.map(lambda _: complete(server, tokens=args.tokens, deadline=deadline), range(args.streams)))
         batch_start = counters(server, deadline)
-        begun = time.perf_counter()
-        done = list(pool.map(lambda _: complete(server, tokens=args.tokens, deadline=deadline), range(args.streams)))
-        batch_seconds = time.perf_counter() - begun
-        aggregate = sum(produced for _, produced, _, _ in done) / batch_seconds
-    decode = sum((produced - 1) / max(elapsed - first, 1e-9) for _, produced, elapsed, first in done)
+        # --rounds batches, their medians: how the prompts arrive decides how their prefills group into steps, and
+        # one batch's first tokens may wait 100 ms longer than the next one's for it.
+        for _ in range(args.rounds):
+            begun = time.perf_counter()
+            done = list(
+                pool.map(lambda _: complete(server, tokens=args.tokens, deadline=deadline), range(args.streams))
+            )
+            elapsed_batch = time.perf_counter() - begun
+            seconds += elapsed_batch
+            aggregates.append(sum(produced for _, produced, _, _ in done) / elapsed_batch)
+            decodes.append(sum((produced - 1) / max(elapsed - first, 1e-9) for _, produced, elapsed, first in done))
+            firsts.append(statistics.median(first for _, _, _, first in done))
+            texts.extend(written for written, _, _, _ in done)
     after = counters(server, deadline)
     return Figures(
         text=text,
-        batch_texts=tuple(written for written, _, _, _ in done),
+        batch_texts=tuple(texts),
         one=statistics.median(speeds),
         whole=statistics.median(wholes),
-        many=aggregate,
-        many_decode=decode,
-        many_first=statistics.median(first for _, _, _, first in done),
-        many_seconds=batch_seconds,
+        many=statistics.median(aggregates),
+        many_decode=statistics.median(decodes),
+        many_first=statistics.median(firsts),
+        many_seconds=seconds,
         one_counts=_diff(before, one_done),
         many_counts=_diff(batch_start, after),
     )
@@ -359,7 +371,7 @@ def main() -> None:
     draft_name = "the model itself" if draft == target else draft.name
     print(f"\nmachine: {machine()}; device {args.device}; {target.name}; draft: {draft_name}")
     print(
-        f"{args.tokens} greedy tokens a completion; {args.rounds} rounds (median) of one stream; {args.streams} "
+        f"{args.tokens} greedy tokens a completion; {args.rounds} rounds (median) of one stream, and of {args.streams} "
         "streams at once for the batch; texts compared with the plain server's one stream\n"
     )
     n = args.streams

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import httpx
 
 from strata_testbed.processes import OutputLines
 
@@ -34,6 +37,14 @@ class Served:
     @property
     def root(self) -> str:
         return self.base_url.removesuffix("/v1")
+
+    def metric(self, name: str, *, timeout_s: float = 30.0) -> float:
+        """The value of one sample of the gateway's /metrics: its name, with its labels when it has any."""
+        text = httpx.get(f"{self.root}/metrics", timeout=timeout_s).text
+        match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+        if match is None:
+            raise LookupError(f"{name} is not in /metrics:\n{text}")
+        return float(match.group(1))
 
 
 @contextlib.contextmanager

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 
 import httpx
@@ -15,17 +14,10 @@ from strata_testbed.serve import Served
 LONG = 3000  # tokens: several seconds of decoding, far longer than the one-second wait
 
 
-def gauge(served: Served, name: str) -> float:
-    text = httpx.get(f"{served.root}/metrics").text
-    match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
-    assert match, f"{name} is not in /metrics"
-    return float(match.group(1))
-
-
 def wait_for_gauge(served: Served, name: str, value: float, *, timeout_s: float = 2.0) -> float:
     """Seconds until the gauge reads `value` (the lane is freed by the driver, between two steps)."""
     start = time.monotonic()
-    while gauge(served, name) != value:
+    while served.metric(name) != value:
         assert time.monotonic() - start < timeout_s, f"{name} did not reach {value}"
         time.sleep(0.01)
     return time.monotonic() - start
@@ -59,7 +51,7 @@ def test_a_burst_runs_one_queues_one_and_rejects_the_rest(one_lane: Served) -> N
             "param": None,
             "code": "rate_limit_exceeded",
         }
-    assert gauge(one_lane, 'strata_gateway_rejected_total{reason="queue_full"}') >= 4
+    assert one_lane.metric('strata_gateway_rejected_total{reason="queue_full"}') >= 4
 
 
 def test_a_wait_longer_than_allowed_is_429_and_a_hang_up_frees_the_lane(one_lane: Served) -> None:
@@ -68,7 +60,7 @@ def test_a_wait_longer_than_allowed_is_429_and_a_hang_up_frees_the_lane(one_lane
         assert long.status_code == 200
         lines = long.iter_lines()  # one iterator: dropping it would close the stream
         next(lines)  # it is generating: the lane is taken
-        assert gauge(one_lane, "strata_gateway_lanes_busy") == 1
+        assert one_lane.metric("strata_gateway_lanes_busy") == 1
         started = time.monotonic()
         client = OpenAI(base_url=one_lane.base_url, api_key="unused", max_retries=0, timeout=30)
         with pytest.raises(openai.RateLimitError) as caught:

@@ -5,7 +5,6 @@ event for the run, not one a token."""
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -53,10 +52,7 @@ def streamed(server: Served, **fields: object) -> tuple[list[dict[str, Any]], di
 
 
 def accepted(server: Served) -> float:
-    metrics = httpx.get(server.root + "/metrics", timeout=30).text
-    match = re.search(r"^strata_gateway_speculative_accepted_tokens_total (\S+)$", metrics, re.MULTILINE)
-    assert match is not None
-    return float(match.group(1))
+    return server.metric("strata_gateway_speculative_accepted_tokens_total")
 
 
 def test_the_whole_text_is_the_plain_servers(speculating: Served, two_stages: Served) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import threading
@@ -56,13 +55,6 @@ def accepted_term(port: int) -> int:
     return status.accepted_term
 
 
-def tokens_generated(served: Served) -> float:
-    metrics = httpx.get(f"{served.root}/metrics", timeout=REQUEST_TIMEOUT_S).text
-    match = re.search(r"^strata_gateway_tokens_generated_total (\S+)$", metrics, re.MULTILINE)
-    assert match is not None, metrics
-    return float(match.group(1))
-
-
 def wait_until(condition: Callable[[], bool], *, what: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -100,11 +92,15 @@ def ask_whole(served: Served, *, max_tokens: int) -> Answer:
 
 def killed_under_a_whole_request(served: Served, index: int) -> tuple[float, Answer]:
     """Start a long non-streamed completion, kill the stage once it has generated tokens, and return its answer."""
-    before = tokens_generated(served)
+
+    def generated() -> float:
+        return served.metric("strata_gateway_tokens_generated_total", timeout_s=REQUEST_TIMEOUT_S)
+
+    before = generated()
     answers: list[Answer] = []
     running = threading.Thread(target=lambda: answers.append(ask_whole(served, max_tokens=LONG)))
     running.start()
-    wait_until(lambda: tokens_generated(served) > before + 2, what="the request to generate", timeout_s=30)
+    wait_until(lambda: generated() > before + 2, what="the request to generate", timeout_s=30)
     killed = kill_stage(served, index)
     running.join(FAILS_WITHIN_S + REQUEST_TIMEOUT_S)
     assert answers, "the request running at the kill was answered"

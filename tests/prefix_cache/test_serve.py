@@ -3,9 +3,6 @@ OpenAI reports them, the same text as a server without the cache, and the counte
 
 from __future__ import annotations
 
-import re
-
-import httpx
 import pytest
 from openai import OpenAI
 from strata_testbed.serve import Served
@@ -33,12 +30,6 @@ def chat(served: Served, question: str, **extra: object) -> tuple[str, int, int]
         reply.usage.prompt_tokens,
         reply.usage.prompt_tokens_details.cached_tokens,
     )
-
-
-def metric(served: Served, name: str) -> float:
-    match = re.search(rf"^{re.escape(name)} (\S+)$", httpx.get(f"{served.root}/metrics").text, re.MULTILINE)
-    assert match, f"{name} is not in /metrics"
-    return float(match.group(1))
 
 
 def test_a_shared_system_prompt_is_restored_and_reported_as_cached_tokens(cache_on: Served, cache_off: Served) -> None:
@@ -95,7 +86,7 @@ def test_streamed_usage_and_completions_report_cached_tokens_too(cache_on: Serve
 def test_metrics_show_the_prefix_cache(cache_on: Served, name: str, at_least: float) -> None:
     chat(cache_on, "Metrics, please.")
     chat(cache_on, "Metrics again, please.")
-    assert metric(cache_on, name) >= at_least
+    assert cache_on.metric(name) >= at_least
 
 
 def test_a_cache_salt_shares_cached_prefixes_with_requests_of_that_salt_only(cache_on: Served) -> None:

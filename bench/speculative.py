@@ -234,9 +234,7 @@ class Figures:
     one: float  # decode tokens/s of one stream after its first token (median)
     whole: float  # tokens/s of one stream's whole completion, its first token's wait included (median)
     many: float  # tokens/s, every stream together
-    many_decode: (
-        float  # the batch's decode tokens/s: each stream's tokens after its first over its time after it, summed
-    )
+    many_decode: float  # a batch's decode tokens/s: each stream's tokens after its first over its time after, summed
     many_first: float  # seconds to a batch stream's first token (median)
     many_seconds: float  # the batch's time, first request to last token
     one_counts: dict[str, float]  # speculation counters over the one-stream rounds

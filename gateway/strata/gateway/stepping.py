@@ -97,13 +97,14 @@ class Stepping(StageStream):
             return
         # The step to come takes at most these: budgets over all of them are no longer than the step's own.
         waiting = [g for g in self._active.values() if not g.cancelled and not g.in_flight and not g.held]
-        if not any(g.drafter is not None and g.drafter.computes and g.proposed is None for g in waiting):
+        computing = [(g, d) for g in waiting if (d := g.drafter) is not None and d.computes and g.proposed is None]
+        if not computing:
             return  # n-gram lookup proposes on the loop, in _draft: no budgets to weigh here (a heap walk a step)
         budgets = self._draft_budgets(waiting)
         asking = [
             (g, (d, min(g.max_tokens - g.produced, self.context - g.fed, budgets[g.slot] + 1) - 1))
-            for g in waiting
-            if (d := g.drafter) is not None and d.computes and g.proposed is None and budgets.get(g.slot, 0)
+            for g, d in computing
+            if budgets.get(g.slot, 0)
         ]
         if not asking:
             return

@@ -9,6 +9,7 @@ itself is checked against the reference on the CPU too (tests/stage_worker/test_
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -139,12 +140,14 @@ def _compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _compiled_kernels() -> int:
-    """Kernels Triton has compiled in this process so far: the project's JIT functions' caches, on every device."""
+def _compiled_kernels(*, attention_only: bool = False) -> int:
+    """Kernels Triton has compiled in this process so far: the project's JIT functions' caches, on every device (or
+    the attention kernel's alone)."""
     from strata.stage_worker.kernels import paged_attention_triton, quant_gemm_triton, quant_matmul_triton
     from triton.runtime.jit import JITFunction
 
-    modules = (paged_attention_triton, quant_gemm_triton, quant_matmul_triton)
+    modules = (paged_attention_triton,) if attention_only else (paged_attention_triton, quant_gemm_triton,
+                                                                quant_matmul_triton)  # fmt: skip
     functions = [value for module in modules for value in vars(module).values() if isinstance(value, JITFunction)]
     return sum(len(entry[0]) for fn in functions for entry in fn.device_caches.values())
 
@@ -184,3 +187,28 @@ def test_after_warm_up_no_step_shape_compiles(
             assert _compiled_graphs() == graphs, f"a step of {streams} slots by {width} rows compiled a block"
             for s in range(streams):
                 engine.pool.reset(s)
+
+
+# (prompts, tokens each) of prefill steps: one prompt and a full batch, short and long, and a prompt beside decoding.
+PREFILLS = [(1, 2), (1, 17), (1, 100), (2, 40), (3, 9), (4, 2), (4, 30)]
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gemma3"])
+def test_after_warm_up_no_prefill_step_compiles_attention(architecture: str, tmp_path: Path) -> None:
+    """A step attends all its chunks in one launch, whose variant follows their number and the longest; the warm-up
+    ran a prefill step of each (strata.stage_worker.warm_steps.prefill_shapes), so no batch of new prompts, and no
+    prompt continued after a prefix, compiles the attention kernel while serving."""
+    path = write_test_model(tmp_path / "model.gguf", architecture=architecture, block_count=2).path
+    engine = _engine(path, torch.bfloat16)
+    engine.warm_up()
+    before = _compiled_kernels(attention_only=True)
+    assert before > 0, "the warm-up compiled no attention kernel: the count below would prove nothing"
+    for prompts, tokens in PREFILLS:
+        fresh = [Chunk(slot=s, start_position=0, length=tokens, token_ids=(5,) * tokens, sample=True)
+                 for s in range(prompts)]  # fmt: skip
+        engine.step(fresh, None)
+        continued = [Chunk(slot=s, start_position=tokens, length=3, token_ids=(6, 7, 8)) for s in range(prompts)]
+        engine.step([*continued[:-1], replace(continued[-1], length=1, token_ids=(6,))], None)
+        assert _compiled_kernels(attention_only=True) == before, f"{prompts} prompts of {tokens} compiled attention"
+        for s in range(prompts):
+            engine.pool.reset(s)

@@ -13,7 +13,7 @@ import torch
 from strata.gguf.model import CacheType
 from strata.stage_worker.kernels.paged_attention import AttentionRule, kernel, reference
 from strata.stage_worker.kv_pool import KVPool
-from strata.stage_worker.model import ChunkView, step_layout
+from strata.stage_worker.model import step_layout
 from strata_testbed.attention_cases import CASES, AttentionCase, relative_error, run_case, tolerance
 
 TRITON_MODULE = "strata.stage_worker.kernels.paged_attention_triton"
@@ -48,40 +48,37 @@ MIXED_STEP = ((0, 20, 1), (1, 0, 5), (2, 9, 3), (3, 30, 1), (4, 20, 1))
 
 
 def test_a_mixed_step_reads_its_sequences_as_the_reference_does(device: torch.device) -> None:
-    """The sequences a step's layout builds (several chunks that continue a slot, one prefill among them) give the
-    kernel what they give the reference: every continuing row matches, not only the first sequence's."""
+    """The sequences a step's layout builds (chunks that continue a slot, a prefill from position 0 among them, decode
+    rows) give the kernel what they give the reference: every row matches, not only the first sequence's."""
     width, n_head, n_head_kv, head_dim = 64, 4, 2, 32
     pool = KVPool(
         n_layers=1, context=128, parallel=len(MIXED_STEP), key_width=width, value_width=width,
         type_k=CacheType.Q8_0, type_v=CacheType.Q8_0, dtype=torch.float32, device=device,
     )  # fmt: skip
     g = torch.Generator().manual_seed(7)
-    views, writes, row = [], [], 0
+    writes, held = [], []
     for slot, start, length in MIXED_STEP:
         if start:  # the slot's earlier positions, as a previous step left them
             pool.extend(slot=slot, start_position=0, length=start)
         extension = pool.extend(slot=slot, start_position=start, length=length)
-        views.append(
-            ChunkView(rows=slice(row, row + length), slot=slot, start_position=start, cells=extension.full.cells)
-        )
         writes.append(extension.full.new)
-        row += length
-    held = torch.cat([view.cells for view in views])
-    pool.layers[0].write(held, torch.randn(held.shape[0], width, generator=g).to(device),
-                         torch.randn(held.shape[0], width, generator=g).to(device))  # fmt: skip
+        held.append(extension.full.cells)
+    cells = torch.cat(held)
+    pool.layers[0].write(cells, torch.randn(cells.shape[0], width, generator=g).to(device),
+                         torch.randn(cells.shape[0], width, generator=g).to(device))  # fmt: skip
+    rows = sum(length for _, _, length in MIXED_STEP)
     layout = step_layout(
-        positions=torch.zeros(row, dtype=torch.long), write_cells=torch.cat(writes), chunks=tuple(views),
+        positions=torch.zeros(rows, dtype=torch.long), write_cells=torch.cat(writes), chunks=MIXED_STEP,
         table=pool.table,
     )  # fmt: skip
-    assert layout.continued is not None
-    q = torch.randn(row, n_head, head_dim, generator=g).to(device)
-    args = {"table": pool.table, "sequences": layout.continued, "n_head_kv": n_head_kv}
+    assert layout.sequences.q_lens.tolist() == [length for _, _, length in MIXED_STEP]
+    q = torch.randn(rows, n_head, head_dim, generator=g).to(device)
+    args = {"table": pool.table, "sequences": layout.sequences, "n_head_kv": n_head_kv}
     rule = AttentionRule(scale=head_dim**-0.5)
     ours = kernel(q, pool.layers[0], rule=rule, **args)  # type: ignore[arg-type]
     expected = reference(q, pool.layers[0], rule=rule, **args)  # type: ignore[arg-type]
-    continuing = [r for view in views if view.start_position for r in range(view.rows.start, view.rows.stop)]
-    error = relative_error(ours[continuing], expected[continuing])
-    assert error <= tolerance(torch.float32), f"continuing rows: relative error {error:.2e}"
+    error = relative_error(ours, expected)
+    assert error <= tolerance(torch.float32), f"relative error {error:.2e}"
 
 
 def test_strided_sequences_are_refused(device: torch.device) -> None:

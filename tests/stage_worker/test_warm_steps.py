@@ -14,7 +14,7 @@ from strata.stage_worker.decode import WIDEST, Decoder
 from strata.stage_worker.engine import Chunk, Engine
 from strata.stage_worker.kernels.quant_matmul import FUSED_MAX_ROWS, GEMM_MAX_ROWS, rows_variant
 from strata.stage_worker.kv_pool import KVPool
-from strata.stage_worker.warm_steps import warm_shapes
+from strata.stage_worker.warm_steps import prefill_shapes, warm_shapes
 from strata_testbed.stages import load_spans
 
 ONE_ROW = (1,)
@@ -96,6 +96,45 @@ ROWS = [
 @pytest.mark.parametrize(("rows", "expected"), [c[1:] for c in ROWS], ids=[c[0] for c in ROWS])
 def test_rows_variant(rows: int, expected: tuple[str, int, bool]) -> None:
     assert rows_variant(rows) == expected
+
+
+def _programs(limit: int) -> Callable[[int, int], Hashable]:
+    """A launch whose variant follows its programs (sequences by 16-row query tiles) up to `limit`, as the attention
+    kernel's splits and warps do."""
+    return lambda sequences, rows: min(limit, sequences * -(-rows // 16))
+
+
+PREFILLS: list[tuple[str, int, int, Callable[[int, int], Hashable], set[Hashable], list[tuple[int, int]]]] = [
+    ("nothing compiled: no step", 16, 256, lambda s, r: None, {None}, []),
+    ("a variant past 8 sequences: 9 prompts, each of two rows", 16, 256, lambda s, r: s > 8, {False}, [(9, 2)]),
+    ("a variant past 32 rows: one prompt of 33", 16, 256, lambda s, r: r > 32, {False}, [(1, 33)]),
+    ("a variant the decode steps met: no step", 16, 256, lambda s, r: r > 32, {False, True}, []),
+    (
+        "by programs: the step of fewest cells for each, fewest first",
+        4,
+        256,
+        _programs(6),
+        {1},
+        [(2, 2), (3, 2), (4, 2), (3, 17), (1, 65)],
+    ),
+    ("a pool too short for the variant's rows: none", 1, 16, lambda s, r: r > 32, {False}, []),
+]
+
+
+@pytest.mark.parametrize(
+    ("parallel", "longest", "variant", "met", "expected"), [c[1:] for c in PREFILLS], ids=[c[0] for c in PREFILLS]
+)
+def test_prefill_shapes(
+    parallel: int,
+    longest: int,
+    variant: Callable[[int, int], Hashable],
+    met: set[Hashable],
+    expected: list[tuple[int, int]],
+) -> None:
+    shapes = prefill_shapes(parallel, longest, variant, tile=16, met=met)
+    assert shapes == expected
+    reachable = {variant(s, r) for s in range(1, parallel + 1) for r in range(2, longest + 1)}
+    assert {variant(s, r) for s, r in shapes} | met >= reachable, "a prefill variant is left to compile while serving"
 
 
 def _engine(path: Path) -> Engine:

@@ -22,12 +22,12 @@ import torch
 from strata.stage_worker.decode import Decoder, Picks
 from strata.stage_worker.decode_ahead import Ahead, rows_served, takes_ahead
 from strata.stage_worker.errors import ContextExceededError, InvalidRequestError, PoolExhaustedError
-from strata.stage_worker.kv_cells import Piece, Placement
+from strata.stage_worker.kv_cells import Piece
 from strata.stage_worker.kv_pool import KVPool
-from strata.stage_worker.model import ChunkView, StageModel, StepLayout, step_layout
+from strata.stage_worker.model import StageModel, step_layout
 from strata.stage_worker.picks import pick
 from strata.stage_worker.sampling import Sampled, Sampling
-from strata.stage_worker.warm_steps import warm_steps
+from strata.stage_worker.warm_steps import warm_prefill, warm_steps
 from strata.stage_worker.wide_step import WideStep, widen
 from torch import Tensor
 
@@ -110,9 +110,14 @@ class Engine:
         """Run the decode step (on GPUs: compile and capture it) for the shapes of strata.stage_worker.warm_steps
         before the stage says it is ready, so no request waits for a compiler and no broken path serves. Under
         inference mode, as `step` runs: compiled code is kept by the grad mode it was made in, so a warm-up with
-        grad enabled left every step shape first met while serving to compile its blocks again."""
+        grad enabled left every step shape first met while serving to compile its blocks again. Then a prefill step
+        of each attention variant the decode steps did not meet."""
         with on_device(self.device):
-            warm_steps(decoder=self.decoder, pool=self.pool, model=self.model, dtype=self.dtype)
+            met = warm_steps(decoder=self.decoder, pool=self.pool, model=self.model, dtype=self.dtype)
+            warm_prefill(
+                forward=self._forward_in_parts, pool=self.pool, model=self.model, device=self.device, dtype=self.dtype,
+                met=met,
+            )  # fmt: skip
 
     def validate(self, chunks: list[Chunk], hidden: Tensor | None) -> None:
         if not chunks:
@@ -291,20 +296,12 @@ class Engine:
         extensions = self.pool.extend_part(part)
         at = torch.cat([torch.arange(start, start + length) for _, start, length in part]).to(self.device)
 
-        def layout(placements: list[Placement], table: Tensor) -> StepLayout:
-            views, row = [], 0
-            for (slot, start, length), placement in zip(part, placements, strict=True):
-                views.append(
-                    ChunkView(rows=slice(row, row + length), slot=slot, start_position=start, cells=placement.cells)
-                )
-                row += length
-            writes = torch.cat([placement.new for placement in placements])
-            return step_layout(positions=at, write_cells=writes, chunks=tuple(views), table=table)
-
-        full = layout([e.full for e in extensions], self.pool.table)
+        full = step_layout(
+            positions=at, write_cells=torch.cat([e.full.new for e in extensions]), chunks=part, table=self.pool.table
+        )
         if self.pool.window is not None:
-            window = layout([e.window for e in extensions if e.window is not None], self.pool.window.table)
-            full = replace(full, window=window)
+            cells = torch.cat([e.window.new for e in extensions if e.window is not None])
+            full = replace(full, window=replace(full, write_cells=cells, table=self.pool.window.table))
         out: Tensor = self.model(x, rope=self.rope, caches=self.pool.layers, layout=full)
         return out
 

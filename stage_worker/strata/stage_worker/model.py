@@ -19,7 +19,7 @@ blocks or plain values) and assigns the other parameters.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
@@ -29,18 +29,13 @@ import torch.nn.functional as F
 from strata.gguf.architectures import Activation
 from strata.stage_worker.experts import MixtureOfExperts
 from strata.stage_worker.kernels.kv_write import rotate_and_write
-from strata.stage_worker.kernels.paged_attention import AttentionRule, Sequences, attend_dense, attend_pool
+from strata.stage_worker.kernels.paged_attention import AttentionRule, Sequences, attend_pool
 from strata.stage_worker.kernels.quant_matmul import Gate, rms_norm
 from strata.stage_worker.kv_pool import LayerCache
 from strata.stage_worker.model_config import ModelConfig
 from strata.stage_worker.rope import Rope
 from strata.stage_worker.weights.linear import PackedLinear
 from torch import Tensor, nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
-
-# Prefill attention kernels, best first. Not cuDNN: it builds an execution plan for every new (T, S) shape, and
-# prefill chunks come in every length, so a new prompt would wait for a plan instead of attending.
-PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 ACTIVATIONS: dict[Activation, Callable[[Tensor], Tensor]] = {
     Activation.SILU: F.silu,
@@ -51,104 +46,43 @@ GATES: dict[Activation, Gate] = {Activation.SILU: Gate.SILU, Activation.GELU_TAN
 
 
 @dataclass(frozen=True)
-class ChunkView:
-    """One slot's chunk inside a step: its rows in the flattened batch and the pool cells it reads."""
+class Layout:
+    """Everything a layer needs about a step, computed once per step: each row's position and new cell, and the step's
+    sequences (a slot's rows and how many of its positions they see), which attention reads in place from the pool.
 
-    rows: slice  # rows of the step's [N, D] batch
-    slot: int
-    start_position: int  # absolute position of the first row
-    cells: Tensor  # the cells its slot holds up to the chunk's end, in order: from position 0, all of them
-
-
-@dataclass(frozen=True)
-class StepLayout:
-    """Everything a layer needs about a step, computed once per step: any mix of prefill and decode chunks."""
+    One attention call serves any mix a step carries: prefill chunks from position 0 and after cached positions, decode
+    rows, verified drafts. Measured on an H200 (2026-11-28, Gemma 3 270M): a step of 16 new prompts of 142 tokens took
+    150 ms when each fresh chunk attended on its own (flash attention, or a masked SDPA under a window), launch-bound
+    with 18.9 ms of GPU work, the 288 calls of 16 chunks by 18 layers each copying and casting its keys. Every field is
+    a device tensor, and a decode step's shapes follow its batch size alone (and the rows a slot), so it is captured
+    once per batch size in a CUDA graph and replayed at any depth.
+    """
 
     positions: Tensor  # [N] absolute position of each row
     write_cells: Tensor  # [N] pool cell each row's K/V goes to
-    chunks: tuple[ChunkView, ...]
     table: Tensor  # [parallel, context] the pool's table: the cells of each slot's positions
-    continued: Sequences | None  # the chunks after cached positions, read in place from the pool
-    window: StepLayout | None = None  # the same step in the sliding-window layers' cells, when they have their own
-
-    def attend(self, q: Tensor, cache: LayerCache, config: ModelConfig, rule: AttentionRule) -> Tensor:
-        """Causal attention of each chunk's rows over its slot's cells. A chunk from position 0 attends through
-        flash attention over its own cells (or, with a window or a soft-cap, which flash attention does not take,
-        through attend_dense); chunks after cached positions (a prefix hit, a long prompt's later chunks) read the
-        pool in place, all in one call."""
-        c = config
-        out = torch.empty_like(q)  # q: [N, H, hd]
-        if self.continued is not None:
-            out = attend_pool(q, cache, table=self.table, sequences=self.continued, n_head_kv=c.n_head_kv, rule=rule)
-        for chunk in self.chunks:
-            if chunk.start_position > 0:
-                continue
-            keys, values = cache.read(chunk.cells)  # [S, kv_dim] each, S = the chunk's own positions
-            s = keys.shape[0]
-            qc = q[chunk.rows].transpose(0, 1)[None]  # [1, H, T, hd]
-            kc = keys.view(1, s, c.n_head_kv, c.head_dim).transpose(1, 2)  # [1, Hkv, S, hd]
-            vc = values.view(1, s, c.n_head_kv, c.head_dim).transpose(1, 2)  # [1, Hkv, S, hd]
-            if rule.window or rule.softcap:
-                attended = attend_dense(qc, kc, vc, rule=rule)
-            else:
-                with sdpa_kernel(PREFILL_ATTENTION):
-                    attended = F.scaled_dot_product_attention(
-                        qc, kc, vc, is_causal=True, enable_gqa=c.n_rep > 1, scale=rule.scale
-                    )
-            out[chunk.rows] = attended[0].transpose(0, 1)  # [T, H, hd]
-        return out
-
-
-def step_layout(
-    *,
-    positions: Tensor,
-    write_cells: Tensor,
-    chunks: tuple[ChunkView, ...],
-    table: Tensor,
-    window: StepLayout | None = None,
-) -> StepLayout:
-    """The step's layout, with the chunks that continue a slot described for the pool kernel."""
-    continued = [chunk for chunk in chunks if chunk.start_position > 0]
-    sequences = None
-    if continued:
-        device = table.device
-        columns = [
-            (
-                chunk.slot,
-                chunk.rows.start,
-                chunk.rows.stop - chunk.rows.start,
-                chunk.start_position + chunk.rows.stop - chunk.rows.start,
-            )
-            for chunk in continued
-        ]
-        # One dense row per field: the kernel reads each as a plain array (a transposed view would hand it every
-        # fourth value).
-        slots, q_starts, q_lens, kv_lens = torch.tensor(list(zip(*columns, strict=True)), dtype=torch.long).to(device)
-        sequences = Sequences(
-            slots=slots, q_starts=q_starts, q_lens=q_lens, kv_lens=kv_lens, max_q_len=int(max(c[2] for c in columns))
-        )
-    return StepLayout(
-        positions=positions, write_cells=write_cells, chunks=chunks, table=table, continued=sequences, window=window
-    )
-
-
-@dataclass(frozen=True)
-class DecodeLayout:
-    """A decode step: one row per slot (or a few, the same number each: a step that verifies drafts), each attending
-    over exactly its slot's positions, read in place.
-
-    Every field is a device tensor whose shape depends on B (and the rows a slot) alone, so the step is captured once
-    per batch size in a CUDA graph and replayed at any depth.
-    """
-
-    positions: Tensor  # [B * width] position of each row
-    write_cells: Tensor  # [B * width] pool cell each row's K/V goes to
-    table: Tensor  # [parallel, context] the pool's table
-    sequences: Sequences  # sequence b: slot slots[b]'s rows, seeing positions 0..its last row's
-    window: DecodeLayout | None = None  # the same step in the sliding-window layers' cells, when they have their own
+    sequences: Sequences  # sequence i: slot slots[i]'s rows, seeing positions 0..its last row's
+    window: Layout | None = None  # the same step in the sliding-window layers' cells, when they have their own
 
     def attend(self, q: Tensor, cache: LayerCache, config: ModelConfig, rule: AttentionRule) -> Tensor:
         return attend_pool(q, cache, table=self.table, sequences=self.sequences, n_head_kv=config.n_head_kv, rule=rule)
+
+
+def step_layout(
+    *, positions: Tensor, write_cells: Tensor, chunks: Sequence[tuple[int, int, int]], table: Tensor
+) -> Layout:
+    """The layout of a step of any chunks: (slot, start position, length) each, in the order of the step's rows."""
+    columns, row = [], 0
+    for slot, start, length in chunks:
+        columns.append((slot, row, length, start + length))
+        row += length
+    # One dense row per field: the kernel reads each as a plain array (a transposed view would hand it every fourth
+    # value).
+    slots, q_starts, q_lens, kv_lens = torch.tensor(list(zip(*columns, strict=True)), dtype=torch.long).to(table.device)
+    sequences = Sequences(
+        slots=slots, q_starts=q_starts, q_lens=q_lens, kv_lens=kv_lens, max_q_len=max(c[2] for c in columns)
+    )
+    return Layout(positions=positions, write_cells=write_cells, table=table, sequences=sequences)
 
 
 def decode_layout(
@@ -161,7 +95,7 @@ def decode_layout(
     width: int = 1,
     window_table: Tensor | None = None,
     window_cells: Tensor | None = None,
-) -> DecodeLayout:
+) -> Layout:
     """Put each row's new cell in the pool's table (device only), and its sliding-window cell in that space's table
     when there is one. slots, positions, cells: [B * width], `width` rows a slot, its consecutive positions in order
     (a step that verifies drafts); rows: [B] 0..B-1, made once by the caller."""
@@ -181,11 +115,8 @@ def decode_layout(
     window = None
     if window_table is not None and window_cells is not None:
         window_table[slots, positions] = window_cells
-        window = DecodeLayout(positions=positions, write_cells=window_cells, table=window_table, sequences=sequences)
-    return DecodeLayout(positions=positions, write_cells=cells, table=table, sequences=sequences, window=window)
-
-
-Layout = StepLayout | DecodeLayout
+        window = Layout(positions=positions, write_cells=window_cells, table=window_table, sequences=sequences)
+    return Layout(positions=positions, write_cells=cells, table=table, sequences=sequences, window=window)
 
 
 class RMSNorm(nn.Module):

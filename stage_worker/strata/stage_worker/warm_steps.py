@@ -9,14 +9,16 @@ seconds, so warming up only one and two slots left them to the first requests of
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 import torch
 from strata.stage_worker.decode import WIDEST, Decoder
 from strata.stage_worker.errors import ContextExceededError, PoolExhaustedError
 from strata.stage_worker.kernels.quant_matmul import rows_variant
+from strata.stage_worker.kv_cells import Piece
 from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.model import StageModel
+from torch import Tensor
 
 
 def warm_shapes(
@@ -39,28 +41,60 @@ def warm_shapes(
     return shapes
 
 
+def attention_variant(model: StageModel, device: torch.device) -> Callable[[int, int], Hashable]:
+    """What picks the attention kernel's compiled variant for a step of (sequences, rows of the longest): on CUDA its
+    tiling and launch; elsewhere nothing is compiled."""
+    if device.type != "cuda":
+        return lambda sequences, rows: None
+    from strata.stage_worker.kernels.paged_attention_triton import tile_shape
+
+    c = model.config
+
+    def variant(sequences: int, rows: int) -> Hashable:
+        return tile_shape(
+            n_seq=sequences, max_q_len=rows, n_head=c.n_head, n_head_kv=c.n_head_kv, head_dim=c.head_dim, device=device
+        ).variant
+
+    return variant
+
+
 def variant_of(model: StageModel, device: torch.device) -> Callable[[int, int], Hashable]:
     """What picks the compiled kernels of a decode step of (slots, width): on CUDA the attention kernel's tiling and
     launch, and the products' kernels by rows; elsewhere nothing is compiled."""
     if device.type != "cuda":
         return lambda slots, width: None
-    from strata.stage_worker.kernels.paged_attention_triton import tile_shape
-
-    c = model.config
-
-    def variant(slots: int, width: int) -> Hashable:
-        tiles = tile_shape(
-            n_seq=slots, max_q_len=width, n_head=c.n_head, n_head_kv=c.n_head_kv, head_dim=c.head_dim, device=device
-        )
-        return tiles.variant, rows_variant(slots * width)
-
-    return variant
+    attention = attention_variant(model, device)
+    return lambda slots, width: (attention(slots, width), rows_variant(slots * width))
 
 
-def warm_steps(*, decoder: Decoder, pool: KVPool, model: StageModel, dtype: torch.dtype) -> None:
-    """Run (on GPUs: compile and capture) a decode step of each of `warm_shapes`, on cells taken and given back."""
+def prefill_shapes(
+    parallel: int, longest: int, variant: Callable[[int, int], Hashable], *, tile: int, met: Iterable[Hashable] = ()
+) -> list[tuple[int, int]]:
+    """(sequences, rows of the longest) of the prefill steps a stage runs before it says it is ready: for each
+    attention variant (`variant(sequences, rows)`) that a step of up to `parallel` sequences of up to `longest` rows
+    meets and the decode steps did not (`met`), the step of it that takes the fewest cells: one sequence of that many
+    rows, the others of one row each (a prefill beside decoding slots), fewest sequences first. `tile`: the query rows
+    a program of the kernel takes, by which the variant may change. A step attends all its sequences in one launch
+    (strata.stage_worker.model), whose variant follows their number and the longest, so without these the first
+    batch of new prompts, or the first long one, waited seconds for a compiler."""
+    best: dict[Hashable, tuple[int, int, int]] = {}
+    known = set(met)
+    for sequences in range(1, parallel + 1):
+        for tiles in range(1, -(-longest // tile) + 1):
+            rows = max(2, (tiles - 1) * tile + 1)
+            key = variant(sequences, rows)
+            cells = rows + sequences - 1
+            if key not in known and (key not in best or cells < best[key][0]):
+                best[key] = (cells, sequences, rows)
+    return [(sequences, rows) for _, sequences, rows in sorted(best.values())]
+
+
+def warm_steps(*, decoder: Decoder, pool: KVPool, model: StageModel, dtype: torch.dtype) -> list[tuple[int, int]]:
+    """Run (on GPUs: compile and capture) a decode step of each of `warm_shapes`, on cells taken and given back;
+    returns them."""
     widths = decoder.compiled_widths or (1,)
-    for batch, width in warm_shapes(pool.parallel, variant_of(model, decoder.device), widths):
+    shapes = warm_shapes(pool.parallel, variant_of(model, decoder.device), widths)
+    for batch, width in shapes:
         slots = list(range(batch))
         rows = batch * width
         hidden = None if model.is_first else torch.zeros(rows, model.config.dim, dtype=dtype, device=decoder.device)
@@ -79,4 +113,39 @@ def warm_steps(*, decoder: Decoder, pool: KVPool, model: StageModel, dtype: torc
             )
         finally:  # a failed compilation leaves the slots empty too, for the engine that replaces this one
             for slot in slots:
+                pool.reset(slot)
+    return shapes
+
+
+def warm_prefill(
+    *,
+    forward: Callable[[list[Piece], Tensor], Tensor],
+    pool: KVPool,
+    model: StageModel,
+    device: torch.device,
+    dtype: torch.dtype,
+    met: Iterable[tuple[int, int]],
+) -> None:
+    """Run a prefill step (`forward`: the engine's, over pieces and their rows' hidden state) of each of
+    `prefill_shapes` that the pool can hold, on cells taken and given back; `met`: the (slots, width) of the decode
+    steps already run, whose variants need no prefill step."""
+    if device.type != "cuda":
+        return  # nothing compiles
+    variant = attention_variant(model, device)
+    from strata.stage_worker.kernels.paged_attention_triton import tile_shape
+
+    c = model.config
+    tile = tile_shape(
+        n_seq=1, max_q_len=2, n_head=c.n_head, n_head_kv=c.n_head_kv, head_dim=c.head_dim, device=device
+    ).block_t
+    decoded = {variant(slots, width) for slots, width in met}
+    for sequences, rows in prefill_shapes(pool.parallel, pool.context, variant, tile=tile, met=decoded):
+        pieces = [(0, 0, rows), *((slot, 0, 1) for slot in range(1, sequences))]
+        hidden = torch.zeros(rows + sequences - 1, c.dim, dtype=dtype, device=device)
+        try:
+            forward(pieces, hidden)
+        except (ContextExceededError, PoolExhaustedError):
+            continue  # a pool too small for this step never serves one of it
+        finally:
+            for slot in range(sequences):
                 pool.reset(slot)

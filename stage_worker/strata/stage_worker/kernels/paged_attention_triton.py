@@ -64,11 +64,12 @@ def _dequantise(values, scales_ptr, cell, stride_sc, first_column, pos_ok, d_ok,
 
 
 # The partial results' strides follow the batch's split count, which follows its size: specialised on them, the kernels
-# compiled again for each new batch size in the middle of serving (seconds each on an H200).
+# compiled again for each new batch size in the middle of serving (seconds each on an H200). So would the query tiles a
+# sequence takes, which follow the step's longest chunk (Triton specialises an integer that is 1 or a multiple of 16).
 _BY_SPLITS = ["stride_on", "stride_oh", "stride_os", "stride_ln", "stride_lh"]
 
 
-@triton.jit(do_not_specialize=_BY_SPLITS)
+@triton.jit(do_not_specialize=[*_BY_SPLITS, "q_tiles"])
 def _attend_split(
     q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, table_ptr, slots_ptr, q_starts_ptr, q_lens_ptr, kv_lens_ptr,
     o_part_ptr, lse_part_ptr,
@@ -266,7 +267,7 @@ class TileShape:
         compiles (seconds), so a stage's warm-up runs a step of each its batches meet
         (strata.stage_worker.warm_steps)."""
         splits = triton.next_power_of_2(self.launch.splits)  # the merge's tile
-        return (self.block_t, self.q_tiles == 1, self.block_n, self.launch.warps, splits)
+        return (self.block_t, self.block_n, self.launch.warps, splits)
 
 
 def tile_shape(

@@ -1,7 +1,7 @@
 """The pool attention kernel against its plain reference, on the table of cases in strata_testbed.attention_cases.
 
 Without a GPU the kernel runs under Triton's interpreter (the same kernel source, executed with numpy), in f32 and f16
-(the interpreter has no bfloat16); bench/attention.py runs the same table on a GPU in bf16, f16 and f32.
+(the interpreter has no bfloat16); bench/depth.py checks the same table on a GPU before it measures.
 """
 
 from __future__ import annotations

@@ -29,11 +29,17 @@ positions a slot, for 1 slot and for --streams slots, and prints the marginal co
 `--position-cost` takes (the larger of the two, so a full batch is never over-drafted); --position-cost passes a
 value to the servers (default: the one just measured; the gateway's own default with --no-step-costs). Every wait
 has a deadline: the whole run stops at --deadline-s.
+
+A run may take more than one call of a GPU lease (a call may take 600 s; six servers took more): with --state FILE
+each server's figures are written to FILE as it finishes, a server is not started with less than SERVER_S of the
+deadline left, and the same command again (same options, same FILE) goes on from the next server and prints the whole
+table once every server is measured. FILE names the options it was made with, and a call with others is refused.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -79,6 +85,45 @@ class Deadline:
         if left <= 0:
             sys.exit("bench/speculative.py: the run's deadline (--deadline-s) passed")
         return min(cap, left)
+
+
+# A server's start (load, compile from a warm cache, capture, warm-up) and measurement: 60 to 90 s each on an H200
+# pair (2026-11-28), several minutes for the first one of a machine.
+SERVER_S = 120.0
+
+
+class State:
+    """The figures of a run that spans several calls (--state): one JSON file of the options and each server's
+    figures, keyed "stages/method"."""
+
+    def __init__(self, path: Path | None, options: dict[str, object]) -> None:
+        self.path, self.options = path, options
+        self.figures: dict[str, Figures] = {}
+        self.position_cost: float | None = None
+        if path is None or not path.exists():
+            return
+        saved = json.loads(path.read_text())
+        if saved["options"] != options:
+            differ = sorted(
+                k for k in options.keys() | saved["options"].keys() if saved["options"].get(k) != options.get(k)
+            )
+            sys.exit(f"--state {path} was made with other options ({', '.join(differ)}): use another file")
+        self.position_cost = saved["position_cost"]
+        self.figures = {
+            key: Figures(**{**value, "batch_texts": tuple(value["batch_texts"])})
+            for key, value in saved["figures"].items()
+        }
+
+    def keep(self, key: str, figures: Figures, position_cost: float | None) -> None:
+        self.figures[key] = figures
+        self.position_cost = position_cost
+        if self.path is not None:
+            state = {
+                "options": self.options,
+                "position_cost": position_cost,
+                "figures": {k: dataclasses.asdict(v) for k, v in self.figures.items()},
+            }
+            self.path.write_text(json.dumps(state))
 
 
 def machine() -> str:
@@ -317,14 +362,23 @@ def main() -> None:
     parser.add_argument("--p-min", type=float, default=None, help="method draft's floor, passed to the servers")
     parser.add_argument("--no-step-costs", action="store_true", help="skip timing the engine's steps")
     parser.add_argument("--deadline-s", type=float, default=3000.0, help="the whole run stops after this")
+    parser.add_argument("--state", type=Path, default=None, help="a file that carries the run over several calls")
     args = parser.parse_args()
     methods = [m for m in args.method.split(",") if m]
     if not methods or any(m not in ("ngram", "draft") for m in methods):
         sys.exit(f"--method takes ngram and draft, comma-separated, not {args.method!r}")
     deadline = Deadline(args.deadline_s)
+    options = {
+        key: getattr(args, key)
+        for key in ("method", "stages", "tokens", "rounds", "streams", "context", "device", "model", "draft",
+                    "draft_device", "position_cost", "max_draft", "p_min", "no_step_costs")
+    }  # fmt: skip
+    state = State(args.state, {**options, "machine": machine()})
     folder = Path(tempfile.mkdtemp(prefix="bench-speculative-"))
     target, draft = models(args.model, args.draft, folder)
-    if not args.no_step_costs:
+    if state.position_cost is not None:
+        args.position_cost = state.position_cost  # measured by the call that began the run
+    elif not args.no_step_costs:
         costs = step_costs(target, device=args.device, streams=args.streams, max_draft=args.max_draft)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the engine is gone: its memory goes back before the servers start
@@ -339,12 +393,25 @@ def main() -> None:
         if args.position_cost is None:  # what a deployment sets from this bench: the servers below run with it
             args.position_cost = round(min(1.0, max(costs["marginal_one"], costs["marginal_many"], 0.0)), 3)
     rows = []
-    for stages in (int(s) for s in args.stages.split(",")):
+    counts = [int(s) for s in args.stages.split(",")]
+    for stages in counts:
         figures: dict[str, Figures] = {}
         for method in ["", *methods]:
+            key, label = f"{stages}/{method or 'off'}", method or "off"
+            if key in state.figures:
+                figures[method] = state.figures[key]
+                print(f"{stages} stage(s), {label}: measured by an earlier call (--state {args.state})", flush=True)
+                continue
+            if args.state is not None and deadline.at - time.monotonic() < SERVER_S:
+                sys.exit(
+                    f"bench/speculative.py: {len(state.figures)} of {len(counts) * (1 + len(methods))} servers "
+                    f"measured; less than {SERVER_S:.0f} s of "
+                    f"--deadline-s is left for the next, so it stops here: the same command goes on from {key}"
+                )
             with served(target, stages=stages, args=args, method=method, draft=draft, deadline=deadline) as server:
                 figures[method] = measure(server, args=args, deadline=deadline)
-            f, label = figures[method], method or "off"
+            state.keep(key, figures[method], args.position_cost)
+            f = figures[method]
             steps = f.many_counts["steps"]
             print(
                 f"{stages} stage(s), {label}: decode {f.one:.1f} tok/s, whole completion {f.whole:.1f}, batch "

@@ -14,7 +14,7 @@ from strata.stage_worker.decode import WIDEST, Decoder
 from strata.stage_worker.engine import Chunk, Engine
 from strata.stage_worker.kernels.quant_matmul import FUSED_MAX_ROWS, GEMM_MAX_ROWS, rows_variant
 from strata.stage_worker.kv_pool import KVPool
-from strata.stage_worker.warm_steps import prefill_shapes, warm_shapes
+from strata.stage_worker.warm_steps import prefill_shapes, warm_prefill, warm_shapes
 from strata_testbed.stages import load_spans
 
 ONE_ROW = (1,)
@@ -131,10 +131,31 @@ def test_prefill_shapes(
     met: set[Hashable],
     expected: list[tuple[int, int]],
 ) -> None:
-    shapes = prefill_shapes(parallel, longest, variant, tile=16, met=met)
+    shapes = prefill_shapes(parallel, variant, tile=16, most_tiles=lambda sequences: -(-longest // 16), met=met)
     assert shapes == expected
     reachable = {variant(s, r) for s in range(1, parallel + 1) for r in range(2, longest + 1)}
     assert {variant(s, r) for s, r in shapes} | met >= reachable, "a prefill variant is left to compile while serving"
+
+
+@pytest.mark.parametrize("n_head_kv", [1, 8], ids=["one KV head", "eight KV heads"])
+def test_prefill_shapes_of_the_attention_kernel_cover_it_past_saturation(n_head_kv: int) -> None:
+    """The warm-up's bound on a sequence's tiles (where the launch saturates) leaves no variant of the real launch
+    rule out: every one that steps of up to 4 sequences and twice that many rows meet is among those it runs."""
+    from strata.stage_worker.kernels.paged_attention_triton import saturating_programs, tile_shape
+
+    device = torch.device("cpu")  # the launch rule reads the multiprocessors of a CUDA device; 8 elsewhere
+
+    def variant(sequences: int, rows: int) -> Hashable:
+        return tile_shape(
+            n_seq=sequences, max_q_len=rows, n_head=4 * n_head_kv, n_head_kv=n_head_kv, head_dim=64, device=device
+        ).variant
+
+    saturated = saturating_programs(device)
+    shapes = prefill_shapes(4, variant, tile=16, most_tiles=lambda s: -(-saturated // (s * n_head_kv)))
+    longest = 2 * 16 * saturated
+    reachable = {variant(s, r) for s in range(1, 5) for r in range(2, longest + 1, 7)}
+    assert {variant(s, r) for s, r in shapes} >= reachable
+    assert len(shapes) > 2, "the launch rule has several prefill variants: the check above would prove little"
 
 
 def _engine(path: Path) -> Engine:
@@ -171,3 +192,36 @@ def test_warm_up_runs_under_inference_mode_as_steps_do(tmp_path: Path, monkeypat
     engine.step([Chunk(slot=0, start_position=2, length=1, token_ids=(7,), sample=True)], None)
     assert len(modes) >= 3, "the warm-up and the decode step ran the decoder"
     assert all(modes), modes
+
+
+def test_the_prefill_warm_up_runs_each_shape_it_plans_and_leaves_the_pool_empty(tmp_path: Path) -> None:
+    """The executor of prefill_shapes, on the CPU with the attention kernel's launch rule as the variant (on a GPU the
+    default): a prefill step of each shape that fits the pool runs through the engine, and its cells come back."""
+    from strata.stage_worker.kernels.paged_attention_triton import tile_shape
+
+    engine = _engine(write_test_model(tmp_path / "model.gguf", architecture="llama", block_count=2).path)
+    c, cpu = engine.model.config, torch.device("cpu")
+
+    def variant(sequences: int, rows: int) -> Hashable:
+        return tile_shape(
+            n_seq=sequences, max_q_len=rows, n_head=c.n_head, n_head_kv=c.n_head_kv, head_dim=c.head_dim, device=cpu
+        ).variant
+
+    steps: list[list[tuple[int, int, int]]] = []
+
+    def forward(pieces: list[tuple[int, int, int]], hidden: torch.Tensor) -> torch.Tensor:
+        steps.append(pieces)
+        return engine._forward_in_parts(pieces, hidden)
+
+    free = engine.pool.free_cells
+    ran = warm_prefill(
+        forward=forward, pool=engine.pool, model=engine.model, device=cpu, dtype=torch.float32, met=[], variant=variant
+    )
+    assert ran, "the launch rule has prefill variants a 3-slot pool meets"
+    assert [(len(p), p[0][2]) for p in steps] == ran, "each shape ran as one step of its sequences"
+    assert all(rest == (slot, 0, 1) for p in steps for slot, rest in enumerate(p) if slot), steps
+    assert engine.pool.free_cells == free
+    assert (
+        warm_prefill(forward=forward, pool=engine.pool, model=engine.model, device=cpu, dtype=torch.float32, met=[])
+        == []
+    )

@@ -68,19 +68,25 @@ def variant_of(model: StageModel, device: torch.device) -> Callable[[int, int], 
 
 
 def prefill_shapes(
-    parallel: int, longest: int, variant: Callable[[int, int], Hashable], *, tile: int, met: Iterable[Hashable] = ()
+    parallel: int,
+    variant: Callable[[int, int], Hashable],
+    *,
+    tile: int,
+    most_tiles: Callable[[int], int],
+    met: Iterable[Hashable] = (),
 ) -> list[tuple[int, int]]:
     """(sequences, rows of the longest) of the prefill steps a stage runs before it says it is ready: for each
-    attention variant (`variant(sequences, rows)`) that a step of up to `parallel` sequences of up to `longest` rows
-    meets and the decode steps did not (`met`), the step of it that takes the fewest cells: one sequence of that many
-    rows, the others of one row each (a prefill beside decoding slots), fewest sequences first. `tile`: the query rows
-    a program of the kernel takes, by which the variant may change. A step attends all its sequences in one launch
+    attention variant (`variant(sequences, rows)`) that a step of up to `parallel` sequences meets and the decode
+    steps did not (`met`), the step of it that takes the fewest cells: one sequence of that many rows, the others of
+    one row each (a prefill beside decoding slots), fewest sequences first. `tile`: the query rows a program of the
+    kernel takes, by which the variant may change; `most_tiles(sequences)`: the tiles a sequence may take past which
+    the variant no longer changes (or the pool ends). A step attends all its sequences in one launch
     (strata.stage_worker.model), whose variant follows their number and the longest, so without these the first
     batch of new prompts, or the first long one, waited seconds for a compiler."""
     best: dict[Hashable, tuple[int, int, int]] = {}
     known = set(met)
     for sequences in range(1, parallel + 1):
-        for tiles in range(1, -(-longest // tile) + 1):
+        for tiles in range(1, most_tiles(sequences) + 1):
             rows = max(2, (tiles - 1) * tile + 1)
             key = variant(sequences, rows)
             cells = rows + sequences - 1
@@ -125,21 +131,31 @@ def warm_prefill(
     device: torch.device,
     dtype: torch.dtype,
     met: Iterable[tuple[int, int]],
-) -> None:
+    variant: Callable[[int, int], Hashable] | None = None,
+) -> list[tuple[int, int]]:
     """Run a prefill step (`forward`: the engine's, over pieces and their rows' hidden state) of each of
-    `prefill_shapes` that the pool can hold, on cells taken and given back; `met`: the (slots, width) of the decode
-    steps already run, whose variants need no prefill step."""
-    if device.type != "cuda":
-        return  # nothing compiles
-    variant = attention_variant(model, device)
-    from strata.stage_worker.kernels.paged_attention_triton import tile_shape
+    `prefill_shapes` that the pool can hold, on cells taken and given back; returns them. `met`: the (slots, width) of
+    the decode steps already run, whose variants need no prefill step; `variant`: what picks the attention kernel's
+    compiled variant (default: `attention_variant`; on the CPU nothing compiles, and no step runs)."""
+    if variant is None:
+        if device.type != "cuda":
+            return []
+        variant = attention_variant(model, device)
+    from strata.stage_worker.kernels.paged_attention_triton import saturating_programs, tile_shape
 
     c = model.config
     tile = tile_shape(
         n_seq=1, max_q_len=2, n_head=c.n_head, n_head_kv=c.n_head_kv, head_dim=c.head_dim, device=device
     ).block_t
+    pool_tiles, saturated = -(-pool.context // tile), saturating_programs(device)
+
+    def most_tiles(sequences: int) -> int:
+        # Programs are sequences x tiles x KV heads; past `saturated` the launch is the same (one split, most warps).
+        return min(pool_tiles, -(-saturated // (sequences * c.n_head_kv)))
+
     decoded = {variant(slots, width) for slots, width in met}
-    for sequences, rows in prefill_shapes(pool.parallel, pool.context, variant, tile=tile, met=decoded):
+    ran = []
+    for sequences, rows in prefill_shapes(pool.parallel, variant, tile=tile, most_tiles=most_tiles, met=decoded):
         pieces = [(0, 0, rows), *((slot, 0, 1) for slot in range(1, sequences))]
         hidden = torch.zeros(rows + sequences - 1, c.dim, dtype=dtype, device=device)
         try:
@@ -149,3 +165,5 @@ def warm_prefill(
         finally:
             for slot in range(sequences):
                 pool.reset(slot)
+        ran.append((sequences, rows))
+    return ran

@@ -252,6 +252,11 @@ def launch_shape(*, programs: int, rows: int, device: torch.device, config: Laun
     return Launch(splits=splits, warps=warps, block_n=config.lone_block_n if lone else config.block_n)
 
 
+def saturating_programs(device: torch.device, config: LaunchConfig = DEFAULT) -> int:
+    """The programs from which a launch's shape no longer changes with more: one split each, the most warps."""
+    return config.waves * _multiprocessors(device)
+
+
 @dataclass(frozen=True)
 class TileShape:
     rep: int  # a program's rows of one query position: the GQA group, padded to a power of two

@@ -22,7 +22,8 @@ aggregate tokens/s, the median of --rounds batches; beside it the batch's decode
 first token, summed) and its first-token wait, which the prompts' prefill decides (on an H200 most of a 64-token
 batch of Gemma, and the noisiest part: it depends on how many prompts arrived before the first prefill step). The
 bar is that the batch never goes below 0.95x of plain decoding: the draft length decision turns drafting off where it
-would not pay (strata.gateway.draft_lengths), and the table reports the steps it did so.
+would not pay (strata.gateway.draft_lengths), and the table reports the steps it did so and how long the driver waited
+for the draft model's proposals over the batches.
 
 Before the servers start, an engine of the model in this process times decode steps of 1 and of 1 + max draft
 positions a slot, for 1 slot and for --streams slots, and prints the marginal cost of a position that
@@ -259,7 +260,8 @@ def complete(server: Served, *, tokens: int, deadline: Deadline) -> tuple[str, i
 
 
 def counters(server: Served, deadline: Deadline) -> dict[str, float]:
-    """The gateway's counters: drafted, accepted, off steps; steps answered and the positions they carried."""
+    """The gateway's counters: drafted, accepted, off steps; steps answered and the positions they carried; seconds
+    the driver waited for a draft model's proposals."""
     text = httpx.get(server.root + "/metrics", timeout=deadline.left(30)).text
     names = {
         "drafted": "strata_gateway_speculative_drafted_tokens_total",
@@ -267,6 +269,7 @@ def counters(server: Served, deadline: Deadline) -> dict[str, float]:
         "off": "strata_gateway_speculative_off_steps_total",
         "steps": "strata_gateway_steps_total",
         "positions": "strata_gateway_step_positions_total",
+        "draft_s": "strata_gateway_speculative_draft_seconds_total",
     }
     values = {line.split()[0]: float(line.split()[-1]) for line in text.splitlines() if line.startswith("strata_")}
     return {key: values.get(name, 0.0) for key, name in names.items()}
@@ -431,7 +434,8 @@ def main() -> None:
                 f"| {ratio:.2f}x "
                 f"{'meets' if ratio >= BAR else 'MISSES'} {BAR} | {on.many_decode / off.many_decode:.2f}x "
                 f"| {off.many_first * 1e3:.0f} / {on.many_first * 1e3:.0f} | {accepted(on.many_counts)} "
-                f"| {on.many_counts['off']:.0f} | {differ} of {1 + len(on.batch_texts)} |"
+                f"| {on.many_counts['off']:.0f} | {on.many_counts.get('draft_s', 0.0) * 1e3:.0f} "
+                f"| {differ} of {1 + len(on.batch_texts)} |"
             )
     draft_name = "the model itself" if draft == target else draft.name
     print(f"\nmachine: {machine()}; device {args.device}; {target.name}; draft: {draft_name}")
@@ -443,9 +447,9 @@ def main() -> None:
     print(
         f"| method | stages | 1 stream, decode, off | on | on / off | whole completion, on / off | accepted "
         f"| {n} streams, off | on | on / off | decode only, on / off | first token ms, off / on | accepted "
-        "| steps drafting nothing | texts differing |"
+        "| steps drafting nothing | waits for the draft model, ms | texts differing |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- |" + " ---: |" * 15)
     print("\n".join(rows))
 
 

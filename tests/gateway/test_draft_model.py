@@ -106,7 +106,7 @@ class Unpriced:
     proposals go through the draft model's shared steps, as the inner drafter's would."""
 
     computes = True
-    token_seconds = 0.0
+    token_seconds = start_seconds = 0.0
 
     def __init__(self, inner: DraftModelDrafter, shared: UnpricedLanes) -> None:
         self.inner = inner
@@ -187,7 +187,7 @@ class GatedDrafter:
     run on the loop itself, it would wait out its timeout instead, and say so."""
 
     computes = True
-    token_seconds = 0.0
+    token_seconds = start_seconds = 0.0
     shared = None
 
     def __init__(self) -> None:
@@ -226,7 +226,8 @@ def test_a_drafter_that_computes_proposes_off_the_drivers_loop(files: dict[str, 
 
     with local_pipeline(files["target"], SPANS[1], context=CONTEXT) as stages:
         asyncio.run(run(stages[0].port))
-    assert drafter.proposals >= NEW_TOKENS - 1
+    # Every decode step but the first, which times a one-position step of the pipeline to price drafts against.
+    assert drafter.proposals >= NEW_TOKENS - 2
     assert drafter.blocked == 0, f"{drafter.blocked} proposals ran on the driver's loop"
 
 
@@ -267,6 +268,21 @@ def test_a_rejected_guess_is_fed_again_from_where_the_request_differs(files: dic
     assert drafter.held[: len(PROMPT) + 1] == [*PROMPT, wrong]
     assert len(drafter.held) == len(PROMPT) + 2
     assert len(again) == 2
+
+
+def test_a_loaded_draft_prices_its_first_proposal_by_measure_and_charges_the_prompts_feed_once(
+    files: dict[str, Path],
+) -> None:
+    model = draft_model(files, "target")
+    assert model.token_seconds > 0, "timed at load, before any proposal"
+    assert model.feed_seconds > 0, "timed at load, before any proposal"
+    assert model.engine.pool.length(0) == 0, "the timed feed left nothing in the slot"
+    drafter = model.drafter(PROMPT)
+    assert drafter is not None
+    assert drafter.start_seconds == pytest.approx(len(PROMPT) * model.feed_seconds), "the prompt's feed"
+    guess = drafter.propose(4)
+    drafter.extend((*guess, 5))
+    assert drafter.start_seconds == 0.0, "a decode step's feed is a draft token's cost, not a start"
 
 
 def test_lanes_proposed_together_get_the_drafts_each_gets_alone(files: dict[str, Path]) -> None:

@@ -91,13 +91,15 @@ def test_a_lane_that_sent_no_draft_still_learns_whether_its_guess_was_right(pick
 
 
 class TimedDrafter:
-    """A drafter that computes (a draft model), whose tokens cost `token_seconds` each to make."""
+    """A drafter that computes (a draft model), whose tokens cost `token_seconds` each to make and whose next
+    proposal costs `start_seconds` more before its first (a feed of what its slot lacks)."""
 
     computes = True
     shared = None
 
-    def __init__(self, token_seconds: float) -> None:
+    def __init__(self, token_seconds: float, start_seconds: float = 0.0) -> None:
         self.token_seconds = token_seconds
+        self.start_seconds = start_seconds
 
     def extend(self, tokens: object) -> None:
         pass
@@ -109,18 +111,28 @@ class TimedDrafter:
         pass
 
 
+# (token seconds, start seconds, whether a one-position step has been timed, proposal already made, budget). A
+# one-position step of the pipeline takes 10 ms once timed.
 DRAFT_COSTS = {
-    "a draft a tenth of a pipeline step drafts": (0.001, 4),
-    "a draft as dear as a pipeline step does not": (0.01, 0),
+    "a draft a tenth of a pipeline step drafts": (0.001, 0.0, True, None, 4),
+    "a draft as dear as a pipeline step does not": (0.01, 0.0, True, None, 0),
+    "a cheap draft whose slot must first be fed a prompt of three steps' time does not": (0.001, 0.03, True, None, 0),
+    "a feed of a tenth of a step still pays": (0.001, 0.001, True, None, 4),
+    "nothing to price it against before a step is timed: no draft": (0.001, 0.0, False, None, 0),
+    "a proposal already made costs nothing more, however dear": (0.01, 0.03, True, (1, 1, 1, 1), 4),
 }
 
 
-@pytest.mark.parametrize(("token_seconds", "budget"), DRAFT_COSTS.values(), ids=DRAFT_COSTS.keys())
-def test_a_draft_models_measured_cost_counts_against_its_drafts(token_seconds: float, budget: int) -> None:
+@pytest.mark.parametrize(
+    ("token_seconds", "start_seconds", "timed", "proposed", "budget"), DRAFT_COSTS.values(), ids=DRAFT_COSTS.keys()
+)
+def test_a_draft_models_measured_cost_counts_against_its_drafts(
+    token_seconds: float, start_seconds: float, timed: bool, proposed: tuple[int, ...] | None, budget: int
+) -> None:
     now = [0.0]
     pipeline = Pipeline(
         first_stage="127.0.0.1:1", slots=1, context=4096, fence=None, speculation=Speculation(),
-        drafters=lambda prompt: TimedDrafter(token_seconds), clock=lambda: now[0],
+        drafters=lambda prompt: TimedDrafter(token_seconds, start_seconds), clock=lambda: now[0],
     )  # fmt: skip
     pipeline._ready = True
     g = pipeline.submit(
@@ -128,14 +140,15 @@ def test_a_draft_models_measured_cost_counts_against_its_drafts(token_seconds: f
     )
     for _ in range(8):  # accepted whole: only the draft's cost can stop it
         g.acceptance.observe(drafted=4, accepted=4)
-    g.fed, g.last_token = len(PROMPT), PROMPT[-1]
-    # A one-position step landing 10 ms after it was written: a one-position step costs 10 ms.
-    step = Step(step_id=1, chunks=[stage_pb2.SlotChunk(slot=0, start_position=0, length=1)], written_at=1.0)
-    now[0] = 1.01
-    pipeline._time_step(step)
-    assert pipeline._position_seconds == pytest.approx(0.01)
-    prefill = Step(step_id=2, chunks=[stage_pb2.SlotChunk(slot=0, start_position=0, length=64)], written_at=1.0)
-    now[0] = 2.0
-    pipeline._time_step(prefill)
-    assert pipeline._position_seconds == pytest.approx(0.01), "a prefill step is not a decode step's measure"
+    g.fed, g.last_token, g.proposed = len(PROMPT), PROMPT[-1], proposed
+    if timed:
+        # A one-position step landing 10 ms after it was written: a one-position step costs 10 ms.
+        step = Step(step_id=1, chunks=[stage_pb2.SlotChunk(slot=0, start_position=0, length=1)], written_at=1.0)
+        now[0] = 1.01
+        pipeline._time_step(step)
+        assert pipeline._position_seconds == pytest.approx(0.01)
+        prefill = Step(step_id=2, chunks=[stage_pb2.SlotChunk(slot=0, start_position=0, length=64)], written_at=1.0)
+        now[0] = 2.0
+        pipeline._time_step(prefill)
+        assert pipeline._position_seconds == pytest.approx(0.01), "a prefill step is not a decode step's measure"
     assert pipeline._draft_budgets([g]) == {0: budget}

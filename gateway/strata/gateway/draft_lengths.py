@@ -14,7 +14,9 @@ costs more than it saves. The decision weighs both, per lane, from numbers the d
 
 A draft model also costs its own steps, one per draft token, which the step's drafting lanes share: the driver
 measures what a draft token costs a lane (a draft step's time over the lanes it carried) against a one-position step
-of the pipeline, and the decision adds it to the price of that lane's drafts.
+of the pipeline, and the decision adds it to the price of that lane's drafts. A lane whose draft slot lacks much of
+its request (its first draft feeds the whole prompt) pays that feed once, on top, when its draft starts: the driver
+waits for it before it writes the step, so it is as much the step's cost as the step's own positions.
 
 The decision maximises the step's expected tokens per unit of cost: starting from no drafts (one position a lane, what
 plain decoding yields), it repeatedly makes the move with the most expected tokens per unit of cost added — starting a
@@ -90,12 +92,15 @@ def draft_lengths(
     min_draft: int,
     cost: StepCost,
     draft_cost: Mapping[int, float] | None = None,
+    start_cost: Mapping[int, float] | None = None,
 ) -> dict[int, int]:
     """Each drafting lane's draft length for a step (0: none) by the rule above. `decoding`: the slots that decode in
     the step, drafting or not (each yields one token for one position); `acceptance`: slot -> rate for those that may
     draft; `draft_cost`: slot -> what each of its draft tokens costs to make, in one-position steps (a draft model
-    computes one step per token for the lanes drafting together; n-gram lookup costs nothing and is left out)."""
-    making = draft_cost or {}
+    computes one step per token for the lanes drafting together; n-gram lookup costs nothing and is left out);
+    `start_cost`: slot -> what starting its draft costs once, in one-position steps (a draft model's feed of what
+    its slot lacks)."""
+    making, starting = draft_cost or {}, start_cost or {}
     if not 1 <= min_draft <= max_draft:
         raise ValueError(f"draft lengths need 1 <= min draft ({min_draft}) <= max draft ({max_draft})")
     if decoding < len(acceptance):
@@ -103,13 +108,15 @@ def draft_lengths(
     lengths = dict.fromkeys(acceptance, 0)
     order = {slot: index for index, slot in enumerate(acceptance)}  # ties go to the lane named first
 
-    def move(slot: int) -> tuple[float, int, int, float, int]:
-        """The lane's next move, as a heap entry: (-tokens per cost, its order, slot, tokens, positions)."""
+    def move(slot: int) -> tuple[float, int, int, float, int, float]:
+        """The lane's next move, as a heap entry: (-tokens per cost, its order, slot, tokens, positions, what making
+        its drafts adds)."""
         rate, k = acceptance[slot], lengths[slot]
         added = min_draft if k == 0 else 1
         gain = sum(rate**j for j in range(k + 1, k + added + 1))
-        price = cost.marginal * added + making.get(slot, 0.0) * added
-        return (-(gain / price) if price else -math.inf), order[slot], slot, gain, added
+        made = making.get(slot, 0.0) * added + (starting.get(slot, 0.0) if k == 0 else 0.0)
+        price = cost.marginal * added + made
+        return (-(gain / price) if price else -math.inf), order[slot], slot, gain, added, made
 
     # No lane's next move depends on another's draft, so the best move is the best of each lane's next one: a heap of
     # those finds it in log(lanes), where a scan of every lane per move took milliseconds a step for a full batch.
@@ -117,9 +124,9 @@ def draft_lengths(
     heapq.heapify(moves)
     tokens, positions, making_cost = float(decoding), decoding, 0.0
     while moves:
-        _, _, slot, gain, added = heapq.heappop(moves)
+        _, _, slot, gain, added, adds = heapq.heappop(moves)
         now = cost.ratio(positions) + making_cost
-        made = making_cost + making.get(slot, 0.0) * added
+        made = making_cost + adds
         if (tokens + gain) / (cost.ratio(positions + added) + made) <= tokens / now:
             return lengths
         lengths[slot] += added

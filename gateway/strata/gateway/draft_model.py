@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 512  # positions a draft prefill step takes at most, so a long prompt never makes one huge batch
 TOKEN_STEP_POSITIONS = 17  # a feed of at most this many positions (an accepted run and a pick) times a draft token
+TIMED_FEED = 128  # positions of the feed timed at load
 
 
 def vocabulary_refusal(*, target: GGUFHeader, draft: GGUFHeader, target_name: str, draft_name: str) -> str | None:
@@ -104,9 +105,26 @@ class DraftModel:
         # Seconds a draft step of a few positions takes, lately (0 until one ran): what a draft token costs, which
         # the driver weighs against what it saves (strata.gateway.draft_lengths).
         self.token_seconds = 0.0
+        # Seconds a feed of a prompt takes a position, lately: what a lane's first proposal costs before its first
+        # draft token (its slot fed the prompt), which the driver weighs too.
+        self.feed_seconds = 0.0
         # The engine and the free slots, for one thread at a time: proposals run in worker threads, and the
         # drivers of several pipelines share this draft.
         self.lock = threading.Lock()
+
+    def time_steps(self) -> None:
+        """Time a feed of a prompt and a draft token on slot 0, so that the first proposals are priced by measure,
+        never taken as free. Each runs twice and the second is kept: a GPU may compile a shape on its first use."""
+        prompt = tuple(range(min(TIMED_FEED, self.engine.pool.context - 1)))  # any ids of the vocabulary do
+        for _ in range(2):
+            self.engine.pool.reset(0)
+            begun = time.perf_counter()
+            fed = self.engine.step([Chunk(0, 0, len(prompt), prompt, sample=True)], None)
+            middle = time.perf_counter()
+            self.engine.step([Chunk(0, len(prompt), 1, (fed.tokens[0].token_id,), sample=True)], None)
+            ended = time.perf_counter()
+        self.engine.pool.reset(0)
+        self.feed_seconds, self.token_seconds = (middle - begun) / len(prompt), ended - middle
 
     @property
     def free_slots(self) -> int:
@@ -195,8 +213,11 @@ class DraftModel:
         chunks = [Chunk(d.slot, len(d.held), len(piece), piece, sample=sample) for d, piece, sample in pieces]
         begun = time.perf_counter()
         result = self.engine.step(chunks, None)
+        seconds = time.perf_counter() - begun
         if all(len(piece) <= TOKEN_STEP_POSITIONS for _, piece, _ in pieces):  # decode steps, not a prompt's prefill
-            self.token_seconds = smoothed(self.token_seconds, (time.perf_counter() - begun) / len(pieces))
+            self.token_seconds = smoothed(self.token_seconds, seconds / len(pieces))
+        else:
+            self.feed_seconds = smoothed(self.feed_seconds, seconds / sum(len(piece) for _, piece, _ in pieces))
         for d, piece, _ in pieces:
             d.held.extend(piece)
         return {id(d): result.tokens[d.slot] for d, _, sample in pieces if sample}
@@ -210,6 +231,14 @@ class DraftModelDrafter:
     @property
     def token_seconds(self) -> float:
         return self._model.token_seconds
+
+    @property
+    def start_seconds(self) -> float:
+        """The feed of what came since the slot's last one, where that is more than a decode step's feed (the
+        prompt, at the first proposal). Counted from the ends of the two lists: a rejected guess the slot holds
+        makes it a few positions short, which only a feed a decode step takes anyway would notice."""
+        unfed = len(self.tokens) - len(self.held)
+        return unfed * self._model.feed_seconds if unfed > TOKEN_STEP_POSITIONS else 0.0
 
     def __init__(self, model: DraftModel, *, slot: int, prompt: Sequence[int]) -> None:
         self._model = model
@@ -275,4 +304,6 @@ def _load(source: DraftSource, *, header: GGUFHeader, speculation: Speculation, 
         device=device,
     )
     engine = warm_engine(model=model, pool=pool, device=device, dtype=dtype, stage_index=0)
-    return DraftModel(engine=engine, speculation=speculation, name=source.url)
+    draft = DraftModel(engine=engine, speculation=speculation, name=source.url)
+    draft.time_steps()
+    return draft

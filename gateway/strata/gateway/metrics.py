@@ -75,6 +75,11 @@ class GatewayMetrics:
             "Steps whose lanes could draft but drafted nothing, since no draft would pay",
             registry=r,
         )
+        self.speculative_draft_seconds = Counter(
+            "strata_gateway_speculative_draft_seconds",
+            "Seconds the driver waited for a draft model's proposals before writing a step",
+            registry=r,
+        )
         by = ["pipeline"]
         self._steps_in_flight = Gauge(
             "strata_gateway_steps_in_flight",

@@ -113,6 +113,12 @@ class Drafter(Protocol):
         """What one draft token costs it to make, lately (0 for a drafter that does not compute)."""
         ...
 
+    @property
+    def start_seconds(self) -> float:
+        """What its next proposal costs before the first draft token, beyond a token's cost: feeding a model what
+        it lacks of the request, the prompt at the first proposal (0 for a drafter that does not compute)."""
+        ...
+
     def extend(self, tokens: Iterable[int]) -> None: ...
 
     def propose(self, limit: int) -> tuple[int, ...]: ...
@@ -125,7 +131,7 @@ class NgramDrafter:
     lookups however long the context: for each n-gram size, where the token after its latest earlier occurrence is."""
 
     computes = False  # a few dictionary lookups: on the driver's loop
-    token_seconds = 0.0
+    token_seconds = start_seconds = 0.0
     shared = None
 
     def __init__(self, prompt: Sequence[int], *, speculation: Speculation) -> None:

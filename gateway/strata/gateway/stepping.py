@@ -109,31 +109,46 @@ class Stepping(StageStream):
         if not asking:
             return
         # One thread for all of them: a draft model proposes for every lane in shared steps (one a draft token).
+        begun = self._clock()
         drafted = await asyncio.to_thread(proposals, [lane for _, lane in asking])
+        self.metrics.speculative_draft_seconds.inc(self._clock() - begun)
         for (g, _), proposal in zip(asking, drafted, strict=True):
             g.proposed = proposal
 
     def _draft_budgets(self, stepping: list[Generation]) -> dict[int, int]:
         """How many tokens each decoding generation with a drafter may draft in a step of `stepping`
-        (strata.gateway.draft_lengths): none where drafting would not pay."""
+        (strata.gateway.draft_lengths): none where drafting would not pay. A proposal still to be made by a drafter
+        that computes costs its tokens and its start, against a one-position step of the pipeline; until a step has
+        landed to measure that by, such a lane does not draft. A proposal already made costs nothing more."""
         s = self.speculation
         decoding = [g for g in stepping if g.fed >= len(g.prompt)]
         if s is None or not decoding:
             return {}
-        rates = {g.slot: g.acceptance.rate for g in decoding if g.drafter is not None}
-        making = {
-            g.slot: g.drafter.token_seconds / self._position_seconds
-            for g in decoding
-            if g.drafter is not None and g.drafter.computes and self._position_seconds
-        }
-        return draft_lengths(
+        rates: dict[int, float] = {}
+        making: dict[int, float] = {}
+        starting: dict[int, float] = {}
+        unpriced: list[int] = []
+        for g in decoding:
+            d = g.drafter
+            if d is None:
+                continue
+            if d.computes and g.proposed is None:
+                if not self._position_seconds:
+                    unpriced.append(g.slot)
+                    continue
+                making[g.slot] = d.token_seconds / self._position_seconds
+                starting[g.slot] = d.start_seconds / self._position_seconds
+            rates[g.slot] = g.acceptance.rate
+        lengths = draft_lengths(
             decoding=len(decoding),
             acceptance=rates,
             max_draft=s.max_draft,
             min_draft=s.min_draft,
             cost=s.step_cost,
             draft_cost=making,
+            start_cost=starting,
         )
+        return lengths | dict.fromkeys(unpriced, 0)
 
     def _time_step(self, step: Step) -> None:
         """Fold the landed step's round trip into the seconds of a one-position step. Steps that prefill are left out:

@@ -112,14 +112,14 @@ class TimedDrafter:
 
 
 # (token seconds, start seconds, whether a one-position step has been timed, proposal already made, budget). A
-# one-position step of the pipeline takes 10 ms once timed.
+# one-position step of the pipeline takes 10 ms once timed; the request may take 64 more, its start spread over 32.
 DRAFT_COSTS = {
     "a draft a tenth of a pipeline step drafts": (0.001, 0.0, True, None, 4),
     "a draft as dear as a pipeline step does not": (0.01, 0.0, True, None, 0),
-    "a cheap draft whose slot must first be fed a prompt of three steps' time does not": (0.001, 0.03, True, None, 0),
-    "a feed of a tenth of a step still pays": (0.001, 0.001, True, None, 4),
+    "a cheap draft whose prompt's feed takes 3 steps drafts: the feed serves the rest": (0.001, 0.03, True, None, 4),
+    "one whose feed takes 100 steps does not": (0.001, 1.0, True, None, 0),
     "nothing to price it against before a step is timed: no draft": (0.001, 0.0, False, None, 0),
-    "a proposal already made costs nothing more, however dear": (0.01, 0.03, True, (1, 1, 1, 1), 4),
+    "a proposal already made costs nothing more, however dear": (0.01, 1.0, True, (1, 1, 1, 1), 4),
 }
 
 

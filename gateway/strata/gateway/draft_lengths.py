@@ -15,8 +15,9 @@ costs more than it saves. The decision weighs both, per lane, from numbers the d
 A draft model also costs its own steps, one per draft token, which the step's drafting lanes share: the driver
 measures what a draft token costs a lane (a draft step's time over the lanes it carried) against a one-position step
 of the pipeline, and the decision adds it to the price of that lane's drafts. A lane whose draft slot lacks much of
-its request (its first draft feeds the whole prompt) pays that feed once, on top, when its draft starts: the driver
-waits for it before it writes the step, so it is as much the step's cost as the step's own positions.
+its request (its first draft feeds the whole prompt) pays that feed too, when its draft starts: the driver waits for
+it before it writes the step. The feed serves the drafts of the rest of the request, so the driver spreads it over the
+steps the request may still take, at most START_HORIZON of them (a request may end long before its max_tokens).
 
 The decision maximises the step's expected tokens per unit of cost: starting from no drafts (one position a lane, what
 plain decoding yields), it repeatedly makes the move with the most expected tokens per unit of cost added — starting a
@@ -41,6 +42,7 @@ DEFAULT_MARGINAL = 0.1
 # one more position is nearly free), not enough for a full batch to.
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_WEIGHT = 2.0  # the prior counts as this many draft tokens
+START_HORIZON = 32  # steps a draft's start (its feed of the prompt) is spread over, at most
 TIMING_WEIGHT = 0.2  # of the newest step, in a running figure of seconds a step (a lane's draft, the pipeline's)
 DECAY = 0.7  # each verified run's counts weigh this much less at the next one: the estimate follows the text
 

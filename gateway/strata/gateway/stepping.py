@@ -16,7 +16,7 @@ import asyncio
 import math
 from collections import defaultdict
 
-from strata.gateway.draft_lengths import draft_lengths, smoothed
+from strata.gateway.draft_lengths import START_HORIZON, draft_lengths, smoothed
 from strata.gateway.errors import GatewayError, PipelineError
 from strata.gateway.generation import Finished, Generation, Token, cells_in_use
 from strata.gateway.grammar import ConstraintViolationError
@@ -118,8 +118,9 @@ class Stepping(StageStream):
     def _draft_budgets(self, stepping: list[Generation]) -> dict[int, int]:
         """How many tokens each decoding generation with a drafter may draft in a step of `stepping`
         (strata.gateway.draft_lengths): none where drafting would not pay. A proposal still to be made by a drafter
-        that computes costs its tokens and its start, against a one-position step of the pipeline; until a step has
-        landed to measure that by, such a lane does not draft. A proposal already made costs nothing more."""
+        that computes costs its tokens and its start (spread over the steps the request may still take), against a
+        one-position step of the pipeline; until a step has landed to measure that by, such a lane does not draft. A
+        proposal already made costs nothing more."""
         s = self.speculation
         decoding = [g for g in stepping if g.fed >= len(g.prompt)]
         if s is None or not decoding:
@@ -137,7 +138,8 @@ class Stepping(StageStream):
                     unpriced.append(g.slot)
                     continue
                 making[g.slot] = d.token_seconds / self._position_seconds
-                starting[g.slot] = d.start_seconds / self._position_seconds
+                steps_left = max(1, min(g.max_tokens - g.produced, START_HORIZON))
+                starting[g.slot] = d.start_seconds / self._position_seconds / steps_left
             rates[g.slot] = g.acceptance.rate
         lengths = draft_lengths(
             decoding=len(decoding),

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from strata.fit import DEFAULT_CACHE_TYPE
 from strata.gateway import serve_speculation
+from strata.gateway.serve_lines import say
 from strata.gateway.settings import DEFAULT_MICRO_BATCHES
 from strata.gateway.supervision import RestartPolicy
 from strata.gguf.model import CacheType
@@ -205,10 +206,10 @@ def run(args: argparse.Namespace) -> int:
             f"({args.cache_type}), {host_kv_bytes * len(use.stages) / GB:.2f} GB of host KV"
         )
         room = "memory unknown, not checked" if use.usable_bytes is None else f"{use.usable_bytes / GB:.1f} GB usable"
-        print(f"plan: {use.device} (stages {', '.join(map(str, use.stages))}): {held}; {room}", flush=True)
+        say(f"plan: {use.device} (stages {', '.join(map(str, use.stages))}): {held}; {room}")
     drafting = serve_speculation.draft_report(args, context=context, slots=args.parallel)
     if drafting is not None:
-        print(drafting, flush=True)
+        say(drafting)
     watch = ServeWatch(load_timeout_s=args.load_timeout_seconds)
     watch.start()
     stages: list[StageProcess] = []
@@ -246,13 +247,11 @@ def run(args: argparse.Namespace) -> int:
             next_stage = f"127.0.0.1:{stage.port}"
             if len(group) > 1:
                 named = ", ".join(map(str, group[:-1])) + f" and {last}"
-                print(f"stages {named} share one process on {local.devices[first]}: activations pass in memory")
+                say(f"stages {named} share one process on {local.devices[first]}: activations pass in memory")
             for index, port in zip(group, stage.ports, strict=True):
                 start, end = spans[index]
                 watch.add(index=index, address=f"127.0.0.1:{port}")
-                print(
-                    f"stage {index}: layers [{start}, {end}) on {local.devices[index]} at 127.0.0.1:{port}", flush=True
-                )
+                say(f"stage {index}: layers [{start}, {end}) on {local.devices[index]} at 127.0.0.1:{port}")
         settings = GatewaySettings(
             model_url=model,
             model_name=args.model_name,
@@ -282,13 +281,11 @@ def run(args: argparse.Namespace) -> int:
         sock = bind(settings.listen)
         host, port = sock.getsockname()[:2]
         base = f"http://{host}:{port}/v1"
-        print(f"serving {serving.model_name!r} ({len(spans)} stages, {args.parallel} lanes, context {context})")
-        print(f"endpoint {base}  (stage logs in {workdir})", flush=True)
+        say(f"serving {serving.model_name!r} ({len(spans)} stages, {args.parallel} lanes, context {context})")
+        say(f"endpoint {base}  (stage logs in {workdir})")
         pipeline = serving.pipelines
         watch.all_started(pipeline_ready=lambda: None if pipeline.ready else pipeline.not_ready_reason)
-        supervisor = StageSupervisor(
-            stages, start=_restarter(stages, envs), policy=policy, report=lambda line: print(line, flush=True)
-        )
+        supervisor = StageSupervisor(stages, start=_restarter(stages, envs), policy=policy, report=say)
         _serve_supervised(app, sock, pipeline=pipeline, supervisor=supervisor, watch=watch)
     except KeyboardInterrupt:  # Ctrl-C before the server took over the signal: stop as it would
         return EXIT_INTERRUPTED

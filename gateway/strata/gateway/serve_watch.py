@@ -14,11 +14,11 @@ or at a deadline. Once `close` is called (Ctrl-C, or serve stopping for another 
 from __future__ import annotations
 
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable
 
+from strata.gateway.serve_lines import say
 from strata.stage_loading import LoadWatch, StageLoadError, WatchedStage
 
 POLL_S = 0.2
@@ -74,7 +74,7 @@ class ServeWatch:
             if self._closing.is_set() or self.failed.is_set():
                 return
             self.failure = message
-            print(f"strata serve: {message}", file=sys.stderr, flush=True)
+            say(f"strata serve: {message}", error=True)
             self.failed.set()
             callbacks = list(self._on_failure)
         for callback in callbacks:
@@ -99,7 +99,7 @@ class ServeWatch:
                     loaded_at = time.monotonic() if loaded_at is None else loaded_at
                     why = self._pipeline_ready()
                     if why is None:
-                        print("ready", flush=True)
+                        say("ready")
                         announced = True
                     elif time.monotonic() - loaded_at > self.ready_timeout_s:
                         waited = f"{self.ready_timeout_s:g} s"

@@ -29,6 +29,9 @@ pytestmark = pytest.mark.cluster
 
 LANES = 2
 MAX_TOKENS = 20  # long enough to be running when the pipelines leave, short enough to end within the drain
+# The kill test's requests run until the pipeline dies: 20 tokens on the tiny model could end between two polls of the
+# gauges on a loaded machine, and then no poll ever saw both pipelines busy.
+KILLED_MAX_TOKENS = 200  # the prompt and these fit a slot: a context of 512 over 2 lanes
 POLL_S = 1  # spec.coordination.retryPeriodSeconds: how often the gateway reads the pipelines
 ENDS_WITHIN_S = 120.0  # every request ends by then, answered or failed: none hangs
 
@@ -164,7 +167,7 @@ def test_killing_every_stage_of_one_pipeline_fails_only_its_requests_retryably_a
     create(cluster, namespace, deployment("drain", tiny, **_spec(2)))
     with namespace_runner(control_plane, core=core, namespace=namespace, folder=tmp_path) as runner:
         url = _serving(core, namespace, runner, 2)
-        streams = _streams(url, 2 * LANES, max_tokens=MAX_TOKENS)
+        streams = _streams(url, 2 * LANES, max_tokens=KILLED_MAX_TOKENS)
         _every_pipeline_busy(url, 2)
         lost = [p for p in stage_pods(cluster, namespace, "drain") if p.metadata.labels[LABEL_PIPELINE] == "1"]
         assert lost, "pipeline 1 has stage pods"
@@ -177,7 +180,7 @@ def test_killing_every_stage_of_one_pipeline_fails_only_its_requests_retryably_a
         assert len(answered) == LANES, f"the surviving pipeline's requests complete: {results}"
         assert len(failed) == LANES, f"exactly the lost pipeline's requests fail: {results}"
         for result in answered:
-            assert (result.status, result.done, result.completion_tokens) == (200, True, MAX_TOKENS), result
+            assert (result.status, result.done, result.completion_tokens) == (200, True, KILLED_MAX_TOKENS), result
         for result in failed:
             assert result.error is not None
             assert result.error["error"]["code"] == "service_unavailable", f"a retryable error: {result}"

@@ -36,6 +36,12 @@ FUSED_TYPES: frozenset[GGMLQuantizationType] = frozenset(
         GGMLQuantizationType.Q6_K,
     }
 )
+# Types whose one-row decode products take the block's residual add and RMS norm in their load of x
+# (PackedLinear.takes_norm). On an H200 (2026-11-29, Llama-3-8B's matrices, us a product, plain against normed with
+# the add): Q8_0 pays 1-3 us a matrix (qkv 10.4 -> 12.4, gate_up 33.4 -> 36.8), less than the add+norm launch and its
+# gap that go; Q4_K 3-9 (gate_up 30.2 -> 38.7) and Q6_K 3-16 (gate_up 36.4 -> 52.0), more than they save. Each program
+# reads the whole row of x, the residual and the norm's weight, which is more bytes than its 4-bit weight rows.
+NORMED_TYPES: frozenset[GGMLQuantizationType] = frozenset({GGMLQuantizationType.Q8_0})
 # Rows of x up to which the fused kernel beats the tensor-core one (an H100, Llama-3-8B's matrices, Q4_K, Q6_K and
 # Q8_0; bench/quant_matmul.py --crossover, 2026-11-25): at 4 rows it is ahead on every matrix (Q4_K gate_up 70 against
 # 74 us, Q8_0 60 against 71), at 8 behind on every one (Q4_K gate_up 115 against 79, Q8_0 104 against 73).

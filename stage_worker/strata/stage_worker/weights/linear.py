@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from strata.stage_worker.kernels.quant_matmul import (
     FUSED_TYPES,
+    NORMED_TYPES,
     Gate,
     dequantize_as,
     kernel,
@@ -121,8 +122,8 @@ class PackedLinear(nn.Module):
         return part.matmul_gated(rows, gate).view(*gate_up.shape[:-1], self.out_features)
 
     def takes_norm(self, x: Tensor) -> bool:
-        """Whether `normed` can form the norm before this matrix: one stream's decode step [1, K] on a GPU, every part
-        quantised in a type the fused kernel reads.
+        """Whether `normed` forms the norm before this matrix: one stream's decode step [1, K] on a GPU, every part
+        quantised in a type where that measured faster (quant_matmul.NORMED_TYPES; the kernel reads every fused type).
 
         One row only, for now: on an H100 (2026-11-27) a 3-stream step of a Q4_K model decoded otherwise than with the
         norms apart (tests/gpu/test_decode_step_gpu.py; Q8_0 with 3 streams and Q4_K with one agreed), and no lease
@@ -131,7 +132,7 @@ class PackedLinear(nn.Module):
             x.device.type == "cuda"
             and x.dim() == 2
             and x.shape[0] == 1
-            and all(isinstance(part, QuantizedRows) and part.ggml_type in FUSED_TYPES for part in self.parts)
+            and all(isinstance(part, QuantizedRows) and part.ggml_type in NORMED_TYPES for part in self.parts)
         )
 
     def normed(self, x: Tensor, residual: Tensor | None, *, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:

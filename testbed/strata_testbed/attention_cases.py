@@ -1,5 +1,6 @@
-"""Named cases for the pool attention kernel against its reference: one table for the CPU tests (the kernel under
-Triton's interpreter) and for the GPU fidelity check of bench/attention.py (the compiled kernel).
+"""Named cases for the pool attention kernel (and the flash path of a lone fresh prompt) against its reference: one
+table for the CPU tests (the kernel under Triton's interpreter) and for the GPU fidelity check of bench/depth.py (the
+compiled kernel).
 
 Each case fills a KV pool of one layer with random K/V (shuffled cells, so a slot's positions are scattered over the
 pool as they are after resets), writes query rows, and compares `kernel` with `reference` per row and head. The
@@ -10,10 +11,11 @@ one of them, even to multiply it by zero, fails the case.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from strata.gguf.model import CacheType
-from strata.stage_worker.kernels.paged_attention import AttentionRule, Sequences, kernel, reference
+from strata.stage_worker.kernels.paged_attention import AttentionRule, Sequences, attend_fresh, kernel, reference
 from strata.stage_worker.kv_pool import KVPool
 
 ALL_CACHE_TYPES = (CacheType.Q8_0, CacheType.F16, CacheType.BF16, CacheType.F32)
@@ -35,6 +37,7 @@ class AttentionCase:
     window: int = 0  # sliding-window attention over this many positions (Gemma); 0: none
     softcap: float = 0.0  # scores soft-capped at this (Gemma 2); 0: not
     gpu_only: bool = False  # too slow for the interpreter
+    fresh: bool = False  # one prompt from position 0, attended by `attend_fresh` (flash attention) instead
 
     @property
     def rows(self) -> tuple[int, ...]:
@@ -44,6 +47,11 @@ class AttentionCase:
 def _mixed(batch: int, top: int) -> tuple[int, ...]:
     g = torch.Generator().manual_seed(batch * 7919 + top)
     return tuple(int(x) for x in torch.randint(1, top + 1, (batch,), generator=g))
+
+
+def _fresh(name: str, length: int, **fields: Any) -> AttentionCase:
+    """One prompt of `length` positions from position 0, attended by `attend_fresh`."""
+    return AttentionCase(name, kv_lens=(length,), q_lens=(length,), fresh=True, **fields)
 
 
 CASES = [
@@ -68,6 +76,11 @@ CASES = [
     AttentionCase("a window of 32 over chunks after cached positions", kv_lens=(300, 80), q_lens=(45, 80), window=32),
     AttentionCase("scores capped at 1, so the cap binds", kv_lens=(200, 7), q_lens=(3, 1), scale=3.0, softcap=1.0),
     AttentionCase("window and cap, head dim 256", kv_lens=(150,), q_lens=(20,), window=64, softcap=2.0, head_dim=256),
+    *(
+        _fresh(f"a fresh prompt through flash attention, {c.value} cache", 1100, head_dim=128, cache=c)
+        for c in ALL_CACHE_TYPES
+    ),
+    _fresh("a fresh prompt, no GQA, extreme values", 1030, n_head=4, n_head_kv=4, scale=1.0e4),
     AttentionCase("long stream beyond 64K", kv_lens=(70_000,), n_head=4, n_head_kv=1),
     AttentionCase("128K, Llama-3-8B heads", kv_lens=(131_072,), n_head=32, n_head_kv=8, head_dim=128, gpu_only=True),
     AttentionCase(
@@ -130,7 +143,11 @@ def run_case(case: AttentionCase, *, device: torch.device, dtype: torch.dtype, s
     rule = AttentionRule(scale=case.head_dim**-0.5, window=case.window, softcap=case.softcap)
     args = {"table": pool.table, "sequences": sequences, "n_head_kv": case.n_head_kv, "rule": rule}
     expected = reference(q, pool.layers[0], **args)  # type: ignore[arg-type]
-    ours = kernel(q, pool.layers[0], **args)  # type: ignore[arg-type]
+    if case.fresh:
+        prompt_cells = pool.table[0, : case.kv_lens[0]]
+        ours = attend_fresh(q, pool.layers[0], cells=prompt_cells, n_head_kv=case.n_head_kv, rule=rule)
+    else:
+        ours = kernel(q, pool.layers[0], **args)  # type: ignore[arg-type]
     return relative_error(ours, expected)
 
 

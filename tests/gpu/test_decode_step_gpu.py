@@ -18,8 +18,12 @@ from gguf import GGMLQuantizationType
 from strata.gguf.model import CacheType
 from strata.gguf.testmodels import write_test_model
 from strata.gguf.testmodels.shapes import K_QUANT_SHAPE
+from strata.stage_worker import model
 from strata.stage_worker.engine import Chunk, Engine
+from strata.stage_worker.kernels import paged_attention
+from strata.stage_worker.kernels.quant_matmul import FUSED_TYPES
 from strata.stage_worker.kv_pool import KVPool
+from strata.stage_worker.weights import linear
 from strata.stage_worker.weights.linear import PackedLinear
 from strata_testbed.stages import load_spans
 
@@ -31,12 +35,12 @@ PROMPT = (1, 17, 200, 3, 45, 99, 12, 7, 250, 31, 64, 128)
 STEPS = 16
 
 
-def _engine(path: Path, dtype: torch.dtype, *, ahead: bool | None = None) -> Engine:
+def _engine(path: Path, dtype: torch.dtype, *, ahead: bool | None = None, context: int = 128) -> Engine:
     device = torch.device("cuda")
     (model,) = load_spans(path, dtype=dtype, device=device)
     c = model.config
     pool = KVPool(
-        n_layers=c.n_layer, context=128, parallel=4, key_width=c.kv_dim, value_width=c.kv_dim,
+        n_layers=c.n_layer, context=context, parallel=4, key_width=c.kv_dim, value_width=c.kv_dim,
         type_k=CacheType.F32, type_v=CacheType.F32, dtype=dtype, device=device,
     )  # fmt: skip
     return Engine(model=model, pool=pool, device=device, dtype=dtype, decode_ahead=ahead)
@@ -70,6 +74,7 @@ def test_norms_in_the_products_decode_as_the_separate_norms(
     path = write_test_model(
         tmp_path / "model.gguf", architecture="llama", block_count=LAYERS, shape=shape, weight_type=weight_type
     ).path
+    monkeypatch.setattr(linear, "NORMED_TYPES", FUSED_TYPES)  # the kernel's normed load, for every type it reads
     fused_engine = _engine(path, torch.float32)
     calls = []
     normed = PackedLinear.normed
@@ -212,3 +217,37 @@ def test_after_warm_up_no_prefill_step_compiles_attention(architecture: str, tmp
         assert _compiled_kernels(attention_only=True) == before, f"{prompts} prompts of {tokens} compiled attention"
         for s in range(prompts):
             engine.pool.reset(s)
+
+
+def test_a_long_fresh_prompt_attends_through_flash_attention_as_through_the_pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lone prompt of FLASH_MIN_ROWS rows or more from position 0 (Layout.fresh): the same first pick and
+    log-probability as the pool kernel gives it, and the flash path really taken."""
+    path = write_test_model(tmp_path / "model.gguf", architecture="llama", block_count=LAYERS, weight_type=Q.Q8_0).path
+    prompt = tuple(
+        torch.randint(1, 250, (model.FLASH_MIN_ROWS + 77,), generator=torch.Generator().manual_seed(0)).tolist()
+    )
+    calls = []
+    fresh = paged_attention.attend_fresh
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return fresh(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(model, "attend_fresh", counted)
+
+    def first_pick() -> tuple[int, float]:
+        engine = _engine(path, torch.float32, context=2 * len(prompt))
+        chunk = Chunk(slot=0, start_position=0, length=len(prompt), token_ids=prompt, sample=True)
+        picked = engine.step([chunk], None).tokens[0]
+        return picked.token_id, picked.logprob
+
+    through_flash = first_pick()
+    assert len(calls) == LAYERS, f"the prompt's layers attended through flash attention {len(calls)} times"
+    monkeypatch.setattr(model, "FLASH_MIN_ROWS", 1 << 30)
+    torch._dynamo.reset()
+    through_pool = first_pick()
+    assert len(calls) == LAYERS, "with the bound out of reach the pool kernel attends"
+    assert through_flash[0] == through_pool[0]
+    assert abs(through_flash[1] - through_pool[1]) < 1e-4, (through_flash, through_pool)

@@ -11,7 +11,7 @@ import importlib
 import pytest
 import torch
 from strata.gguf.model import CacheType
-from strata.stage_worker.kernels.paged_attention import AttentionRule, kernel, reference
+from strata.stage_worker.kernels.paged_attention import AttentionRule, attend_fresh, kernel, reference
 from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.model import step_layout
 from strata_testbed.attention_cases import CASES, AttentionCase, relative_error, run_case, tolerance
@@ -97,3 +97,14 @@ def test_strided_sequences_are_refused(device: torch.device) -> None:
             value_scales=None, table=pool.table, slots=slots, q_starts=q_starts, q_lens=q_lens, kv_lens=kv_lens,
             max_q_len=1, n_head_kv=2, scale=1.0,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("rule", [AttentionRule(scale=0.125, window=64), AttentionRule(scale=0.125, softcap=30.0)],
+                         ids=["window", "soft-cap"])  # fmt: skip
+def test_the_flash_path_refuses_a_window_or_a_cap(rule: AttentionRule, device: torch.device) -> None:
+    pool = KVPool(
+        n_layers=1, context=8, parallel=1, key_width=64, value_width=64, type_k=CacheType.F32, type_v=CacheType.F32,
+        dtype=torch.float32, device=device,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="reads the pool"):
+        attend_fresh(torch.zeros(4, 2, 32), pool.layers[0], cells=torch.arange(4), n_head_kv=2, rule=rule)

@@ -301,7 +301,7 @@ class Engine:
         )
         if self.pool.window is not None:
             cells = torch.cat([e.window.new for e in extensions if e.window is not None])
-            full = replace(full, window=replace(full, write_cells=cells, table=self.pool.window.table))
+            full = replace(full, window=replace(full, write_cells=cells, table=self.pool.window.table, fresh=None))
         out: Tensor = self.model(x, rope=self.rope, caches=self.pool.layers, layout=full)
         return out
 

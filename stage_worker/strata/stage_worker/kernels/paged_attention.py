@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from strata.stage_worker.kv_pool import LayerCache
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 
@@ -147,6 +148,28 @@ def kernel(
         s.slots, s.q_starts, s.q_lens, s.kv_lens, s.max_q_len, n_head_kv, rule.scale, rule.window, rule.softcap,
     )  # fmt: skip
     return out
+
+
+# Flash attention kernels, best first. Not cuDNN: it builds an execution plan for every new (T, S) shape, and
+# prompts come in every length, so a new prompt would wait for a plan instead of attending.
+FRESH_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def attend_fresh(q: Tensor, cache: LayerCache, *, cells: Tensor, n_head_kv: int, rule: AttentionRule) -> Tensor:
+    """Causal attention of one prompt from position 0, q [T, H, hd], over its T cells (in order), read once into q's
+    dtype: the pool's values, as the pool kernel reads them, through SDPA's flash attention. Plain causal scores only
+    (no window, no soft-cap)."""
+    if rule.window or rule.softcap:
+        raise ValueError("attend_fresh takes plain causal attention: a windowed or soft-capped layer reads the pool")
+    t, n_head, head_dim = q.shape
+    keys, values = cache.read(cells)  # [T, Hkv * hd] each
+    k = keys.to(q.dtype).view(1, t, n_head_kv, head_dim).transpose(1, 2)
+    v = values.to(q.dtype).view(1, t, n_head_kv, head_dim).transpose(1, 2)
+    with sdpa_kernel(FRESH_ATTENTION):
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k, v, is_causal=True, enable_gqa=n_head != n_head_kv, scale=rule.scale
+        )
+    return out[0].transpose(0, 1)
 
 
 def attend_pool(

@@ -1,7 +1,7 @@
 """The quantised-matmul kernels on a GPU: time against cuBLAS bf16 on the same values, and check them against the f32
 reference. One run, one table.
 
-    python bench/quant_matmul.py [--types Q8_0,Q4_K,Q6_K] [--sweep] [--out FILE.json]
+    python bench/quant_matmul.py [--types Q8_0,Q4_K,Q6_K] [--sweep | --crossover | --fusions] [--out FILE.json]
 
 For each fused type, Llama-3-8B's matrices (N x K: 6144 x 4096 qkv, 4096 x 4096 o, 28672 x 4096 gate_up,
 4096 x 14336 down) and M = 1, 4, 16, 32 rows of bf16 x: `quant_linear` (the custom op the model calls: the fused
@@ -34,7 +34,7 @@ from functools import partial
 import torch
 import triton
 from gguf import GGMLQuantizationType
-from strata.stage_worker.kernels import quant_gemm_triton, quant_matmul_triton
+from strata.stage_worker.kernels import quant_gemm_triton, quant_matmul, quant_matmul_triton
 from strata.stage_worker.kernels.quant_matmul import FUSED_MAX_ROWS, FUSED_TYPES, GEMM_MAX_ROWS, quant_linear
 from strata.stage_worker.weights.formats import FORMATS, dequantize, plane_names, planes_bytes, split_planes
 
@@ -174,6 +174,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--no-batch", action="store_true", help="with --sweep: the fused kernel's shapes only")
     parser.add_argument("--crossover", action="store_true", help="only the fused and tensor-core kernels at 1-16 rows")
+    parser.add_argument("--fusions", action="store_true", help="only what each fused load of x costs, one row")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -189,6 +190,10 @@ def main() -> None:
     results: dict[str, object] = {"device": props.name, "read_gbps": bandwidth / 1e9}
     if args.crossover:
         results["crossover"] = crossover(device)
+        _save(args.out, results)
+        return
+    if args.fusions:
+        results["fusions"] = fusions(device)
         _save(args.out, results)
         return
 
@@ -283,6 +288,71 @@ def crossover(device: torch.device) -> list[dict[str, object]]:
                 rows.append({"type": ggml_type.name, "matrix": shape, "m": m, "fused_us": fused_us,
                              "gemm_us": gemm_us})  # fmt: skip
     return rows
+
+
+def fusions(device: torch.device) -> list[dict[str, object]]:
+    """One row of x, what each fused load costs against the launches it replaces (quant_matmul.NORMED_TYPES is set
+    from this): the residual add and RMS norm in a qkv or gate/up product's load (`quant_matmul_normed`) against a
+    compiled add+norm and the plain product; act(gate) * up in the down projection's load (`gate`) against a compiled
+    activation and the plain product. us per call in CUDA graphs, weights from HBM."""
+    log("\n## Fused loads of x against separate kernels, one row, us per call (plain product / fused / separate)")
+    add_norm = torch.compile(partial(_add_norm, eps=FUSION_EPS))
+    activate = torch.compile(_activate)
+    rows = []
+    for ggml_type in MAIN_TYPES:
+        for shape, (n, k) in SHAPES.items():
+            if shape == "down":
+                gate_up = torch.randn(1, 2 * k, device=device, dtype=torch.bfloat16)
+                fused = partial(_gated, gate_up, ggml_type, k)
+                separate = partial(_activated, activate, gate_up, ggml_type, k)
+            else:
+                residual = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+                weight = torch.randn(k, device=device, dtype=torch.bfloat16)
+                norm = quant_matmul_triton.Norm(weight=weight, eps=FUSION_EPS, residual=residual)
+                fused = partial(_normed, norm, ggml_type, k)
+                separate = partial(_normed_apart, add_norm, norm, ggml_type, k)
+            plain = partial(_kernel_call, quant_matmul_triton.quant_matmul, ggml_type, k)
+            _, (plain_s, fused_s, separate_s), _ = timings(ggml_type, n, k, 1, device, [plain, fused, separate])
+            what = "gated" if shape == "down" else "add+norm"
+            log(f"{ggml_type.name:5s} {shape:8s} {what:8s}: {plain_s * 1e6:7.1f} / {fused_s * 1e6:7.1f} / "
+                f"{separate_s * 1e6:7.1f}")  # fmt: skip
+            rows.append({"type": ggml_type.name, "matrix": shape, "fusion": what, "plain_us": plain_s * 1e6,
+                         "fused_us": fused_s * 1e6, "separate_us": separate_s * 1e6})  # fmt: skip
+    return rows
+
+
+FUSION_EPS = 1e-5
+
+
+def _add_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tensor:
+    return quant_matmul.rms_norm(x + residual, weight, eps)
+
+
+def _activate(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def _gated(gate_up: torch.Tensor, ggml_type: GGMLQuantizationType, k: int, x: torch.Tensor,
+           planes: list[torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    return quant_matmul_triton.quant_matmul(gate_up, planes, ggml_type, columns=k, gate=quant_matmul.Gate.SILU)
+
+
+def _activated(activate: Callable[[torch.Tensor], torch.Tensor], gate_up: torch.Tensor,
+               ggml_type: GGMLQuantizationType, k: int, x: torch.Tensor,
+               planes: list[torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    return quant_matmul_triton.quant_matmul(activate(gate_up), planes, ggml_type, columns=k)
+
+
+def _normed(norm: quant_matmul_triton.Norm, ggml_type: GGMLQuantizationType, k: int, x: torch.Tensor,
+            planes: list[torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    return quant_matmul_triton.quant_matmul_normed(x, planes, ggml_type, columns=k, norm=norm)[0]
+
+
+def _normed_apart(add_norm: Callable[..., torch.Tensor], norm: quant_matmul_triton.Norm,
+                  ggml_type: GGMLQuantizationType, k: int, x: torch.Tensor,
+                  planes: list[torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    return quant_matmul_triton.quant_matmul(add_norm(x, norm.residual, norm.weight), planes, ggml_type, columns=k)
 
 
 def _kernel_call(

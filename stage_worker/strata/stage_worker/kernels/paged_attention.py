@@ -157,18 +157,16 @@ FRESH_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, S
 
 def attend_fresh(q: Tensor, cache: LayerCache, *, cells: Tensor, n_head_kv: int, rule: AttentionRule) -> Tensor:
     """Causal attention of one prompt from position 0, q [T, H, hd], over its T cells (in order), read once into q's
-    dtype: the pool's values, as the pool kernel reads them, through SDPA's flash attention. Plain causal scores only
-    (no window, no soft-cap)."""
+    dtype: the pool's values, as the pool kernel reads them, through `attend_dense` (with T = S its causal mask is
+    SDPA's is_causal, which flash attention takes). Plain causal scores only (no window, no soft-cap)."""
     if rule.window or rule.softcap:
         raise ValueError("attend_fresh takes plain causal attention: a windowed or soft-capped layer reads the pool")
-    t, n_head, head_dim = q.shape
+    t, _, head_dim = q.shape
     keys, values = cache.read(cells)  # [T, Hkv * hd] each
     k = keys.to(q.dtype).view(1, t, n_head_kv, head_dim).transpose(1, 2)
     v = values.to(q.dtype).view(1, t, n_head_kv, head_dim).transpose(1, 2)
     with sdpa_kernel(FRESH_ATTENTION):
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k, v, is_causal=True, enable_gqa=n_head != n_head_kv, scale=rule.scale
-        )
+        out = attend_dense(q.transpose(0, 1)[None], k, v, rule=rule)
     return out[0].transpose(0, 1)
 
 

@@ -46,6 +46,12 @@ NORMED_TYPES: frozenset[GGMLQuantizationType] = frozenset({GGMLQuantizationType.
 # Q8_0; bench/quant_matmul.py --crossover, 2026-11-25): at 4 rows it is ahead on every matrix (Q4_K gate_up 70 against
 # 74 us, Q8_0 60 against 71), at 8 behind on every one (Q4_K gate_up 115 against 79, Q8_0 104 against 73).
 FUSED_MAX_ROWS = 4
+# Rows of x from which a gated feed-forward's down projection forms act(gate) * up in its load of x
+# (PackedLinear.forms_gate): only in the tensor-core kernel, whose programs read x a tile at a time. In the fused
+# kernel every program reads the whole row of gate and up and forms the activation again, and on an H200 (2026-11-29,
+# bench/quant_matmul.py --fusions, one row, us a product: plain / gated / activation apart) that cost more than the
+# launch it saves for every type: Q8_0 18.8 / 26.1 / 20.7, Q4_K 18.7 / 30.0 / 20.4, Q6_K 21.8 / 30.1 / 23.7.
+GATED_MIN_ROWS = FUSED_MAX_ROWS + 1
 # Rows up to which the tensor-core kernel beats dequantise-then-cuBLAS (same H100 and matrices): at 16 rows 1.4-2.9x
 # faster (Q8_0 gate_up 76 against 218 us, near cuBLAS on bf16 weights), at 64 still ahead over a layer's four
 # matrices (Q4_K 339 against 367 us), though no longer on the small ones.

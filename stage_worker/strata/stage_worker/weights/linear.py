@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from strata.stage_worker.kernels.quant_matmul import (
     FUSED_TYPES,
+    GATED_MIN_ROWS,
     NORMED_TYPES,
     Gate,
     dequantize_as,
@@ -103,10 +104,11 @@ class PackedLinear(nn.Module):
 
     def forms_gate(self, gate_up: Tensor) -> bool:
         """Whether `gated` can take a gated feed-forward's gate and up as they are: one quantised part that the
-        kernels read, no bias, on a GPU."""
+        kernels read, no bias, on a GPU, and rows enough for the tensor-core kernel (quant_matmul.GATED_MIN_ROWS)."""
         part = self.parts[0]
         return (
             gate_up.device.type == "cuda"
+            and gate_up.numel() // gate_up.shape[-1] >= GATED_MIN_ROWS
             and len(self.parts) == 1
             and self.bias is None
             and isinstance(part, QuantizedRows)

@@ -83,10 +83,17 @@ def kernel_speed(device: torch.device, *, depths: list[int]) -> dict[str, float]
         "64 splits, 64-position tiles, 2 warps": dataclasses.replace(
             base, waves=4, max_splits=64, lone_block_n=64, num_warps=2
         ),
-        # Compiled offline for sm_90a (Triton 3.9), the default's decode launch takes 255 registers a thread and spills
-        # 216 bytes; these two take 192-194 and spill nothing.
+        # The default's decode launch takes 255 registers a thread and spills: a program of one warp holds the whole
+        # [16, 128] f32 accumulator and both tiles. These split them over more warps and take 128-136, no spills, so a
+        # multiprocessor holds twice the warps; on an H200 (2026-11-29) all were slower at every depth (32K: 68.6 us
+        # against 53.4), so registers do not bound the kernel; the warps' exchanges through shared memory cost more.
         "32-position tiles, 4 warps": dataclasses.replace(base, num_warps=4),
+        "32-position tiles, 4 warps, 3 stages": dataclasses.replace(base, num_warps=4, num_stages=3),
+        "32-position tiles, 4 warps, 256 splits": dataclasses.replace(base, num_warps=4, waves=16, max_splits=256),
+        "32-position tiles everywhere, 4 warps": dataclasses.replace(base, block_n=32, num_warps=4),
         "16-position tiles, 2 warps": dataclasses.replace(base, lone_block_n=16, block_n=16, num_warps=2),
+        "16-position tiles, 4 warps": dataclasses.replace(base, lone_block_n=16, block_n=16, num_warps=4),
+        "64-position tiles, 8 warps": dataclasses.replace(base, lone_block_n=64, num_warps=8),
     }
     shapes = [(1, d) for d in depths] + [(STREAMS, STREAM_DEPTH)]
     speeds = {}

@@ -14,7 +14,7 @@ from strata.stage_worker.decode import WIDEST, Decoder
 from strata.stage_worker.engine import Chunk, Engine
 from strata.stage_worker.kernels.quant_matmul import FUSED_MAX_ROWS, GEMM_MAX_ROWS, rows_variant
 from strata.stage_worker.kv_pool import KVPool
-from strata.stage_worker.warm_steps import prefill_shapes, warm_prefill, warm_shapes
+from strata.stage_worker.warm_steps import prefill_probes, prefill_shapes, warm_prefill, warm_shapes
 from strata_testbed.stages import load_spans
 
 ONE_ROW = (1,)
@@ -151,8 +151,11 @@ def test_prefill_shapes_of_the_attention_kernel_cover_it_past_saturation(n_head_
         ).variant
 
     saturated = saturating_programs(device)
-    shapes = prefill_shapes(4, variant, tile=16, most_tiles=lambda s: -(-saturated // (s * n_head_kv)))
-    longest = 2 * 16 * saturated
+    longest = 2 * 32 * saturated  # past where a long chunk's tiles (32 positions of 4 heads) saturate the launch
+    tile, most_tiles = prefill_probes(
+        n_head=4 * n_head_kv, n_head_kv=n_head_kv, head_dim=64, context=longest, device=device
+    )
+    shapes = prefill_shapes(4, variant, tile=tile, most_tiles=most_tiles)
     reachable = {variant(s, r) for s in range(1, 5) for r in range(2, longest + 1, 7)}
     assert {variant(s, r) for s, r in shapes} >= reachable
     assert len(shapes) > 2, "the launch rule has several prefill variants: the check above would prove little"

@@ -95,6 +95,29 @@ def prefill_shapes(
     return [(sequences, rows) for _, sequences, rows in sorted(best.values())]
 
 
+def prefill_probes(
+    *, n_head: int, n_head_kv: int, head_dim: int, context: int, device: torch.device
+) -> tuple[int, Callable[[int], int]]:
+    """`prefill_shapes`' tile and most_tiles for the attention kernel's launch rule: rows probed a short chunk's tile
+    apart, as far as a long chunk's (wider) tiles saturate the launch, or the pool ends."""
+    from strata.stage_worker.kernels.paged_attention_triton import saturating_programs, tile_shape
+
+    def block_t(rows: int) -> int:
+        shape = tile_shape(
+            n_seq=1, max_q_len=rows, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, device=device
+        )
+        return shape.block_t
+
+    tile, widest = block_t(2), block_t(max(2, context))
+    pool_tiles, saturated = -(-context // tile), saturating_programs(device)
+
+    def most_tiles(sequences: int) -> int:
+        # Programs are sequences x tiles x KV heads; past `saturated` the launch is the same (one split, most warps).
+        return min(pool_tiles, -(-saturated // (sequences * n_head_kv)) * (widest // tile))
+
+    return tile, most_tiles
+
+
 def warm_steps(*, decoder: Decoder, pool: KVPool, model: StageModel, dtype: torch.dtype) -> list[tuple[int, int]]:
     """Run (on GPUs: compile and capture) a decode step of each of `warm_shapes`, on cells taken and given back;
     returns them."""
@@ -141,18 +164,10 @@ def warm_prefill(
         if device.type != "cuda":
             return []
         variant = attention_variant(model, device)
-    from strata.stage_worker.kernels.paged_attention_triton import saturating_programs, tile_shape
-
     c = model.config
-    tile = tile_shape(
-        n_seq=1, max_q_len=2, n_head=c.n_head, n_head_kv=c.n_head_kv, head_dim=c.head_dim, device=device
-    ).block_t
-    pool_tiles, saturated = -(-pool.context // tile), saturating_programs(device)
-
-    def most_tiles(sequences: int) -> int:
-        # Programs are sequences x tiles x KV heads; past `saturated` the launch is the same (one split, most warps).
-        return min(pool_tiles, -(-saturated // (sequences * c.n_head_kv)))
-
+    tile, most_tiles = prefill_probes(
+        n_head=c.n_head, n_head_kv=c.n_head_kv, head_dim=c.head_dim, context=pool.context, device=device
+    )
     decoded = {variant(slots, width) for slots, width in met}
     ran = []
     for sequences, rows in prefill_shapes(pool.parallel, variant, tile=tile, most_tiles=most_tiles, met=decoded):

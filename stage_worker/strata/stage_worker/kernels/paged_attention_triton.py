@@ -224,6 +224,12 @@ class LaunchConfig:
     # finish sooner than fewer of two (an H100, 300 positions: 128 positions a split cost 1.5x).
     min_split: int = 0
     f16_dot: bool = True  # q8_0 and f16 K/V under a 16-bit q: dot products in f16 (see `_int8_to_f16`)
+    # A program's query rows (positions x the GQA group) for a chunk of more than 64 (heads of up to 128 values): each
+    # K/V tile serves twice the queries. On an H200 (2026-11-29, Llama-3-8B heads, q8_0), against 64 rows: a 256-token
+    # chunk after 3,840 positions 216 us against 403 (64 rows took 2 warps there, as the batch's size chose), after
+    # 32,512 1,184 against 2,736; a 4,096-token chunk after 126,976 59.6 ms against 65.0; from position 0, 0.95x (a
+    # lone long prompt takes flash attention instead). Fewer rows (speculative steps) keep 64, and 256-value heads too.
+    chunk_rows: int = 128
 
 
 DEFAULT = LaunchConfig()
@@ -244,11 +250,12 @@ def launch_shape(*, programs: int, rows: int, device: torch.device, config: Laun
     with many one-warp programs of 32-position tiles (1.75 TB/s at 131,072 positions against 1.49 with two warps and
     64), each warp's registers holding its own tiles; a batch that gives every multiprocessor a program or more with
     two warps and 64 (16 streams at 4,096: 1.38 TB/s against 1.25). `rows` is a program's query rows: one warp holds
-    the 16 of a decode step's GQA group, not the 64 of a prefill tile."""
+    the 16 of a decode step's GQA group, not the 64 of a short chunk, and the 128 of a long one take 4 warps whatever
+    the number of programs (see `LaunchConfig.chunk_rows`)."""
     sms = _multiprocessors(device)
     splits = max(1, min(config.max_splits, -(-config.waves * sms // max(programs, 1))))
     lone = programs * 4 <= sms and rows <= 16
-    warps = config.num_warps or (1 if lone else 2 if programs < sms else 4)
+    warps = config.num_warps or (1 if lone else 4 if rows > 64 else 2 if programs < sms else 4)
     return Launch(splits=splits, warps=warps, block_n=config.lone_block_n if lone else config.block_n)
 
 
@@ -281,8 +288,9 @@ def tile_shape(
 ) -> TileShape:  # fmt: skip
     """How a batch of `n_seq` sequences of up to `max_q_len` query positions is tiled and launched."""
     rep = triton.next_power_of_2(n_head // n_head_kv)
-    block_t = max(1, (16 if max_q_len == 1 else 64) // rep)
     block_d = max(16, triton.next_power_of_2(head_dim))
+    rows = 16 if max_q_len == 1 else 64 if max_q_len * rep <= 64 or block_d > 128 else config.chunk_rows
+    block_t = max(1, rows // rep)
     q_tiles = triton.cdiv(max_q_len, block_t)
     launch = launch_shape(programs=n_seq * q_tiles * n_head_kv, rows=block_t * rep, device=device, config=config)
     block_n = launch.block_n if block_d <= 128 else launch.block_n // 2

@@ -98,14 +98,7 @@ def kernel_speed(device: torch.device, *, depths: list[int]) -> dict[str, float]
     shapes = [(1, d) for d in depths] + [(STREAMS, STREAM_DEPTH)]
     speeds = {}
     for streams, depth in shapes:
-        pool = KVPool(
-            n_layers=1, context=streams * depth + 1, parallel=streams, key_width=1024, value_width=1024,
-            type_k=CacheType.Q8_0, type_v=CacheType.Q8_0, dtype=torch.bfloat16, device=device,
-        )  # fmt: skip
-        for slot in range(streams):
-            cells = pool.extend(slot=slot, start_position=0, length=depth).full.new
-            k, v = torch.randn(depth, 1024, device=device), torch.randn(depth, 1024, device=device)
-            pool.layers[0].write(cells, k, v)
+        pool = filled_pool(device, streams=streams, depth=depth)
         q = torch.randn(streams, 32, 128, device=device, dtype=torch.bfloat16)
         rows = torch.arange(streams, device=device)
         store_k, store_v = pool.layers[0].keys, pool.layers[0].values
@@ -126,6 +119,54 @@ def kernel_speed(device: torch.device, *, depths: list[int]) -> dict[str, float]
         for line in compiled_kernels(fn):
             log(f"compiled {fn.__name__}: {line}")
     return speeds
+
+
+def filled_pool(device: torch.device, *, streams: int, depth: int) -> KVPool:
+    """One layer of Llama-3-8B's K/V (8 heads of 128, q8_0), `streams` slots of `depth` random positions each."""
+    pool = KVPool(
+        n_layers=1, context=streams * depth + 1, parallel=streams, key_width=1024, value_width=1024,
+        type_k=CacheType.Q8_0, type_v=CacheType.Q8_0, dtype=torch.bfloat16, device=device,
+    )  # fmt: skip
+    for slot in range(streams):
+        cells = pool.extend(slot=slot, start_position=0, length=depth).full.new
+        for at in range(0, depth, 16384):  # in parts: 128K positions of f32 K/V at once would take 1 GB more
+            part = cells[at : at + 16384]
+            pool.layers[0].write(
+                part, torch.randn(len(part), 1024, device=device), torch.randn(len(part), 1024, device=device)
+            )
+    return pool
+
+
+CHUNKS = ((0, 4096), (4096, 4096), (28672, 4096), (126976, 4096), (3840, 256), (32512, 256))  # (prefix, chunk)
+
+
+def chunk_speed(device: torch.device) -> dict[str, float]:
+    """One layer's attention over a prefill chunk after a prefix (a second turn, a prefix-cache hit, a long prompt in
+    chunks; Llama-3-8B heads, q8_0 KV), µs a call, under today's launch and with 64 query rows a program (the
+    rule before 2026-11-29)."""
+    import triton.testing
+    from strata.stage_worker.kernels import paged_attention_triton as kernels
+
+    configs = {"default": kernels.DEFAULT, "64 rows a program": dataclasses.replace(kernels.DEFAULT, chunk_rows=64)}
+    times = {}
+    for prefix, chunk in CHUNKS:
+        pool = filled_pool(device, streams=1, depth=prefix + chunk)
+        q = torch.randn(chunk, 32, 128, device=device, dtype=torch.bfloat16)
+        one = torch.zeros(1, dtype=torch.long, device=device)
+        store_k, store_v = pool.layers[0].keys, pool.layers[0].values
+        arguments = {
+            "keys": store_k.values, "key_scales": store_k.scales, "values": store_v.values,
+            "value_scales": store_v.scales, "table": pool.table, "slots": one, "q_starts": one,
+            "q_lens": torch.full_like(one, chunk), "kv_lens": torch.full_like(one, prefix + chunk),
+            "max_q_len": chunk, "n_head_kv": 8, "scale": 128**-0.5,
+        }  # fmt: skip
+        for name, config in configs.items():
+            attend = functools.partial(kernels.paged_attention, q, config=config, **arguments)
+            key = f"{chunk} after {prefix} {name}"
+            times[key] = triton.testing.do_bench_cudagraph(attend, return_mode="median") * 1e3
+            log(f"kernel alone, a chunk of {chunk} after {prefix} positions, {name}: {times[key]:.1f} us")
+        del pool
+    return times
 
 
 def compiled_kernels(fn: object) -> list[str]:
@@ -271,7 +312,11 @@ def main() -> None:
     parser.add_argument("--peer-work", type=Path, default=Path(tempfile.gettempdir()) / "strata-llamacpp")
     parser.add_argument("--depths", default=",".join(map(str, DEPTHS)))
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--kernel-only", action="store_true", help="the kernel's checks and speed alone")
+    parser.add_argument(
+        "--kernel-only",
+        action="store_true",
+        help="the kernel's checks and speed alone (decode, and chunks after a prefix)",
+    )
     parser.add_argument("--no-checks", action="store_true", help="skip the kernel's checks (tuning runs only)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -297,6 +342,7 @@ def main() -> None:
         )  # type: ignore[arg-type]
     if args.kernel_only:
         results["kernel_speed"] = kernel_speed(device, depths=depths)
+        results["chunk_speed"] = chunk_speed(device)
         return
     if not args.model.exists():
         write_bulk_q8_model(args.model, shape=LARGE_SHAPES["llama3-8b"])

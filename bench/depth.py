@@ -100,14 +100,7 @@ def kernel_speed(device: torch.device, *, depths: list[int]) -> dict[str, float]
     for streams, depth in shapes:
         pool = filled_pool(device, streams=streams, depth=depth)
         q = torch.randn(streams, 32, 128, device=device, dtype=torch.bfloat16)
-        rows = torch.arange(streams, device=device)
-        store_k, store_v = pool.layers[0].keys, pool.layers[0].values
-        arguments = {
-            "keys": store_k.values, "key_scales": store_k.scales, "values": store_v.values,
-            "value_scales": store_v.scales, "table": pool.table, "slots": rows, "q_starts": rows,
-            "q_lens": torch.ones_like(rows), "kv_lens": torch.full_like(rows, depth), "max_q_len": 1, "n_head_kv": 8,
-            "scale": 128**-0.5,
-        }  # fmt: skip
+        arguments = attention_arguments(pool, streams=streams, q_len=1, kv_len=depth)
         for name, config in configs.items():
             attend = functools.partial(kernels.paged_attention, q, config=config, **arguments)
             ms = triton.testing.do_bench_cudagraph(attend, return_mode="median")
@@ -137,6 +130,19 @@ def filled_pool(device: torch.device, *, streams: int, depth: int) -> KVPool:
     return pool
 
 
+def attention_arguments(pool: KVPool, *, streams: int, q_len: int, kv_len: int) -> dict[str, object]:
+    """`paged_attention`'s arguments but q and the launch: `streams` slots of `q_len` query rows each (consecutive in
+    q), each seeing `kv_len` positions of `filled_pool`'s layer."""
+    store_k, store_v = pool.layers[0].keys, pool.layers[0].values
+    slots = torch.arange(streams, device=pool.table.device)
+    return {
+        "keys": store_k.values, "key_scales": store_k.scales, "values": store_v.values,
+        "value_scales": store_v.scales, "table": pool.table, "slots": slots, "q_starts": slots * q_len,
+        "q_lens": torch.full_like(slots, q_len), "kv_lens": torch.full_like(slots, kv_len), "max_q_len": q_len,
+        "n_head_kv": 8, "scale": 128**-0.5,
+    }  # fmt: skip
+
+
 CHUNKS = ((0, 4096), (4096, 4096), (28672, 4096), (126976, 4096), (3840, 256), (32512, 256))  # (prefix, chunk)
 
 
@@ -152,14 +158,7 @@ def chunk_speed(device: torch.device) -> dict[str, float]:
     for prefix, chunk in CHUNKS:
         pool = filled_pool(device, streams=1, depth=prefix + chunk)
         q = torch.randn(chunk, 32, 128, device=device, dtype=torch.bfloat16)
-        one = torch.zeros(1, dtype=torch.long, device=device)
-        store_k, store_v = pool.layers[0].keys, pool.layers[0].values
-        arguments = {
-            "keys": store_k.values, "key_scales": store_k.scales, "values": store_v.values,
-            "value_scales": store_v.scales, "table": pool.table, "slots": one, "q_starts": one,
-            "q_lens": torch.full_like(one, chunk), "kv_lens": torch.full_like(one, prefix + chunk),
-            "max_q_len": chunk, "n_head_kv": 8, "scale": 128**-0.5,
-        }  # fmt: skip
+        arguments = attention_arguments(pool, streams=1, q_len=chunk, kv_len=prefix + chunk)
         for name, config in configs.items():
             attend = functools.partial(kernels.paged_attention, q, config=config, **arguments)
             key = f"{chunk} after {prefix} {name}"

@@ -269,13 +269,18 @@ def peer_sweep(bin_dir: Path, model_path: Path, *, depths: list[int]) -> dict[st
     return results
 
 
+def machine_line(machine: object) -> str:
+    assert isinstance(machine, dict)
+    return "machine: " + ", ".join(f"{k} {v}" for k, v in machine.items())
+
+
 def render(r: dict[str, object]) -> str:
     machine, strata, peer = r["machine"], r["strata"], r.get("llamacpp", {})
     assert isinstance(machine, dict)
     assert isinstance(strata, dict)
     assert isinstance(peer, dict)
     lines = [
-        "machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()),
+        machine_line(machine),
         f"model: llama3-8b shape, random Q8_0 weights ({r['file_gb']:.2f} GB file) kept in their blocks, bf16 "
         f"compute; decode {STEPS} greedy steps after {WARM} warm-up; copy bandwidth {r['bandwidth'] / 1e12:.2f} TB/s",
         f"pool attention kernel vs reference: {r['kernel_passed']} of {r['kernel_cases']} case x dtype checks pass "
@@ -340,8 +345,12 @@ def main() -> None:
             f"  {check['case']:52s} {check['dtype']:9s} {float(check['error']):.2e} {'ok' if check['ok'] else 'FAIL'}"
         )  # type: ignore[arg-type]
     if args.kernel_only:
+        log(f"{machine_line(results['machine'])}; copy bandwidth {float(results['bandwidth']) / 1e12:.2f} TB/s")  # type: ignore[arg-type]
         results["kernel_speed"] = kernel_speed(device, depths=depths)
         results["chunk_speed"] = chunk_speed(device)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "kernel.json").write_text(json.dumps(results, indent=1, default=str))
         return
     if not args.model.exists():
         write_bulk_q8_model(args.model, shape=LARGE_SHAPES["llama3-8b"])

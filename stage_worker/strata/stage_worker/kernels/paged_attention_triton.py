@@ -233,6 +233,9 @@ class LaunchConfig:
 
 
 DEFAULT = LaunchConfig()
+# A program's query rows in a step of a few positions (speculative ones) or of 256-value heads; longer chunks take
+# `LaunchConfig.chunk_rows`.
+SHORT_CHUNK_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -255,7 +258,7 @@ def launch_shape(*, programs: int, rows: int, device: torch.device, config: Laun
     sms = _multiprocessors(device)
     splits = max(1, min(config.max_splits, -(-config.waves * sms // max(programs, 1))))
     lone = programs * 4 <= sms and rows <= 16
-    warps = config.num_warps or (1 if lone else 4 if rows > 64 else 2 if programs < sms else 4)
+    warps = config.num_warps or (1 if lone else 4 if rows > SHORT_CHUNK_ROWS else 2 if programs < sms else 4)
     return Launch(splits=splits, warps=warps, block_n=config.lone_block_n if lone else config.block_n)
 
 
@@ -289,7 +292,8 @@ def tile_shape(
     """How a batch of `n_seq` sequences of up to `max_q_len` query positions is tiled and launched."""
     rep = triton.next_power_of_2(n_head // n_head_kv)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    rows = 16 if max_q_len == 1 else 64 if max_q_len * rep <= 64 or block_d > 128 else config.chunk_rows
+    short = max_q_len * rep <= SHORT_CHUNK_ROWS or block_d > 128
+    rows = 16 if max_q_len == 1 else SHORT_CHUNK_ROWS if short else config.chunk_rows
     block_t = max(1, rows // rep)
     q_tiles = triton.cdiv(max_q_len, block_t)
     launch = launch_shape(programs=n_seq * q_tiles * n_head_kv, rows=block_t * rep, device=device, config=config)

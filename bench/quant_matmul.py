@@ -1,7 +1,7 @@
 """The quantised-matmul kernels on a GPU: time against cuBLAS bf16 on the same values, and check them against the f32
 reference. One run, one table.
 
-    python bench/quant_matmul.py [--types Q8_0,Q4_K,Q6_K] [--sweep | --crossover | --fusions] [--out FILE.json]
+    python bench/quant_matmul.py [--types Q8_0,Q4_K,Q6_K] [--sweep | --crossover | --fusions | --dot8] [--out FILE.json]
 
 For each fused type, Llama-3-8B's matrices (N x K: 6144 x 4096 qkv, 4096 x 4096 o, 28672 x 4096 gate_up,
 4096 x 14336 down) and M = 1, 4, 16, 32 rows of bf16 x: `quant_linear` (the custom op the model calls: the fused
@@ -15,6 +15,9 @@ quantised bytes the kernel must read (its planes), and the table gives them as a
 
 Fidelity: the worst error of any output, bf16 against the f32 reference, as a share of sum |w x| over that output
 (the bound an accumulation error scales with), at M = 1, 4, 16, 32, 65.
+
+--dot8 times the dp4a candidate (quant_dot8_triton: x quantised to 8 bits, its own launch included) against the fused
+kernel at 1, 2 and 4 rows, with each one's worst error against the exact product.
 
 --sweep times the launch shapes of quant_matmul_triton.Config for the three types of Q8_0 and Q4_K_M files, and
 for a batch of streams the tensor-core kernel's tiles against dequantise-then-cuBLAS.
@@ -34,7 +37,7 @@ from functools import partial
 import torch
 import triton
 from gguf import GGMLQuantizationType
-from strata.stage_worker.kernels import quant_gemm_triton, quant_matmul, quant_matmul_triton
+from strata.stage_worker.kernels import quant_dot8_triton, quant_gemm_triton, quant_matmul, quant_matmul_triton
 from strata.stage_worker.kernels.quant_matmul import FUSED_MAX_ROWS, FUSED_TYPES, GEMM_MAX_ROWS, quant_linear
 from strata.stage_worker.weights.formats import FORMATS, dequantize, plane_names, planes_bytes, split_planes
 
@@ -175,6 +178,9 @@ def main() -> None:
     parser.add_argument("--no-batch", action="store_true", help="with --sweep: the fused kernel's shapes only")
     parser.add_argument("--crossover", action="store_true", help="only the fused and tensor-core kernels at 1-16 rows")
     parser.add_argument("--fusions", action="store_true", help="only what each fused load of x costs, one row")
+    parser.add_argument(
+        "--dot8", action="store_true", help="only the dp4a candidate against the fused kernel, 1-4 rows"
+    )
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -194,6 +200,10 @@ def main() -> None:
         return
     if args.fusions:
         results["fusions"] = fusions(device)
+        _save(args.out, results)
+        return
+    if args.dot8:
+        results["dot8"] = dot8(device)
         _save(args.out, results)
         return
 
@@ -288,6 +298,45 @@ def crossover(device: torch.device) -> list[dict[str, object]]:
                 rows.append({"type": ggml_type.name, "matrix": shape, "m": m, "fused_us": fused_us,
                              "gemm_us": gemm_us})  # fmt: skip
     return rows
+
+
+DOT8_SHAPES = ((8, 128, 4), (4, 128, 4), (16, 64, 4), (8, 64, 2), (4, 64, 2))  # block_n, chunks, num_warps
+
+
+def dot8(device: torch.device) -> list[dict[str, object]]:
+    """The dp4a candidate against the fused kernel, 1, 2 and 4 rows: us per call in CUDA graphs (x's quantising
+    launch included), weights from HBM, and the worst error of each against the exact product (bf16 x)."""
+    log("\n## dp4a on x quantised to 8 bits against the fused kernel, us per call (block_n/chunks/warps), and errors")
+    rows = []
+    for ggml_type in MAIN_TYPES:
+        for shape, (n, k) in SHAPES.items():
+            planes = random_planes(ggml_type, n, k, device=device)
+            w = dequantize(dict(zip(plane_names(ggml_type), planes, strict=True)), ggml_type)
+            for m in (1, 2, 4):
+                x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+                fused_error = worst_error(quant_matmul_triton.quant_matmul(x, planes, ggml_type, columns=k), x, w)
+                dot8_error = worst_error(quant_dot8_triton.dot8(x, planes, ggml_type), x, w)
+                fused = partial(_kernel_call, quant_matmul_triton.quant_matmul, ggml_type, k)
+                calls: list[Matmul] = [fused, *(_dot8(ggml_type, shape) for shape in DOT8_SHAPES)]
+                _, times, size = timings(ggml_type, n, k, m, device, calls)
+                shaped = zip(DOT8_SHAPES, times[1:], strict=True)
+                cells = " ".join(f"{'/'.join(map(str, c))}={t * 1e6:.1f}" for c, t in shaped)
+                best = min(times[1:])
+                log(f"{ggml_type.name:5s} {shape:8s} M={m}: fused {times[0] * 1e6:6.1f}  dp4a {cells}  "
+                    f"best {times[0] / best:.2f}x; errors {fused_error:.1e} / {dot8_error:.1e}")  # fmt: skip
+                rows.append({"type": ggml_type.name, "matrix": shape, "m": m, "fused_us": times[0] * 1e6,
+                             "dot8_us": [t * 1e6 for t in times[1:]], "fused_error": fused_error,
+                             "dot8_error": dot8_error, "bytes": size})  # fmt: skip
+    return rows
+
+
+def _dot8(ggml_type: GGMLQuantizationType, shape: tuple[int, int, int]) -> Matmul:
+    block_n, chunks, warps = shape
+
+    def call(x: torch.Tensor, planes: list[torch.Tensor]) -> torch.Tensor:
+        return quant_dot8_triton.dot8(x, planes, ggml_type, block_n=block_n, chunks=chunks, num_warps=warps)
+
+    return call
 
 
 def fusions(device: torch.device) -> list[dict[str, object]]:

@@ -1,0 +1,112 @@
+"""The dp4a candidate (quant_dot8_triton) on a table of named cases: the kernel against the function it computes
+(x rounded to 8 bits a block of 32, then the exact product: only f32 accumulation between them), and that function
+against the exact product within the bf16 tolerance of the matmul tests.
+
+Without a GPU the kernel runs under Triton's interpreter (tests/conftest.py), its dp4a in plain integer arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from strata.stage_worker.kernels import quant_dot8_triton
+from strata.stage_worker.weights.formats import dequantize, plane_names
+
+from tests.stage_worker.test_quant_matmul import Case as MatmulCase
+from tests.stage_worker.test_quant_matmul import random_planes, relative_error, tolerance
+
+Q = GGMLQuantizationType
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    ggml_type: GGMLQuantizationType
+    m: int
+    n: int  # not a multiple of the kernel's 8 weight rows
+    k: int  # ending inside a tile of chunks, and past one split where `splits` asks for more
+    blocks: str = "normal"  # the f16 fields, as test_quant_matmul's cases make them
+    outlier: bool = False  # one block of x 100 times the others: its small values round to few levels
+    splits: int | None = None
+
+
+CASES = [
+    Case("Q8_0 one row", Q.Q8_0, 1, 37, 96),
+    Case("Q8_0 three rows", Q.Q8_0, 3, 21, 1088),
+    Case("Q8_0 four rows, split along K", Q.Q8_0, 4, 19, 1088, splits=3),
+    Case("Q8_0 four rows, extreme scales", Q.Q8_0, 4, 19, 96, "extreme"),
+    Case("Q8_0 two rows, an outlier block of x", Q.Q8_0, 2, 19, 256, outlier=True),
+    Case("Q4_K one row", Q.Q4_K, 1, 37, 768),
+    Case("Q4_K four rows", Q.Q4_K, 4, 21, 1280),
+    Case("Q4_K three rows, split along K", Q.Q4_K, 3, 19, 1280, splits=2),
+    Case("Q4_K four rows, negative minimums", Q.Q4_K, 4, 19, 768, "negative"),
+    Case("Q4_K two rows, zero blocks", Q.Q4_K, 2, 19, 768, "zero"),
+    Case("Q4_K four rows, extreme scales", Q.Q4_K, 4, 19, 768, "extreme"),
+    Case("Q6_K one row", Q.Q6_K, 1, 37, 768),
+    Case("Q6_K four rows", Q.Q6_K, 4, 21, 1280),
+    Case("Q6_K three rows, split along K", Q.Q6_K, 3, 19, 1280, splits=2),
+    Case("Q6_K four rows, extreme scales", Q.Q6_K, 4, 19, 768, "extreme"),
+    Case("Q6_K two rows, zero blocks", Q.Q6_K, 2, 19, 768, "zero"),
+]
+
+
+def _inputs(case: Case) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    rng = np.random.default_rng(len(case.name) * 7 + case.m)
+    planes = random_planes(MatmulCase("", case.ggml_type, case.m, case.n, case.k, case.blocks), rng)
+    w = dequantize(planes, case.ggml_type)
+    scale = min(1.0, 100.0 / float(w.abs().sum(dim=1).max().clamp_min(1e-30)))
+    x = torch.from_numpy(rng.standard_normal((case.m, case.k))).float() * scale
+    if case.outlier:
+        x[0, 32:64] *= 100.0
+    return x, list(planes.values())
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_kernel_computes_its_function(case: Case, device: torch.device) -> None:
+    x, planes = _inputs(case)
+    on_device = [p.to(device) for p in planes]
+    ours = quant_dot8_triton.dot8(x.to(device), on_device, case.ggml_type, splits=case.splits).cpu()
+    expected = quant_dot8_triton.reference(x.to(device), on_device, case.ggml_type)
+    q, d, _ = quant_dot8_triton.quantise_rows(x.to(device))
+    bound = quant_dot8_triton.dequantised_rows(q, d).cpu().abs() @ _weight(case, planes).abs().T
+    error = float(((ours - expected).abs() / (bound + torch.finfo(torch.float32).tiny)).max())
+    assert error <= tolerance(torch.float32), f"{case.name}: {error:.2e} from the function it computes"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_x_rounds_to_the_nearest_of_255_levels_a_block(case: Case, device: torch.device) -> None:
+    x, _ = _inputs(case)
+    q, d, s = (t.cpu() for t in quant_dot8_triton.quantise_rows(x.to(device)))
+    rounded = quant_dot8_triton.dequantised_rows(q, d)
+    blocks = x.view(case.m, -1, 32)
+    assert torch.allclose(d, blocks.abs().amax(dim=2) / 127.0, rtol=1e-6, atol=0.0)
+    step = d.repeat_interleave(32, dim=1)
+    assert bool(((rounded - x).abs() <= step * (0.5 + 1e-5)).all()), "each value within half a step"
+    # s = d sum(q) rounds once; the sum of the 32 rounded values 32 times, each within 127 d 2^-24.
+    assert bool(((s - rounded.view(case.m, -1, 32).sum(dim=2)).abs() <= 32 * 127 * 2**-23 * d).all())
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_its_function_is_the_product_within_bf16s_tolerance(case: Case) -> None:
+    x, planes = _inputs(case)
+    error = relative_error(quant_dot8_triton.reference(x, planes, case.ggml_type), x, _weight(case, planes))
+    assert error <= tolerance(torch.bfloat16), f"{case.name}: {error:.2e}"
+    assert error > tolerance(torch.float32), "x's rounding to 8 bits shows: the check above is not vacuous"
+
+
+def _weight(case: Case, planes: list[torch.Tensor]) -> torch.Tensor:
+    return dequantize(dict(zip(plane_names(case.ggml_type), planes, strict=True)), case.ggml_type)
+
+
+def test_refuses_what_it_does_not_take() -> None:
+    x = torch.zeros(5, 64)
+    with pytest.raises(ValueError, match="up to 4 rows"):
+        quant_dot8_triton.dot8(
+            x, [torch.zeros(1, 2, dtype=torch.float16), torch.zeros(1, 64, dtype=torch.int8)], Q.Q8_0
+        )
+    with pytest.raises(ValueError, match="not Q5_K"):
+        quant_dot8_triton.dot8(x[:1], [], Q.Q5_K)

@@ -56,6 +56,10 @@ GATED_MIN_ROWS = FUSED_MAX_ROWS + 1
 # faster (Q8_0 gate_up 76 against 218 us, near cuBLAS on bf16 weights), at 64 still ahead over a layer's four
 # matrices (Q4_K 339 against 367 us), though no longer on the small ones.
 GEMM_MAX_ROWS = 64
+# Rows of bf16 x (on a GPU) whose products round x to 8 bits a block of 32 and take integer dot products
+# (quant_dot8_triton, the types of DOT8_TYPES): the fused kernel issues 2.2 instructions a weight and a row there,
+# dp4a 0.5-1.1. Not yet measured on a GPU: bench/quant_matmul.py --dot8 and bench/residency.py decide.
+DOT8_ROWS = range(2, FUSED_MAX_ROWS + 1)
 
 
 def rows_variant(rows: int) -> tuple[str, int, bool]:
@@ -127,6 +131,11 @@ def _quant_linear_op(x: Tensor, planes: list[Tensor], ggml_type: int, columns: i
 
     t = GGMLQuantizationType(ggml_type)
     with _device(x):
+        if x.shape[0] in DOT8_ROWS and x.is_cuda and x.dtype == torch.bfloat16 and not gate:
+            from strata.stage_worker.kernels import quant_dot8_triton
+
+            if t in quant_dot8_triton.FAMILIES:
+                return quant_dot8_triton.dot8(x, planes, t)
         if x.shape[0] <= FUSED_MAX_ROWS and t in FUSED_TYPES:
             return quant_matmul_triton.quant_matmul(x, planes, t, columns=columns, gate=gate)
         if x.shape[0] <= GEMM_MAX_ROWS and t in FUSED_TYPES:

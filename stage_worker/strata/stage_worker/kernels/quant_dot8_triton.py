@@ -9,8 +9,9 @@ its sum s = d sum(q). The product is then exactly that of x's rounded values x_q
 in f32: per block of 32 weights of scale a and offset b (w = a u + b), sum(w x_q) = a d sum(u q) + b s, eight dp4a
 (four products each) a block and a row.
 
-Not wired into the model: measured against the fused kernel first. Its error against the exact product is about
-twice the fused kernel's (x's rounding to 8 bits), within the bf16 tolerance of the matmul tests, not within f16's.
+Decode steps of 2-4 rows of bf16 x take it (quant_matmul.DOT8_ROWS), not yet measured on a GPU. Its error against
+the exact product is about twice the fused kernel's (x's rounding to 8 bits), within the bf16 tolerance of the matmul
+tests, not within f16's; f32 and f16 x keep the fused kernel.
 
 The tile follows the fused kernel's rule: every tensor of the loop has its chunks along the lanes, each lane's chunk
 of a row in its registers (two 16-byte loads of the weights' 32 bytes), so no use converts layouts. A chunk is one

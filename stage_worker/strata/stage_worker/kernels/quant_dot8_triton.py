@@ -276,8 +276,8 @@ def _gemv(xq_ptr, xd_ptr, xs_ptr, out_ptr, q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, 
 
 
 def dot8(
-    x: Tensor, planes: Sequence[Tensor], ggml_type: GGMLQuantizationType, *, block_n: int = 8, chunks: int = 128,
-    num_warps: int = 4, splits: int | None = None,
+    x: Tensor, planes: Sequence[Tensor], ggml_type: GGMLQuantizationType, *, block_n: int | None = None,
+    chunks: int = 128, num_warps: int = 4, splits: int | None = None,
 ) -> Tensor:  # fmt: skip
     """x [M, K] (M <= 4) @ W.T through x quantised to 8 bits, W given as its planes (formats.plane_names order);
     [M, N] in x's dtype."""
@@ -288,6 +288,9 @@ def dot8(
         raise ValueError(f"dot8 takes up to {MAX_ROWS} rows of x, not {m}")
     named = dict(zip(plane_names(ggml_type), planes, strict=True))
     family = FAMILIES[ggml_type]
+    # Compiled offline (Triton 3.6, 4 rows): 8 weight rows a program keep Q8_0 at 168 registers and Q4_K at 255 with
+    # 8 bytes spilled; Q6_K's 16 words a row would spill 192, so it takes 4.
+    block_n = block_n or (4 if ggml_type == Q.Q6_K else 8)
     words = as_words(named["ql" if ggml_type == Q.Q6_K else "qs"])
     n = words.shape[0]
     high = as_words(named["qh"]) if "qh" in named else words

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
-from strata.stage_worker.kernels.quant_blocks_triton import as_words, four_columns, multiprocessors
+from strata.stage_worker.kernels.quant_blocks_triton import as_words, four_columns, multiprocessors, per_chunk
 from strata.stage_worker.weights.formats import dequantize, plane_names
 from torch import Tensor
 
@@ -167,7 +167,7 @@ def _bytes(a):
 
 
 @triton.jit
-def _q4_k_chunk(w_first, w_second, x_at, x_offsets, word_ok, xd_ptr, xs_ptr, x_cells, chunks, chunk_ok,
+def _q4_k_chunk(w_first, w_second, x_at, x_offsets, word_ok, xd_ptr, xs_ptr, m_in, sxd, chunks, chunk_ok,
                 d_ptr, d2_ptr, sd, sc_ptr, mn_ptr, ssc, rows_in,
                 BLOCK_M: tl.constexpr, CHUNKS: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     """A Q4_K chunk (a pair of sub-blocks: the low nibbles the first's 32 values, the high the second's) against its
@@ -176,16 +176,15 @@ def _q4_k_chunk(w_first, w_second, x_at, x_offsets, word_ok, xd_ptr, xs_ptr, x_c
     low = _dot_block(w_first & NIBBLES, w_second & NIBBLES, x_first, x_second, PTX).to(tl.float32)
     x_first, x_second = _halves(x_at + 8, x_offsets, word_ok, BLOCK_M, CHUNKS)
     high = _dot_block((w_first >> 4) & NIBBLES, (w_second >> 4) & NIBBLES, x_first, x_second, PTX).to(tl.float32)
-    d_x = tl.load(xd_ptr + x_cells, mask=chunk_ok[None, :], other=0.0)  # [M, C]: the first block of x
-    d_x2 = tl.load(xd_ptr + x_cells + 1, mask=chunk_ok[None, :], other=0.0)
-    s_x = tl.load(xs_ptr + x_cells, mask=chunk_ok[None, :], other=0.0)
-    s_x2 = tl.load(xs_ptr + x_cells + 1, mask=chunk_ok[None, :], other=0.0)
-    block = rows_in[:, None] * sd + chunks[None, :] // 4  # [BN, C]: the chunk's super-block
-    d = tl.load(d_ptr + block, mask=chunk_ok[None, :], other=0.0).to(tl.float32)
-    dmin = tl.load(d2_ptr + block, mask=chunk_ok[None, :], other=0.0).to(tl.float32)
-    pair = rows_in[:, None] * ssc + chunks[None, :]
-    sc = tl.load(sc_ptr + pair, mask=chunk_ok[None, :], other=0).to(tl.int32)
-    mn = tl.load(mn_ptr + pair, mask=chunk_ok[None, :], other=0).to(tl.int32)
+    # The [rows, chunks] fields through `per_chunk`, so their chunks lie along the lanes as the words' do.
+    d_x = per_chunk(xd_ptr, m_in, sxd, 2 * chunks, chunk_ok, 0.0)  # [M, C]: the chunk's first block of x
+    d_x2 = per_chunk(xd_ptr, m_in, sxd, 2 * chunks + 1, chunk_ok, 0.0)
+    s_x = per_chunk(xs_ptr, m_in, sxd, 2 * chunks, chunk_ok, 0.0)
+    s_x2 = per_chunk(xs_ptr, m_in, sxd, 2 * chunks + 1, chunk_ok, 0.0)
+    d = per_chunk(d_ptr, rows_in, sd, chunks // 4, chunk_ok, 0.0).to(tl.float32)  # [BN, C]: its super-block's
+    dmin = per_chunk(d2_ptr, rows_in, sd, chunks // 4, chunk_ok, 0.0).to(tl.float32)
+    sc = per_chunk(sc_ptr, rows_in, ssc, chunks, chunk_ok, 0).to(tl.int32)
+    mn = per_chunk(mn_ptr, rows_in, ssc, chunks, chunk_ok, 0).to(tl.int32)
     scale, scale2 = d * (sc & 255).to(tl.float32), d * ((sc >> 8) & 255).to(tl.float32)
     offset, offset2 = dmin * (mn & 255).to(tl.float32), dmin * ((mn >> 8) & 255).to(tl.float32)
     total = low * (scale[None, :, :] * d_x[:, None, :]) - offset[None, :, :] * s_x[:, None, :]
@@ -193,7 +192,7 @@ def _q4_k_chunk(w_first, w_second, x_at, x_offsets, word_ok, xd_ptr, xs_ptr, x_c
 
 
 @triton.jit
-def _q6_k_chunk(ql_first, ql_second, x_at, chunk_of_word, lane_words, word_ok, xd_ptr, x_row_cells, chunks, chunk_ok,
+def _q6_k_chunk(ql_first, ql_second, x_at, chunk_of_word, lane_words, word_ok, xd_ptr, m_in, sxd, chunks, chunk_ok,
                 h_at, d_ptr, sd, sc_ptr, ssc, rows_in,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     """A Q6_K chunk against its two blocks of x: [M, BN, C]. Chunk c = 4 b + 2 h + p of super-block b holds values
@@ -204,8 +203,7 @@ def _q6_k_chunk(ql_first, ql_second, x_at, chunk_of_word, lane_words, word_ok, x
     qh_offsets = (chunk_of_word // 2) * 8 + lane_words % 4  # a pair of chunks shares its 8 qh words
     qh_first, qh_second = _halves(h_at, qh_offsets, word_ok, BLOCK_N, CHUNKS)
     x_offsets = chunk_of_word * 16 - (chunk_of_word % 2) * 8 + lane_words % 4  # block 2 c - p, from x_at's 2 c0
-    d = tl.load(d_ptr + rows_in[:, None] * sd + chunks[None, :] // 4, mask=chunk_ok[None, :], other=0.0)
-    d = d.to(tl.float32)
+    d = per_chunk(d_ptr, rows_in, sd, chunks // 4, chunk_ok, 0.0).to(tl.float32)  # [BN, C]: its super-block's
     total = tl.zeros((BLOCK_M, BLOCK_N, CHUNKS), dtype=tl.float32)
     shift = (2 * parity)[None, :, None]  # the chunk's bits of qh: 0-1 and 4-5, or 2-3 and 6-7
     qh_first, qh_second = qh_first >> shift, qh_second >> shift
@@ -214,12 +212,11 @@ def _q6_k_chunk(ql_first, ql_second, x_at, chunk_of_word, lane_words, word_ok, x
         u_second = ((ql_second >> (4 * upper)) & NIBBLES) | (((qh_second >> (4 * upper)) & TWO_BITS) << 4)
         x_first, x_second = _halves(x_at + 16 * upper, x_offsets, word_ok, BLOCK_M, CHUNKS)
         block = 2 * chunks - parity + 2 * upper  # [C]: this block of x, and this pair of scales
-        pair = tl.load(sc_ptr + rows_in[:, None] * ssc + block[None, :], mask=chunk_ok[None, :], other=0)
-        pair = pair.to(tl.int32)
+        pair = per_chunk(sc_ptr, rows_in, ssc, block, chunk_ok, 0).to(tl.int32)
         sc_first, sc_second = ((pair << 24) >> 24)[None, :, :], (pair >> 8)[None, :, :]
         first = _dot4(u_first, x_first, PTX) - 32 * _sum4(x_first, PTX)[:, None, :]
         second = _dot4(u_second, x_second, PTX) - 32 * _sum4(x_second, PTX)[:, None, :]
-        d_x = tl.load(xd_ptr + x_row_cells + block[None, :], mask=chunk_ok[None, :], other=0.0)  # [M, C]
+        d_x = per_chunk(xd_ptr, m_in, sxd, block, chunk_ok, 0.0)  # [M, C]
         total += (sc_first * first + sc_second * second).to(tl.float32) * (d[None, :, :] * d_x[:, None, :])
     return total
 
@@ -264,11 +261,11 @@ def _gemv(xq_ptr, xd_ptr, xs_ptr, out_ptr, q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, 
             d = tl.load(d_ptr + rows_in[:, None] * sd + chunks[None, :], mask=chunk_ok[None, :], other=0.0)
             acc += sums * (d.to(tl.float32)[None, :, :] * d_x[:, None, :])
         elif FAMILY == 1:
-            acc += _q4_k_chunk(w_first, w_second, x_at, x_offsets, word_ok, xd_ptr, xs_ptr,
-                               x_row_cells + 2 * chunks[None, :], chunks, chunk_ok, d_ptr, d2_ptr, sd, sc_ptr, mn_ptr,
-                               ssc, rows_in, BLOCK_M, CHUNKS, PTX)  # fmt: skip
+            acc += _q4_k_chunk(w_first, w_second, x_at, x_offsets, word_ok, xd_ptr, xs_ptr, m_in, sxd, chunks,
+                               chunk_ok, d_ptr, d2_ptr, sd, sc_ptr, mn_ptr, ssc, rows_in, BLOCK_M, CHUNKS,
+                               PTX)  # fmt: skip
         else:
-            acc += _q6_k_chunk(w_first, w_second, x_at, chunk_of_word, lane_words, word_ok, xd_ptr, x_row_cells,
+            acc += _q6_k_chunk(w_first, w_second, x_at, chunk_of_word, lane_words, word_ok, xd_ptr, m_in, sxd,
                                chunks, chunk_ok, h_ptr + rows_in[:, None] * sh + 8 * (c0 // 2), d_ptr, sd, sc_ptr,
                                ssc, rows_in, BLOCK_M, BLOCK_N, CHUNKS, PTX)  # fmt: skip
     out = tl.sum(acc, axis=2)
@@ -288,9 +285,9 @@ def dot8(
         raise ValueError(f"dot8 takes up to {MAX_ROWS} rows of x, not {m}")
     named = dict(zip(plane_names(ggml_type), planes, strict=True))
     family = FAMILIES[ggml_type]
-    # Compiled offline (Triton 3.6, 4 rows): 8 weight rows a program keep Q8_0 at 168 registers and Q4_K at 255 with
-    # 8 bytes spilled; Q6_K's 16 words a row would spill 192, so it takes 4.
-    block_n = block_n or (4 if ggml_type == Q.Q6_K else 8)
+    # Compiled offline (Triton 3.6, 4 rows of x): 8 weight rows a program keep Q8_0 at 168 registers; Q4_K would
+    # spill 136 bytes a thread and Q6_K 192, so they take 4 (246 and 218 registers, no spills).
+    block_n = block_n or (8 if ggml_type == Q.Q8_0 else 4)
     words = as_words(named["ql" if ggml_type == Q.Q6_K else "qs"])
     n = words.shape[0]
     high = as_words(named["qh"]) if "qh" in named else words

@@ -221,7 +221,9 @@ def _q6_k_chunk(ql_first, ql_second, x_at, chunk_of_word, lane_words, word_ok, x
     return total
 
 
-@triton.jit
+# The rows of x and the partial sums' stride (rows x N) change between steps that quant_matmul.rows_variant calls one
+# variant (3 and 4 rows): specialised on them, a step of 3 streams would compile while serving after a warm-up of 4.
+@triton.jit(do_not_specialize=["M", "sos"])
 def _gemv(xq_ptr, xd_ptr, xs_ptr, out_ptr, q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr,
           M, N, n_chunks, chunks_per_split, sxq, sxd, sos, som, sq, sh, sd, ssc,
           FAMILY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,

@@ -276,7 +276,7 @@ def _gemv(xq_ptr, xd_ptr, xs_ptr, out_ptr, q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, 
 
 def dot8(
     x: Tensor, planes: Sequence[Tensor], ggml_type: GGMLQuantizationType, *, block_n: int | None = None,
-    chunks: int = 128, num_warps: int = 4, splits: int | None = None,
+    chunks: int = 64, num_warps: int = 2, splits: int | None = None,
 ) -> Tensor:  # fmt: skip
     """x [M, K] (M <= 4) @ W.T through x quantised to 8 bits, W given as its planes (formats.plane_names order);
     [M, N] in x's dtype."""
@@ -287,9 +287,9 @@ def dot8(
         raise ValueError(f"dot8 takes up to {MAX_ROWS} rows of x, not {m}")
     named = dict(zip(plane_names(ggml_type), planes, strict=True))
     family = FAMILIES[ggml_type]
-    # Compiled offline (Triton 3.6, 4 rows of x): 8 weight rows a program keep Q8_0 at 168 registers; Q4_K would
-    # spill 136 bytes a thread and Q6_K 192, so they take 4 (246 and 218 registers, no spills).
-    block_n = block_n or (8 if ggml_type == Q.Q8_0 else 4)
+    # On an H200 (bench/quant_matmul.py --dot8, 2-4 rows of gate_up and down): 8 weight rows, 64 chunks and 2 warps a
+    # program for Q8_0 and Q4_K, 4 rows for Q6_K (whose 8 would spill, compiled offline) were the fastest of five.
+    block_n = block_n or (4 if ggml_type == Q.Q6_K else 8)
     words = as_words(named["ql" if ggml_type == Q.Q6_K else "qs"])
     n = words.shape[0]
     high = as_words(named["qh"]) if "qh" in named else words

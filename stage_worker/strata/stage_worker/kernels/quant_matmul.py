@@ -56,10 +56,15 @@ GATED_MIN_ROWS = FUSED_MAX_ROWS + 1
 # faster (Q8_0 gate_up 76 against 218 us, near cuBLAS on bf16 weights), at 64 still ahead over a layer's four
 # matrices (Q4_K 339 against 367 us), though no longer on the small ones.
 GEMM_MAX_ROWS = 64
-# Rows of bf16 x (on a GPU) whose products round x to 8 bits a block of 32 and take integer dot products
-# (quant_dot8_triton, the types of DOT8_TYPES): the fused kernel issues 2.2 instructions a weight and a row there,
-# dp4a 0.5-1.1. Not yet measured on a GPU: bench/quant_matmul.py --dot8 and bench/residency.py decide.
+# Rows of bf16 x (on a GPU) whose products with matrices of at least DOT8_MIN_WEIGHTS weights round x to 8 bits a
+# block of 32 and take integer dot products (quant_dot8_triton): the fused kernel issues 2.2 instructions a weight and
+# a row there, dp4a 0.5-1.1. On an H200 (2026-11-29, bench/quant_matmul.py --dot8, Llama-3-8B's matrices, us a
+# product, fused against dp4a, x's quantising launch included) dp4a takes 4 rows of gate_up in 42 against 61 (Q8_0),
+# 41 against 72 (Q4_K), 50 against 77 (Q6_K), and of down 25 against 32-40; at 2 rows 1.1-1.6x on gate_up. On qkv and
+# o (25 and 17 million weights) its fixed costs (the extra launch, the split sums) leave it 0.74-1.1x; at one row
+# 0.64-1.1x.
 DOT8_ROWS = range(2, FUSED_MAX_ROWS + 1)
+DOT8_MIN_WEIGHTS = 1 << 25
 
 
 def rows_variant(rows: int) -> tuple[str, int, bool]:
@@ -131,7 +136,8 @@ def _quant_linear_op(x: Tensor, planes: list[Tensor], ggml_type: int, columns: i
 
     t = GGMLQuantizationType(ggml_type)
     with _device(x):
-        if x.shape[0] in DOT8_ROWS and x.is_cuda and x.dtype == torch.bfloat16 and not gate:
+        dot8 = x.shape[0] in DOT8_ROWS and planes[0].shape[0] * columns >= DOT8_MIN_WEIGHTS
+        if dot8 and x.is_cuda and x.dtype == torch.bfloat16 and not gate:
             from strata.stage_worker.kernels import quant_dot8_triton
 
             if t in quant_dot8_triton.FAMILIES:

@@ -91,9 +91,10 @@ def test_x_rounds_to_the_nearest_of_255_levels_a_block(case: Case, device: torch
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_its_function_is_the_product_within_bf16s_tolerance(case: Case) -> None:
+def test_its_function_is_the_product_within_bf16s_tolerance(case: Case, device: torch.device) -> None:
     x, planes = _inputs(case)
-    error = relative_error(quant_dot8_triton.reference(x, planes, case.ggml_type), x, _weight(case, planes))
+    function = quant_dot8_triton.reference(x.to(device), [p.to(device) for p in planes], case.ggml_type)
+    error = relative_error(function, x, _weight(case, planes))
     assert error <= tolerance(torch.bfloat16), f"{case.name}: {error:.2e}"
     assert error > tolerance(torch.float32), "x's rounding to 8 bits shows: the check above is not vacuous"
 

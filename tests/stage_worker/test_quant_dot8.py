@@ -14,6 +14,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from strata.stage_worker.kernels import quant_dot8_triton
+from strata.stage_worker.kernels.quant_matmul import DOT8_MIN_WEIGHTS, DOT8_TYPES, product_path
 from strata.stage_worker.weights.formats import dequantize, plane_names
 
 from tests.stage_worker.test_quant_matmul import Case as MatmulCase
@@ -111,3 +112,35 @@ def test_refuses_what_it_does_not_take() -> None:
         )
     with pytest.raises(ValueError, match="not Q5_K"):
         quant_dot8_triton.dot8(x[:1], [], Q.Q5_K)
+
+
+def test_the_product_path_takes_every_type_it_offers() -> None:
+    assert set(quant_dot8_triton.FAMILIES) == DOT8_TYPES
+
+
+BIG = DOT8_MIN_WEIGHTS  # Llama-3-8B's gate_up has 3.5 times this, its qkv 0.75 times
+PATHS = [
+    # name, rows, weights, type, dtype, on a GPU, gated, path
+    ("two rows of a big Q4_K matrix", 2, BIG, Q.Q4_K, torch.bfloat16, True, False, "dot8"),
+    ("four rows of a big Q6_K matrix", 4, 4 * BIG, Q.Q6_K, torch.bfloat16, True, False, "dot8"),
+    ("three rows of a big Q8_0 matrix", 3, BIG, Q.Q8_0, torch.bfloat16, True, False, "dot8"),
+    ("one row: the fused kernel", 1, 4 * BIG, Q.Q8_0, torch.bfloat16, True, False, "fused"),
+    ("five rows: the tensor-core kernel", 5, 4 * BIG, Q.Q8_0, torch.bfloat16, True, False, "gemm"),
+    ("a matrix under the bound (qkv)", 4, BIG - 1, Q.Q4_K, torch.bfloat16, True, False, "fused"),
+    ("a type dp4a does not take", 4, BIG, Q.Q5_K, torch.bfloat16, True, False, "fused"),
+    ("f16 x keeps its precision", 4, BIG, Q.Q4_K, torch.float16, True, False, "fused"),
+    ("f32 x keeps its precision", 4, BIG, Q.Q4_K, torch.float32, True, False, "fused"),
+    ("the CPU keeps the fused kernel's function", 4, BIG, Q.Q4_K, torch.bfloat16, False, False, "fused"),
+    ("a gated x (formed on load)", 4, BIG, Q.Q4_K, torch.bfloat16, True, True, "fused"),
+    ("past the tensor-core kernel's rows", 65, BIG, Q.Q4_K, torch.bfloat16, True, False, "dense"),
+    ("a type with no fused kernel", 2, BIG, Q.Q2_K, torch.bfloat16, True, False, "dense"),
+]
+
+
+@pytest.mark.parametrize(("name", "rows", "weights", "ggml_type", "dtype", "cuda", "gated", "path"), PATHS,
+                         ids=[p[0] for p in PATHS])  # fmt: skip
+def test_product_path(
+    name: str, rows: int, weights: int, ggml_type: GGMLQuantizationType, dtype: torch.dtype, cuda: bool, gated: bool,
+    path: str,
+) -> None:  # fmt: skip
+    assert product_path(rows, weights, ggml_type, dtype=dtype, cuda=cuda, gated=gated) == path, name

@@ -65,6 +65,7 @@ GEMM_MAX_ROWS = 64
 # 0.64-1.1x.
 DOT8_ROWS = range(2, FUSED_MAX_ROWS + 1)
 DOT8_MIN_WEIGHTS = 1 << 25
+DOT8_TYPES = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K})
 
 
 def rows_variant(rows: int) -> tuple[str, int, bool]:
@@ -77,6 +78,20 @@ def rows_variant(rows: int) -> tuple[str, int, bool]:
     if rows <= GEMM_MAX_ROWS:
         return ("gemm", rows, False)
     return ("dense", 0, False)
+
+
+def product_path(
+    rows: int, weights: int, ggml_type: GGMLQuantizationType, *, dtype: torch.dtype, cuda: bool, gated: bool
+) -> str:
+    """Which kernel multiplies `rows` rows of x by a matrix of `weights` weights of ggml_type: "dot8"
+    (quant_dot8_triton; bf16 x on a GPU only, its x rounded to 8 bits), "fused", "gemm" (the tensor-core kernel), or
+    "dense" (dequantised, then x @ w.T)."""
+    dot8 = rows in DOT8_ROWS and weights >= DOT8_MIN_WEIGHTS and ggml_type in DOT8_TYPES
+    if dot8 and cuda and dtype == torch.bfloat16 and not gated:
+        return "dot8"
+    if ggml_type not in FUSED_TYPES:
+        return "dense"
+    return "fused" if rows <= FUSED_MAX_ROWS else "gemm" if rows <= GEMM_MAX_ROWS else "dense"
 
 
 class Gate(IntEnum):
@@ -136,15 +151,15 @@ def _quant_linear_op(x: Tensor, planes: list[Tensor], ggml_type: int, columns: i
 
     t = GGMLQuantizationType(ggml_type)
     with _device(x):
-        dot8 = x.shape[0] in DOT8_ROWS and planes[0].shape[0] * columns >= DOT8_MIN_WEIGHTS
-        if dot8 and x.is_cuda and x.dtype == torch.bfloat16 and not gate:
+        weights = planes[0].shape[0] * columns
+        path = product_path(x.shape[0], weights, t, dtype=x.dtype, cuda=x.is_cuda, gated=bool(gate))
+        if path == "dot8":
             from strata.stage_worker.kernels import quant_dot8_triton
 
-            if t in quant_dot8_triton.FAMILIES:
-                return quant_dot8_triton.dot8(x, planes, t)
-        if x.shape[0] <= FUSED_MAX_ROWS and t in FUSED_TYPES:
+            return quant_dot8_triton.dot8(x, planes, t)
+        if path == "fused":
             return quant_matmul_triton.quant_matmul(x, planes, t, columns=columns, gate=gate)
-        if x.shape[0] <= GEMM_MAX_ROWS and t in FUSED_TYPES:
+        if path == "gemm":
             from strata.stage_worker.kernels import quant_gemm_triton
 
             return quant_gemm_triton.quant_gemm(x, planes, t, columns=columns, gate=gate)

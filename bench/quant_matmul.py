@@ -300,16 +300,19 @@ def crossover(device: torch.device) -> list[dict[str, object]]:
     return rows
 
 
-DOT8_SHAPES = ((8, 128, 4), (4, 128, 4), (16, 64, 4), (8, 64, 2), (4, 64, 2))  # block_n, chunks, num_warps
+# block_n, chunks, num_warps; the last two are one row's (quant_dot8_triton.launch_shape)
+DOT8_SHAPES = ((8, 128, 4), (4, 128, 4), (16, 64, 4), (8, 64, 2), (4, 64, 2), (16, 32, 2), (32, 32, 4))
+HEAD = (128256, 4096)  # Llama-3-8B's output head, a matrix of its own at one row
 
 
 def dot8(device: torch.device) -> list[dict[str, object]]:
-    """The dp4a candidate against the fused kernel, 1, 2 and 4 rows: us per call in CUDA graphs (x's quantising
-    launch included), weights from HBM, and the worst error of each against the exact product (bf16 x)."""
+    """The dp4a candidate against the fused kernel, 1, 2 and 4 rows of Llama-3-8B's matrices and its output head: us
+    per call in CUDA graphs (x's quantising launch included), weights from HBM, and the worst error of each against
+    the exact product (bf16 x)."""
     log("\n## dp4a on x quantised to 8 bits against the fused kernel, us per call (block_n/chunks/warps), and errors")
     rows = []
     for ggml_type in MAIN_TYPES:
-        for shape, (n, k) in SHAPES.items():
+        for shape, (n, k) in {**SHAPES, "head": HEAD}.items():
             planes = random_planes(ggml_type, n, k, device=device)
             w = dequantize(dict(zip(plane_names(ggml_type), planes, strict=True)), ggml_type)
             for m in (1, 2, 4):

@@ -36,6 +36,7 @@ from strata.stage_worker.kernels.quant_matmul import (
     quant_linear,
     reference,
 )
+from strata.stage_worker.kernels.quant_matmul_triton import TALL_N
 from strata.stage_worker.weights.formats import FORMATS, dequantize, plane_names, split_planes
 
 Q = GGMLQuantizationType
@@ -71,7 +72,8 @@ def _cases() -> list[Case]:
         cases += [Case(f"{t.name} M={m}, extreme scales", t, m, 19, short, "extreme") for m in (1, 16, 24)]
         cases += [Case(f"{t.name} M=3, zero blocks", t, 3, 19, short, "zero")]
         cases += [Case(f"{t.name} M={m}, negative scales", t, m, 19, short, "negative") for m in (1, 17, 65)]
-    return cases
+    # Q4_K's tall matrices (a gate/up projection) take a tile of their own in the tensor-core kernel.
+    return [*cases, Case("Q4_K M=16 through the op, a tall matrix", Q.Q4_K, 16, TALL_N + 37, 256, "normal", op=True)]
 
 
 CASES = _cases()

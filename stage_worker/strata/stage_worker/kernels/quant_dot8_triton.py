@@ -276,9 +276,24 @@ def _gemv(xq_ptr, xd_ptr, xs_ptr, out_ptr, q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, 
     tl.store(out_ptr + pid_k * sos + m[:, None] * som + rows[None, :], out, mask=(m[:, None] < M) & (rows[None, :] < N))
 
 
+def launch_shape(
+    ggml_type: GGMLQuantizationType, rows: int, *, block_n: int | None, chunks: int | None, num_warps: int | None
+) -> tuple[int, int, int]:
+    """(weight rows, chunks, warps) a program, each given one kept. Measured on an H200 (2026-11-29, Llama-3-8B's
+    matrices and its output head, bench/quant_matmul.py --dot8 and a scratch sweep of six shapes at one row): 2-4 rows
+    of x 8 weight rows, 64 chunks and 2 warps (Q6_K 4 rows: 8 would spill, compiled offline); one row more weight rows
+    a program, fewer chunks (Q6_K's head 107.7 us with 16/32/2 against 151.1 with 8/64/2; Q4_K's gate_up 27.7 with
+    32/32/4 against 30.0)."""
+    if rows == 1:
+        shape = (16, 32, 2) if ggml_type == Q.Q6_K else (32, 32, 4)
+    else:
+        shape = (4, 64, 2) if ggml_type == Q.Q6_K else (8, 64, 2)
+    return block_n or shape[0], chunks or shape[1], num_warps or shape[2]
+
+
 def dot8(
     x: Tensor, planes: Sequence[Tensor], ggml_type: GGMLQuantizationType, *, block_n: int | None = None,
-    chunks: int = 64, num_warps: int = 2, splits: int | None = None,
+    chunks: int | None = None, num_warps: int | None = None, splits: int | None = None,
 ) -> Tensor:  # fmt: skip
     """x [M, K] (M <= 4) @ W.T through x quantised to 8 bits, W given as its planes (formats.plane_names order);
     [M, N] in x's dtype."""
@@ -289,9 +304,7 @@ def dot8(
         raise ValueError(f"dot8 takes up to {MAX_ROWS} rows of x, not {m}")
     named = dict(zip(plane_names(ggml_type), planes, strict=True))
     family = FAMILIES[ggml_type]
-    # On an H200 (bench/quant_matmul.py --dot8, 2-4 rows of gate_up and down): 8 weight rows, 64 chunks and 2 warps a
-    # program for Q8_0 and Q4_K, 4 rows for Q6_K (whose 8 would spill, compiled offline) were the fastest of five.
-    block_n = block_n or (4 if ggml_type == Q.Q6_K else 8)
+    block_n, chunks, num_warps = launch_shape(ggml_type, m, block_n=block_n, chunks=chunks, num_warps=num_warps)
     words = as_words(named["ql" if ggml_type == Q.Q6_K else "qs"])
     n = words.shape[0]
     high = as_words(named["qh"]) if "qh" in named else words

@@ -30,16 +30,21 @@ from strata.stage_worker.kernels.quant_blocks_triton import (
     read_chunk,
     split_k,
 )
+from strata.stage_worker.kernels.quant_matmul_triton import TALL_N
 from torch import Tensor
 
 MAX_ROWS = 64  # rows of x one program holds ([BLOCK_N, BLOCK_M] f32 accumulators)
 
 
-def default_tile(ggml_type: GGMLQuantizationType, rows: int) -> tuple[int, int, int]:
+def default_tile(ggml_type: GGMLQuantizationType, rows: int, n: int) -> tuple[int, int, int]:
     """(block_n, chunks, num_warps), measured on an H100 over Llama-3-8B's four matrices (bench/quant_matmul.py
-    --sweep): Q8_0 wants wide K steps at 16 rows and wide N tiles at 64, the K-quants narrow K steps up to 32 rows."""
+    --sweep): Q8_0 wants wide K steps at 16 rows and wide N tiles at 64, the K-quants narrow K steps up to 32 rows.
+    On an H200 (2026-11-29, 16 rows, twelve tiles) the same won everywhere but on Q4_K's tall gate/up (n rows), which
+    took 83.0 us with 128 rows a program on 8 warps against 94.4 (Q6_K's and Q8_0's lost with it: 131 and 97 us)."""
     q8 = ggml_type == GGMLQuantizationType.Q8_0
     if rows <= 16:
+        if ggml_type == GGMLQuantizationType.Q4_K and n >= TALL_N:
+            return (128, 4, 8)
         return (64, 8, 4) if q8 else (64, 4, 4)
     if rows <= 32:
         return (64, 4, 4)
@@ -114,7 +119,7 @@ def quant_gemm(
     m_rows, n = x.shape[0], planes[0].shape[0]
     if m_rows == 0:
         return x.new_empty((0, n))
-    tile = default_tile(ggml_type, m_rows)
+    tile = default_tile(ggml_type, m_rows, n)
     block_n, chunks, num_warps = block_n or tile[0], chunks or tile[1], num_warps or tile[2]
     n_chunks = chunk_count(columns, ggml_type)
     chunks = min(chunks, triton.next_power_of_2(n_chunks))

@@ -66,6 +66,11 @@ GEMM_MAX_ROWS = 64
 DOT8_ROWS = range(2, FUSED_MAX_ROWS + 1)
 DOT8_MIN_WEIGHTS = 1 << 25
 DOT8_TYPES = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K})
+# One row takes dp4a only where the H200 measured it ahead (2026-11-29, a scratch sweep of launch shapes at one row, us
+# a product, fused at its best shape against dp4a at its): Q4_K's gate_up 29.8 against 27.7 and down 18.3 against
+# 17.9; Q6_K's output head (525 million weights) 145.3 against 107.7, its gate_up 35.9 against 33.8, but not its down
+# (21.7 against 22.0: 59 million weights, under the bound). Q8_0 lost on every matrix (gate_up 33.9 against 37.2).
+DOT8_ONE_ROW_MIN_WEIGHTS = {GGMLQuantizationType.Q4_K: 1 << 25, GGMLQuantizationType.Q6_K: 1 << 26}
 
 
 def rows_variant(rows: int) -> tuple[str, int, bool]:
@@ -86,7 +91,8 @@ def product_path(
     """Which kernel multiplies `rows` rows of x by a matrix of `weights` weights of ggml_type: "dot8"
     (quant_dot8_triton; bf16 x on a GPU only, its x rounded to 8 bits), "fused", "gemm" (the tensor-core kernel), or
     "dense" (dequantised, then x @ w.T)."""
-    dot8 = rows in DOT8_ROWS and weights >= DOT8_MIN_WEIGHTS and ggml_type in DOT8_TYPES
+    least = DOT8_ONE_ROW_MIN_WEIGHTS.get(ggml_type) if rows == 1 else DOT8_MIN_WEIGHTS
+    dot8 = (rows == 1 or rows in DOT8_ROWS) and ggml_type in DOT8_TYPES and least is not None and weights >= least
     if dot8 and cuda and dtype == torch.bfloat16 and not gated:
         return "dot8"
     if ggml_type not in FUSED_TYPES:

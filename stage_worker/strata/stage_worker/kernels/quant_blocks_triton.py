@@ -144,22 +144,42 @@ def read_chunk(FAMILY: tl.constexpr, BITS: tl.constexpr, MINIMUMS: tl.constexpr,
     Returns the main plane's words [BN, C, 4] (uint32), the high-bit words arranged for `value_pair` (the main words
     where a type has none), the scale a and offset b of the low and high nibbles [BN, C] f32, and the column of word
     0, byte 0, low nibble of each chunk [C]."""
-    i3 = tl.arange(0, 4)[None, None, :]
-    r2 = rows[:, None]
-    k3 = kc[None, :, None]
+    words = chunk_words(FAMILY, q_ptr, sq, rows, kc, flat, flat_mask)
+    high, a_lo, b_lo, a_hi, b_hi = chunk_fields(FAMILY, BITS, MINIMUMS, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr, sh, sd,
+                                                sd2, ssc, smn, rows, kc, kmask)  # fmt: skip
+    if not (FAMILY == 3 or BITS == 5):
+        high = words  # `value_pair` reads the main words alone there
+    return words, high, a_lo, b_lo, a_hi, b_hi, chunk_base(FAMILY, kc)
+
+
+@triton.jit
+def chunk_words(FAMILY: tl.constexpr, q_ptr, sq, rows, kc, flat, flat_mask):
+    """The main plane's words of chunks kc [C] (the same as one range, flat [4 C], flat_mask) of rows [BN]: [BN, C,
+    4] uint32, Q8_0's int8 flipped to q + 128."""
     # Loaded as a [BN, 4 C] range and reshaped: the range's contiguity is what makes Triton give each lane a chunk's
     # four words in one 16-byte load, the lanes along the row (as [BN, C, 4], rows and chunks tie, and some Triton
     # versions spread the rows over the lanes, which costs a layout conversion through shared memory at every use).
-    words = tl.load(q_ptr + r2 * sq + flat[None, :], mask=flat_mask[None, :], other=0)
+    words = tl.load(q_ptr + rows[:, None] * sq + flat[None, :], mask=flat_mask[None, :], other=0)
     words = tl.reshape(words, (words.shape[0], kc.shape[0], 4))
-    high = words
-    if FAMILY == 0:  # Q8_0
+    if FAMILY == 0:
         words = words ^ SIGN_BITS
+    return words.to(tl.uint32, bitcast=True)  # unsigned from here: right shifts bring in zeros
+
+
+@triton.jit
+def chunk_fields(FAMILY: tl.constexpr, BITS: tl.constexpr, MINIMUMS: tl.constexpr,
+                 h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr, sh, sd, sd2, ssc, smn, rows, kc, kmask):  # fmt: skip
+    """What chunks kc [C] (kmask: inside the row) of rows [BN] need besides their main words: the high-bit words
+    [BN, C, 4] uint32 arranged for `value_pair` (Q5 types and Q6_K; 0 for the others), and the scale a and offset b
+    of the low and high nibbles [BN, C] f32."""
+    i3 = tl.arange(0, 4)[None, None, :]
+    k3 = kc[None, :, None]
+    high = 0
+    if FAMILY == 0:  # Q8_0
         a_lo = per_chunk(d_ptr, rows, sd, kc // 2, kmask, 0.0).to(tl.float32)
         b_lo = -128.0 * a_lo
         a_hi = a_lo
         b_hi = b_lo
-        base = 16 * kc
     elif FAMILY == 1:  # Q4_0, Q4_1, Q5_0, Q5_1: a block of 32 values a chunk
         a_lo = per_chunk(d_ptr, rows, sd, kc, kmask, 0.0).to(tl.float32)
         b_lo = per_chunk(d2_ptr, rows, sd2, kc, kmask, 0.0).to(tl.float32) if MINIMUMS else -(1 << (BITS - 1)) * a_lo
@@ -167,10 +187,9 @@ def read_chunk(FAMILY: tl.constexpr, BITS: tl.constexpr, MINIMUMS: tl.constexpr,
             # One word of fifth bits per block (= chunk): bit v for value v. Word i of the chunk holds values 4i + t
             # and 16 + 4i + t, so shifting by 4i leaves `value_pair` a constant shift.
             qh = per_chunk(h_ptr, rows, sh, kc, kmask, 0)
-            high = qh[:, :, None] >> (4 * i3)
+            high = (qh[:, :, None] >> (4 * i3)).to(tl.uint32, bitcast=True)
         a_hi = a_lo
         b_hi = b_lo
-        base = 32 * kc
     elif FAMILY == 2:  # Q4_K, Q5_K
         # 8 chunks a 256-value block; chunk cc holds half of group cc // 2: values 64 g + 16 (cc % 2) + 4 i + t (low
         # nibbles, sub-block 2 g) and 32 more (high nibbles, sub-block 2 g + 1). The two sub-blocks' scales (and
@@ -189,8 +208,7 @@ def read_chunk(FAMILY: tl.constexpr, BITS: tl.constexpr, MINIMUMS: tl.constexpr,
             # Value 32 j + l's fifth bit is bit j of qh byte l: the chunk's bytes l = 16 (cc % 2) + 4 i + t are qh
             # word 4 (cc % 2) + i, and j = 2 g + nibble; shifting by 2 g leaves a constant shift per (t, nibble).
             qh = per_chunk_words(h_ptr, rows, sh, 8 * (kc // 8) + 4 * (kc % 2), kmask)
-            high = qh >> (2 * ((k3 % 8) // 2))
-        base = 256 * (kc // 8) + 64 * ((kc % 8) // 2) + 16 * (kc % 2)
+            high = (qh >> (2 * ((k3 % 8) // 2))).to(tl.uint32, bitcast=True)
     else:
         # Q6_K: chunk cc of ql holds values 128 hh + 32 (s1 + 2 nibble) + 16 (cc % 2) + 4 i + t with hh = cc // 4,
         # s1 = (cc // 2) % 2; their top two bits are bits 2 (s1 + 2 nibble) of qh byte 32 hh + 16 (cc % 2) + 4 i + t,
@@ -206,10 +224,21 @@ def read_chunk(FAMILY: tl.constexpr, BITS: tl.constexpr, MINIMUMS: tl.constexpr,
         b_lo = -32.0 * a_lo
         b_hi = -32.0 * a_hi
         qh = per_chunk_words(h_ptr, rows, sh, 16 * (kc // 8) + 8 * (cc // 4) + 4 * (cc % 2), kmask)
-        high = qh >> (2 * ((k3 // 2) % 2))
-        base = 256 * (kc // 8) + 128 * ((kc % 8) // 4) + 32 * ((kc // 2) % 2) + 16 * (kc % 2)
-    # Unsigned from here: right shifts bring in zeros.
-    return words.to(tl.uint32, bitcast=True), high.to(tl.uint32, bitcast=True), a_lo, b_lo, a_hi, b_hi, base
+        high = (qh >> (2 * ((k3 // 2) % 2))).to(tl.uint32, bitcast=True)
+    return high, a_lo, b_lo, a_hi, b_hi
+
+
+@triton.jit
+def chunk_base(FAMILY: tl.constexpr, kc):
+    """The column of word 0, byte 0, low nibble of chunks kc (any shape): where `read_chunk`'s families put them (see
+    its comments). A chunk's first 16 values (its bytes' low nibbles) are columns base .. base + 15."""
+    if FAMILY == 0:
+        return 16 * kc
+    if FAMILY == 1:
+        return 32 * kc
+    if FAMILY == 2:
+        return 256 * (kc // 8) + 64 * ((kc % 8) // 2) + 16 * (kc % 2)
+    return 256 * (kc // 8) + 128 * ((kc % 8) // 4) + 32 * ((kc // 2) % 2) + 16 * (kc % 2)
 
 
 @triton.jit

@@ -8,7 +8,9 @@ bytes. This kernel reads the planes once, forms a [BLOCK_N, CHUNKS x 16] tile of
 readers of strata.stage_worker.kernels.quant_blocks_triton (`read_chunk`, `nibble_values`: exactly the dequantise
 kernel's values), rounds it to x's dtype (as the dequantise path does), and multiplies it by the matching columns of
 x with `tl.dot`. A tile's columns are the chunks' own (a K-quant's nibbles lie 32 columns apart), so x is gathered at
-them; x is small and stays in cache.
+them, in runs of 16 columns that Triton copies ahead of the loop's compute; the scales, in loads too narrow for its
+copies, are read a step ahead by hand (compiled offline with the device's Triton 3.6: no synchronous load of x or of
+the scales is left in a step's path; not yet timed on a GPU, .tmp/gemm_ab.py).
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ import triton.language as tl
 from gguf import GGMLQuantizationType
 from strata.stage_worker.kernels.quant_blocks_triton import (
     checked_rows,
+    chunk_base,
     chunk_count,
+    chunk_fields,
+    chunk_words,
     four_columns,
     gated_load,
     kernel_planes,
     layout_constexprs,
     nibble_values,
-    read_chunk,
     split_k,
 )
 from strata.stage_worker.kernels.quant_matmul_triton import TALL_N
@@ -62,6 +66,7 @@ def _gemm(
     """out[split, m, n] = sum over the split's chunks of x[m] . W[n], a tile's products on the tensor cores (x
     formed on load from a gated feed-forward's gate and up where GATE says so: quant_blocks_triton's `gated_load`)."""
     NIBBLES: tl.constexpr = 1 if HALF_STRIDE == 0 else 2
+    HIGH: tl.constexpr = FAMILY == 3 or BITS == 5  # high-bit words of their own (Q5 types, Q6_K)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -70,26 +75,38 @@ def _gemm(
     m_ok = m < M
     offs_c = tl.arange(0, CHUNKS)
     offs_w = tl.arange(0, 4 * CHUNKS)
-    sixteen = tl.arange(0, 16)[None, :]
+    offs_j = tl.arange(0, CHUNKS * 16)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     first = pid_k * chunks_per_split
     last = tl.minimum(first + chunks_per_split, n_chunks)
+    # Each step's scales (and high bits) are read a step ahead (the last step's read is all masked): their loads are
+    # too narrow for Triton's asynchronous copies, and read in the step that used them, each step waited for them.
+    # The main words are wide: Triton's pipeline copies them ahead.
+    high, a_lo, b_lo, a_hi, b_hi = chunk_fields(
+        FAMILY, BITS, MINIMUMS, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr, sh, sd, sd2, ssc, smn, rows_in, first + offs_c,
+        first + offs_c < last,
+    )  # fmt: skip
     for k0 in range(first, last, CHUNKS):
-        kc = k0 + offs_c
-        kmask = kc < last
-        flat = 4 * k0 + offs_w
-        words, high, a_lo, b_lo, a_hi, b_hi, base = read_chunk(
-            FAMILY, BITS, MINIMUMS, q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr, sq, sh, sd, sd2, ssc, smn,
-            rows_in, kc, kmask, flat, flat < 4 * last,
+        ahead = k0 + CHUNKS + offs_c
+        next_high, next_a_lo, next_b_lo, next_a_hi, next_b_hi = chunk_fields(
+            FAMILY, BITS, MINIMUMS, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr, sh, sd, sd2, ssc, smn, rows_in, ahead,
+            ahead < last,
         )  # fmt: skip
+        flat = 4 * k0 + offs_w
+        words = chunk_words(FAMILY, q_ptr, sq, rows_in, k0 + offs_c, flat, flat < 4 * last)
         w0, w1, w2, w3 = four_columns(words)
-        h0, h1, h2, h3 = four_columns(high)
+        if HIGH:
+            h0, h1, h2, h3 = four_columns(high)
+        else:
+            h0, h1, h2, h3 = w0, w1, w2, w3  # `value_pair` reads the main words alone there
         for h in tl.static_range(NIBBLES):
             value = nibble_values(FAMILY, BITS, w0, w1, w2, w3, h0, h1, h2, h3, a_lo, b_lo, a_hi, b_hi, h, BLOCK_N,
                                    CHUNKS)  # fmt: skip
             w = tl.reshape(value, (BLOCK_N, CHUNKS * 16)).to(x_ptr.dtype.element_ty)
-            column = tl.reshape(base[:, None] + HALF_STRIDE * h + sixteen, (CHUNKS * 16,))  # [C x 16]
-            column_ok = tl.reshape(kmask[:, None] & (sixteen < 16), (CHUNKS * 16,))
+            # Each chunk's 16 columns from a flat range, not reshaped from [C, 16]: so Triton sees runs of 16
+            # contiguous columns and loads x in 16-byte pieces (asynchronously, ahead of the loop's compute).
+            column = chunk_base(FAMILY, k0 + offs_j // 16) + HALF_STRIDE * h + offs_j % 16  # [C x 16]
+            column_ok = k0 + offs_j // 16 < last
             xt = gated_load(
                 x_ptr + m[None, :] * sxm + column[:, None], column_ok[:, None] & m_ok[None, :], gate_offset, GATE
             )  # [C x 16, BLOCK_M]
@@ -97,6 +114,7 @@ def _gemm(
                 acc += tl.dot(w, xt, input_precision="ieee")
             else:
                 acc += tl.dot(w, xt)
+        high, a_lo, b_lo, a_hi, b_hi = next_high, next_a_lo, next_b_lo, next_a_hi, next_b_hi
     mask = m_ok[None, :] & (rows < N)[:, None]
     tl.store(out_ptr + pid_k * sos + m[None, :] * som + rows[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -10,7 +10,7 @@ kernel's values), rounds it to x's dtype (as the dequantise path does), and mult
 x with `tl.dot`. A tile's columns are the chunks' own (a K-quant's nibbles lie 32 columns apart), so x is gathered at
 them, in runs of 16 columns that Triton copies ahead of the loop's compute; the scales, in loads too narrow for its
 copies, are read a step ahead by hand (compiled offline with the device's Triton 3.6: no synchronous load of x or of
-the scales is left in a step's path; not yet timed on a GPU, .tmp/gemm_ab.py).
+the scales is left in a step's path; not yet timed on a GPU).
 """
 
 from __future__ import annotations

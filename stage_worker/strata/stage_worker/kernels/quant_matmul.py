@@ -61,8 +61,8 @@ GEMM_MAX_ROWS = 64
 # a row there, dp4a 0.5-1.1. On an H200 (2026-11-29, bench/quant_matmul.py --dot8, Llama-3-8B's matrices, us a
 # product, fused against dp4a, x's quantising launch included) dp4a takes 4 rows of gate_up in 42 against 61 (Q8_0),
 # 41 against 72 (Q4_K), 50 against 77 (Q6_K), and of down 25 against 32-40; at 2 rows 1.1-1.6x on gate_up. On qkv and
-# o (25 and 17 million weights) its fixed costs (the extra launch, the split sums) leave it 0.74-1.1x; at one row
-# 0.64-1.1x.
+# o (25 and 17 million weights) its fixed costs (the extra launch, the split sums) leave it 0.74-1.1x. One row has a
+# rule and launch shapes of its own (below).
 DOT8_ROWS = range(2, FUSED_MAX_ROWS + 1)
 DOT8_MIN_WEIGHTS = 1 << 25
 DOT8_TYPES = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K})

@@ -99,14 +99,15 @@ def _gemm(
             h0, h1, h2, h3 = four_columns(high)
         else:
             h0, h1, h2, h3 = w0, w1, w2, w3  # `value_pair` reads the main words alone there
+        chunk_of_column = k0 + offs_j // 16  # [C x 16]
         for h in tl.static_range(NIBBLES):
             value = nibble_values(FAMILY, BITS, w0, w1, w2, w3, h0, h1, h2, h3, a_lo, b_lo, a_hi, b_hi, h, BLOCK_N,
                                    CHUNKS)  # fmt: skip
             w = tl.reshape(value, (BLOCK_N, CHUNKS * 16)).to(x_ptr.dtype.element_ty)
             # Each chunk's 16 columns from a flat range, not reshaped from [C, 16]: so Triton sees runs of 16
             # contiguous columns and loads x in 16-byte pieces (asynchronously, ahead of the loop's compute).
-            column = chunk_base(FAMILY, k0 + offs_j // 16) + HALF_STRIDE * h + offs_j % 16  # [C x 16]
-            column_ok = k0 + offs_j // 16 < last
+            column = chunk_base(FAMILY, chunk_of_column) + HALF_STRIDE * h + offs_j % 16
+            column_ok = chunk_of_column < last
             xt = gated_load(
                 x_ptr + m[None, :] * sxm + column[:, None], column_ok[:, None] & m_ok[None, :], gate_offset, GATE
             )  # [C x 16, BLOCK_M]

@@ -91,9 +91,11 @@ def product_path(
     """Which kernel multiplies `rows` rows of x by a matrix of `weights` weights of ggml_type: "dot8"
     (quant_dot8_triton; bf16 x on a GPU only, its x rounded to 8 bits), "fused", "gemm" (the tensor-core kernel), or
     "dense" (dequantised, then x @ w.T)."""
-    least = DOT8_ONE_ROW_MIN_WEIGHTS.get(ggml_type) if rows == 1 else DOT8_MIN_WEIGHTS
-    dot8 = (rows == 1 or rows in DOT8_ROWS) and ggml_type in DOT8_TYPES and least is not None and weights >= least
-    if dot8 and cuda and dtype == torch.bfloat16 and not gated:
+    if rows == 1:
+        least = DOT8_ONE_ROW_MIN_WEIGHTS.get(ggml_type)
+    else:
+        least = DOT8_MIN_WEIGHTS if rows in DOT8_ROWS and ggml_type in DOT8_TYPES else None
+    if least is not None and weights >= least and cuda and dtype == torch.bfloat16 and not gated:
         return "dot8"
     if ggml_type not in FUSED_TYPES:
         return "dense"

@@ -28,7 +28,12 @@ from strata_testbed.waiting import eventually
 pytestmark = pytest.mark.cluster
 
 LANES = 2
-MAX_TOKENS = 20  # long enough to be running when the pipelines leave, short enough to end within the drain
+# The scale-down's streams run long enough that a poll of the gauges sees every pipeline busy (20 tokens could end
+# between two polls on a loaded CI machine, and then no poll saw all three busy), and short enough to end within the
+# drain: 200 tokens on three pipelines at once took more than 30 s when the machine's two cores were busy, so these
+# run 100 tokens and the drain is three times the default.
+MAX_TOKENS = 100
+DRAIN_S = 90
 # The kill test's requests run until the pipeline dies: 20 tokens on the tiny model could end between two polls of the
 # gauges on a loaded machine, and then no poll ever saw both pipelines busy.
 KILLED_MAX_TOKENS = 200  # the prompt and these fit a slot: a context of 512 over 2 lanes
@@ -44,6 +49,7 @@ def _spec(replicas: int) -> dict[str, Any]:
         "cacheTypeK": "f32",
         "cacheTypeV": "f32",
         "replicas": replicas,
+        "rollout": {"drainSeconds": DRAIN_S},
         "coordination": {"leaseDurationSeconds": 6, "renewDeadlineSeconds": 4, "retryPeriodSeconds": POLL_S},
     }
 
@@ -141,7 +147,7 @@ def test_scaling_from_three_pipelines_to_one_completes_every_request_in_flight_a
             assert result.completion_tokens == MAX_TOKENS, f"request {n}: {result}"
             assert "".join(result.pieces), f"request {n} produced no text"
 
-        bound = retire_after_s(poll_s=POLL_S)
+        bound = retire_after_s(poll_s=POLL_S, drain_s=DRAIN_S)
         gone = eventually(
             lambda: (p := _pipelines_of_pods(cluster, namespace)) == {"0": {str(generations[0])}} and p,
             timeout=bound + 60,

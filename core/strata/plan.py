@@ -11,6 +11,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 from strata.gguf.model import CacheType
+from strata.kv_layout import ResidentBudget
 
 GB = 1_000_000_000  # messages speak decimal gigabytes, as GPU datasheets do
 
@@ -92,6 +93,8 @@ class Plan(_Frozen):
     kv_bytes_per_token: int = Field(ge=0)  # all layers, one cell each
     excluded: tuple[Excluded, ...] = ()
     shortfall: Shortfall | None = None
+    # Decode attends over a resident window of each slot's positions (approximate past it); None: every position.
+    resident_window: ResidentBudget | None = None
 
     @computed_field  # type: ignore[prop-decorator]
     @property

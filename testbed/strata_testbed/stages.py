@@ -11,8 +11,10 @@ from strata.gguf.sources import open_source
 from strata.kv_layout import BLOCK_TOKENS
 from strata.stage_worker.engine import Chunk, Engine, StepResult
 from strata.stage_worker.kv_pool import KVPool
+from strata.stage_worker.kv_resident import ResidentShape
 from strata.stage_worker.loader import LoadProgress, load_stage
 from strata.stage_worker.model import StageModel
+from strata.stage_worker.stage_load import keep_resident
 
 CPU = torch.device("cpu")
 
@@ -56,15 +58,23 @@ def cpu_engines(
     context: int = 64,
     parallel: int = 2,
     block: int = BLOCK_TOKENS,
+    resident: ResidentShape | None = None,
+    window_space: bool = False,
 ) -> list[Engine]:
-    """An engine per span on the CPU, float32, each with a pool of `context` cells shared by `parallel` slots."""
+    """An engine per span on the CPU, float32, each with a pool of `context` cells shared by `parallel` slots (and a
+    resident window of that shape; `window_space`: sliding-window layers keep a space of their own, as a stage's
+    pool does once the window is shorter than the context)."""
     built = []
     for (start, end), model in zip(spans, load_spans(path, spans), strict=True):
         c = model.config
+        sliding = tuple(c.is_sliding(il) for il in range(start, end)) if window_space else ()
         pool = KVPool(
             n_layers=end - start, context=context, parallel=parallel, key_width=c.kv_dim, value_width=c.kv_dim,
             type_k=cache_type, type_v=cache_type, dtype=torch.float32, device=CPU, block=block,
+            window=c.sliding_window if window_space else 0, sliding=sliding, window_slack=block,
         )  # fmt: skip
+        if resident is not None:
+            keep_resident(pool, c, layers=range(start, end), shape=resident)
         built.append(Engine(model=model, pool=pool, device=CPU, dtype=torch.float32))
     return built
 

@@ -284,6 +284,11 @@ def test_stages_sharing_a_device_are_fitted_together(llama8b: ModelInfo) -> None
         pytest.param(["--device", "cuda"], "--device cuda: no CUDA GPU is visible", id="cuda on a machine without"),
         pytest.param(["--device", "cuda:0", "--devices", "cpu"], "give --device or --devices", id="both flags"),
         pytest.param(["--stages", "2", "--devices", "cpu"], "names 1 devices for 2 stages", id="too few devices"),
+        pytest.param(
+            ["--resident-window", "1024"],
+            "--resident-window a resident window of 1024 tokens leaves no block",
+            id="a resident window with nothing to choose",
+        ),
     ],
 )
 def test_serve_refuses_a_placement_before_starting_anything(

@@ -7,7 +7,8 @@ import torch
 from strata.gguf.model import CacheType, ModelInfo
 from strata.kv_layout import BLOCK_TOKENS
 from strata.stage_worker.errors import ContextExceededError, PoolExhaustedError, UnknownSlotError
-from strata.stage_worker.kv_pool import KVPool, Store
+from strata.stage_worker.kv_pool import KVPool
+from strata.stage_worker.kv_stores import Store
 
 CPU = torch.device("cpu")
 

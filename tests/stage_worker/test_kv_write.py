@@ -1,4 +1,4 @@
-"""The q8_0 KV write kernel against the pool's own quantiser (strata.stage_worker.kv_pool.quantise_q8), bit for bit:
+"""The q8_0 KV write kernel against the pool's own quantiser (strata.stage_worker.kv_stores.quantise_q8), bit for bit:
 the int8 values and f16 scales a step writes decide every later attention score, so the GPU must store what the CPU
 reference stores. Without a GPU the kernel runs under Triton's interpreter."""
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from strata.stage_worker.kernels.kv_write import write_q8_kv
-from strata.stage_worker.kv_pool import quantise_q8
+from strata.stage_worker.kv_stores import quantise_q8
 from torch import Tensor
 
 CELLS = 40

@@ -18,7 +18,7 @@ import torch
 from strata.gguf.architectures import RopeStyle
 from strata.gguf.model import CacheType
 from strata.stage_worker.kernels.kv_write import rope_write_kv, rotate_and_write
-from strata.stage_worker.kv_pool import LayerCache, Store
+from strata.stage_worker.kv_stores import LayerCache, Store
 from strata.stage_worker.model_config import ModelConfig
 from strata.stage_worker.rope import Rope
 from torch import Tensor

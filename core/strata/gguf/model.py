@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from strata.gguf.executable import not_executable_reason
-from strata.kv_layout import full_cells, window_cells
+from strata.kv_layout import full_cells, resident_bytes_per_cell, window_cells
 
 # Tokens per micro-batch (llama.cpp's n_ubatch): the planner sizes compute buffers by it, and a sliding-window layer
 # keeps this many cells beyond its slots' windows for the new rows of a step.
@@ -169,10 +169,14 @@ class ModelInfo:
     def is_sliding(self, layer: int) -> bool:
         return self.sliding_window is not None and self.sliding_window.layers[layer]
 
-    def kv_bytes_per_cell(self, layer: int, *, type_k: CacheType, type_v: CacheType) -> int:
-        """Bytes one KV cell (one token) takes in `layer`: nb(type_k, nkv*hk) + nb(type_v, nkv*hv)."""
+    def kv_bytes_per_cell(self, layer: int, *, type_k: CacheType, type_v: CacheType, resident: bool = False) -> int:
+        """Bytes one KV cell (one token) takes in `layer`: nb(type_k, nkv*hk) + nb(type_v, nkv*hv), and with
+        `resident` its share of a full-attention layer's resident window (strata.kv_layout)."""
         n_kv = self.head_count_kv[layer]
-        return row_bytes(type_k, n_kv * self.key_length) + row_bytes(type_v, n_kv * self.value_length)
+        cell = row_bytes(type_k, n_kv * self.key_length) + row_bytes(type_v, n_kv * self.value_length)
+        if resident and not self.is_sliding(layer):
+            cell += resident_bytes_per_cell(n_kv * self.key_length)
+        return cell
 
     def kv_bytes_per_token(self, *, type_k: CacheType, type_v: CacheType, layers: Iterable[int] | None = None) -> int:
         """KV bytes per token summed over `layers` (all by default), as if every layer held the full context."""
@@ -188,16 +192,17 @@ class ModelInfo:
         layers: Iterable[int] | None = None,
         n_seq: int = 1,
         n_ubatch: int = 512,
+        resident: bool = False,
     ) -> int:
         """Total KV bytes for `layers` at context `n_ctx` in a paged pool: the context in whole blocks, fewer cells in
-        sliding-window layers."""
+        sliding-window layers; with `resident`, a resident window's key bounds in the full-attention layers."""
         span = range(self.block_count) if layers is None else layers
         total = 0
         for il in span:
             cells = full_cells(n_ctx, slots=n_seq)
             if self.sliding_window is not None and self.sliding_window.layers[il]:
                 cells = self.sliding_window.cells(n_ctx=n_ctx, n_seq=n_seq, n_ubatch=n_ubatch)
-            total += cells * self.kv_bytes_per_cell(il, type_k=type_k, type_v=type_v)
+            total += cells * self.kv_bytes_per_cell(il, type_k=type_k, type_v=type_v, resident=resident)
         return total
 
 

@@ -102,10 +102,12 @@ def plan_local(
     cache_type: CacheType,
     available: Mapping[str, int | None],
     context: int = 0,
+    resident: bool = False,
 ) -> LocalPlan:
     """Spans, context and the bytes they take on each device, stage i on devices[i], each device with
     available[device] bytes free (None: unknown); `context` 0: the largest that fits everywhere, up to
-    DEFAULT_CONTEXT_CAP. Raises ValueError for more stages than layers, LocalFitError when it does not fit."""
+    DEFAULT_CONTEXT_CAP; `resident`: the stages keep a resident window's key bounds. Raises ValueError for more stages
+    than layers, LocalFitError when it does not fit."""
     spans = even_spans(model.block_count, len(devices))
     native = model.context_length
     if context > native:
@@ -117,7 +119,9 @@ def plan_local(
 
     def kv(device: str, cells: int) -> int:
         layers = [layer for i in on[device] for layer in range(*spans[i])]
-        return model.kv_bytes(n_ctx=cells, type_k=cache_type, type_v=cache_type, layers=layers, n_seq=parallel)
+        return model.kv_bytes(
+            n_ctx=cells, type_k=cache_type, type_v=cache_type, layers=layers, n_seq=parallel, resident=resident
+        )
 
     usable = {d: int(free * (1 - DEFAULT_HEADROOM_FRACTION)) for d in on if (free := available.get(d)) is not None}
     budget = {d: max(0, u - weights[d]) * KV_BUDGET_PERCENT // 100 for d, u in usable.items()}

@@ -112,6 +112,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "of computed again (e.g. 16Gi; default 0: none)",
     )
     parser.add_argument(
+        "--resident-window",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="decode attends over this many positions a slot at most: the first 64, the last 1024 and blocks chosen "
+        "between them; faster at depth, approximate past the window (default 0: every position, exact)",
+    )
+    parser.add_argument(
         "--prefix-cache-chunk", type=int, default=256, help="prefix snapshots are taken every N tokens (default 256)"
     )
     parser.add_argument(
@@ -165,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
     from strata.gateway.speculation import DraftModelError
     from strata.gateway.supervision import StageSupervisor
     from strata.gguf import GGUFError, check_executable, describe, read_model_header
+    from strata.kv_layout import ResidentBudget
     from strata.plan import GB
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -172,6 +181,11 @@ def run(args: argparse.Namespace) -> int:
         host_kv_bytes = quantity_to_bytes(args.kv_host_memory)
     except ValueError as exc:
         raise SystemExit(f"strata serve: --kv-host-memory {exc}") from exc
+    try:
+        if args.resident_window:
+            ResidentBudget(tokens=args.resident_window).split()
+    except ValueError as exc:
+        raise SystemExit(f"strata serve: --resident-window {exc}") from exc
     policy = _restart_policy(args)
     workdir = Path(tempfile.mkdtemp(prefix="strata-serve-"))
     model = args.model or str(_demo_model(workdir))
@@ -196,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
             cache_type=CacheType(args.cache_type),
             available={device: available_memory_bytes(device) for device in set(stages_on)},
             context=args.context,
+            resident=bool(args.resident_window),
         )
     except (GGUFError, ValueError) as exc:  # unreadable, not executable, more stages than layers, or it does not fit
         raise SystemExit(f"strata serve: {exc}") from exc
@@ -234,6 +249,7 @@ def run(args: argparse.Namespace) -> int:
                 "STRATA_DEVICE": local.devices[first],
                 "STRATA_PREFIX_CACHE_BYTES": str(args.prefix_cache_bytes),
                 "STRATA_KV_HOST_BYTES": str(host_kv_bytes),
+                "STRATA_RESIDENT_TOKENS": str(args.resident_window),
             }
             log_name = f"stage-{first}.log" if len(group) == 1 else f"stages-{first}-{last}.log"
             try:

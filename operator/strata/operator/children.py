@@ -191,6 +191,15 @@ def stage_statefulset(
             "STRATA_KV_HOST_BYTES": stage.host_kv_bytes,
         }
     )
+    if plan.resident_window is not None:  # only then, so a stage without one renders as it did before the field
+        window = plan.resident_window
+        env += env_list(
+            {
+                "STRATA_RESIDENT_TOKENS": window.tokens,
+                "STRATA_RESIDENT_SINK_TOKENS": window.sink_tokens,
+                "STRATA_RESIDENT_RECENT_TOKENS": window.recent_tokens,
+            }
+        )
     env.insert(0, {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     if spec.model.token_secret_ref is not None:
         ref = spec.model.token_secret_ref

@@ -43,12 +43,20 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="QUANTITY",
         help="host memory per stage for KV blocks its GPU lets go of, as spec.kvCache.hostMemory (e.g. 64Gi)",
     )
+    parser.add_argument(
+        "--resident-window",
+        type=int,
+        metavar="TOKENS",
+        help="decode attends over this many positions a slot at most, as spec.kvCache.residentWindow.tokens (the "
+        "default 64 sink and 1024 recent tokens)",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from strata.gguf import GGUFError, inspect_model
+    from strata.kv_layout import ResidentBudget
     from strata.operator.planner import PlanOptions, plan_placement
     from strata.operator.planner.errors import OverrideDoesNotFitError, PlanningError
 
@@ -68,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
             "max_stages": args.max_stages,
             "prefix_cache_fraction": None if args.prefix_cache_percent is None else args.prefix_cache_percent / 100,
             "host_kv_bytes": host_kv_bytes,
+            "resident_window": None if args.resident_window is None else ResidentBudget(tokens=args.resident_window),
         }
         options = PlanOptions(**{name: value for name, value in given.items() if value is not None})
         plan = plan_placement(model=model, nodes=nodes, pods=pods, options=options)
@@ -123,6 +132,11 @@ def to_table(plan: Plan) -> str:
         lines.append(
             f"context {plan.context_length} tokens, {plan.parallel} parallel slots, KV {plan.cache_type_k}/"
             f"{plan.cache_type_v} ({plan.kv_bytes_per_token} B/token over all layers)"
+            + (
+                ""
+                if plan.resident_window is None
+                else f", decode over a resident window of {plan.resident_window.tokens} tokens"
+            )
         )
         header = (
             "STAGE",

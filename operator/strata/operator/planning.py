@@ -61,6 +61,7 @@ def options_for(spec: ModelDeploymentSpec) -> PlanOptions:
         host_kv_bytes=(
             quantity_bytes(spec.kv_cache.host_memory, field="kvCache.hostMemory") if spec.kv_cache.host_memory else 0
         ),
+        resident_window=None if spec.kv_cache.resident_window is None else spec.kv_cache.resident_window.budget(),
     )
 
 

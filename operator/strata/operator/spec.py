@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, model_validator
 from strata.gguf.model import CacheType
+from strata.kv_layout import ResidentBudget
 from strata.modeldeployment import GROUP as GROUP
 from strata.modeldeployment import KIND as KIND
 from strata.modeldeployment import PLURAL as PLURAL
@@ -208,7 +209,47 @@ class Coordination(SpecPart):
         return self
 
 
+class ResidentWindow(SpecPart):
+    tokens: WholeNumber = Field(
+        ge=256,
+        le=1 << 20,
+        description=(
+            "Positions of a slot that a decode step attends over at most: the first sinkTokens, the last recentTokens, "
+            "and blocks of 64 chosen between them by a bound of their keys' scores against the slot's last query, "
+            "chosen again every 64 steps. Decode then costs about the same at any depth; attention past the window is "
+            "an approximation (docs/benchmarks.md has its needle recall). Prefill stays exact, and every block stays "
+            "on the GPU: the plan adds about 3% of a q8_0 cache for the keys' bounds."
+        ),
+    )
+    sink_tokens: WholeNumber = Field(
+        default=64, alias="sinkTokens", ge=0, le=1 << 16, description="Positions from the start always attended to."
+    )
+    recent_tokens: WholeNumber = Field(
+        default=1024,
+        alias="recentTokens",
+        ge=64,
+        le=1 << 20,
+        description="The latest positions always attended to; at least a sliding window's length on Gemma models.",
+    )
+
+    @model_validator(mode="after")
+    def _leaves_a_choice(self) -> ResidentWindow:
+        self.budget().split()
+        return self
+
+    def budget(self) -> ResidentBudget:
+        return ResidentBudget(tokens=self.tokens, sink_tokens=self.sink_tokens, recent_tokens=self.recent_tokens)
+
+
 class KVCache(SpecPart):
+    resident_window: ResidentWindow | None = Field(
+        default=None,
+        alias="residentWindow",
+        description=(
+            "Decode attends over a window of each slot's positions instead of all of them: for long contexts where "
+            "speed matters more than exact attention. Unset: every position, exact."
+        ),
+    )
     host_memory: Quantity | None = Field(
         default=None,
         alias="hostMemory",

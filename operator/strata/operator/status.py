@@ -84,6 +84,12 @@ class PlanSummary(_Status):
     parallel: int = Field(ge=1)
     cache_type_k: str = Field(alias="cacheTypeK")
     cache_type_v: str = Field(alias="cacheTypeV")
+    resident_window_tokens: int | None = Field(
+        default=None,
+        alias="residentWindowTokens",
+        ge=1,
+        description="Positions a slot's decode step attends over at most (spec.kvCache.residentWindow); unset: all.",
+    )
 
 
 class LoadProgress(_Status):

@@ -30,6 +30,10 @@ the command line wins over the environment.
     STRATA_HOP_SLOTS         slots of the shared-memory ring through which a previous stage on this host sends
                              activations (default 4; 0: always over gRPC)
     STRATA_HOP_SLOT_POSITIONS  positions one slot holds; a larger step comes over gRPC (default 1024)
+    STRATA_RESIDENT_TOKENS   decode attends over a resident window of this many positions a slot: the first
+                             STRATA_RESIDENT_SINK_TOKENS (default 64), the last STRATA_RESIDENT_RECENT_TOKENS (default
+                             1024) and blocks chosen between them by their keys' bound against the last query; an
+                             approximation of attention past the window (default 0: every position, exact)
 
 torch is imported only when the command runs, so `strata --help` stays fast.
 """
@@ -67,6 +71,9 @@ OPTIONS: tuple[Option, ...] = tuple(
         ("--hop-slots", "STRATA_HOP_SLOTS", int, 4),
         ("--hop-slot-positions", "STRATA_HOP_SLOT_POSITIONS", int, 1024),
         ("--split-at", "STRATA_SPLIT_AT", str, ""),
+        ("--resident-tokens", "STRATA_RESIDENT_TOKENS", int, 0),
+        ("--resident-sink-tokens", "STRATA_RESIDENT_SINK_TOKENS", int, 64),
+        ("--resident-recent-tokens", "STRATA_RESIDENT_RECENT_TOKENS", int, 1024),
     )
 )
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from strata.stage_worker.kernels.greedy_pick import greedy_pick
-from strata.stage_worker.kv_pool import KVPool
+from strata.stage_worker.kv_pool import KVPool, Taken
 from strata.stage_worker.model import RunBlock, StageModel, decode_layout, run_block, run_wide_block
 from strata.stage_worker.rope import Rope
 from torch import Tensor
@@ -87,8 +87,9 @@ class Decoder:
             self._run = torch.compile(run_block, dynamic=dynamic)
             self._run_wide = torch.compile(run_wide_block, dynamic=dynamic)
         n = pool.parallel
-        # Per row: slot, position, cell, token, and the cell of the sliding-window layers when they have their own
-        self.inputs = torch.zeros(5, n * WIDEST, dtype=torch.long, device=self.device)
+        # Per row: slot, position, cell, token, the cell of the sliding-window layers when they have their own, and
+        # the row's column in the table attention reads (its position, or its column in the resident window's)
+        self.inputs = torch.zeros(6, n * WIDEST, dtype=torch.long, device=self.device)
         self.hidden = torch.zeros(n * WIDEST, model.config.dim, dtype=dtype, device=self.device)
         self._captured: dict[tuple[int, int], _Captured] = {}  # by (slots, rows a slot)
         self._rows = torch.arange(n, dtype=torch.long, device=self.device)
@@ -112,7 +113,7 @@ class Decoder:
         *,
         slots: list[int],
         positions: list[int],
-        cells: list[tuple[int, int]],  # per row: its new cell in the full-attention and the sliding-window space
+        cells: list[Taken],  # per row: its new cells and its column (KVPool.take_runs)
         tokens: list[int],
         hidden: Tensor | None,
         fed: tuple[Picks, list[int]] | None = None,
@@ -124,8 +125,10 @@ class Decoder:
         if not 1 <= width <= WIDEST or len(slots) % width:
             raise ValueError(f"a decode step takes 1..{WIDEST} rows a slot, the same for each: {len(slots)} by {width}")
         n = len(slots)
-        full, window = zip(*cells, strict=True)
-        host = torch.tensor([slots, positions, list(full), tokens or [0] * n, list(window)], dtype=torch.long)
+        full, window, column = zip(*cells, strict=True)
+        host = torch.tensor(
+            [slots, positions, list(full), tokens or [0] * n, list(window), list(column)], dtype=torch.long
+        )
         self.inputs[:, :n].copy_(host, non_blocking=True)
         if fed is not None:
             picks, rows = fed
@@ -179,8 +182,8 @@ class Decoder:
 
     def _body(self, b: int, width: int) -> DecodeOutput:
         n = b * width
-        slots, positions, cells, tokens, window_cells = self.inputs[:, :n]
-        window = self.pool.window
+        slots, positions, cells, tokens, window_cells, columns = self.inputs[:, :n]
+        window, resident = self.pool.window, self.pool.resident
         layout = decode_layout(
             table=self.pool.table,
             slots=slots,
@@ -190,6 +193,8 @@ class Decoder:
             width=width,
             window_table=None if window is None else window.table,
             window_cells=None if window is None else window_cells,
+            resident_table=None if resident is None else resident.table,
+            columns=columns,
         )
         x = self.model.embed(tokens) if self.model.is_first else self.hidden[:n]  # [N, D]
         # Steps of several rows a slot run blocks compiled apart (model.run_wide_block). Uncompiled inside their graph,

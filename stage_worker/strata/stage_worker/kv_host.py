@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from strata.stage_worker.kv_pool import RawRows
+from strata.stage_worker.kv_stores import RawRows
 from torch import Tensor
 
 

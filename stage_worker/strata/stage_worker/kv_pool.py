@@ -6,148 +6,34 @@ takes blocks as its sequence grows and gives them
 back on reset (strata.stage_worker.kv_cells over strata.stage_worker.kv_blocks). Sliding-window layers keep their K
 and V in a smaller space of their own, about `window * slots + slack` cells in whole blocks, where a block whose
 positions have left every later query's window goes to the next one. The planner sized the pool with
-ModelInfo.kv_bytes() from the same rule (strata.kv_layout); the stores here allocate those bytes (q8_0: int8 values
-plus one f16 scale per block of 32, ggml's block_q8_0 split into two arrays) and dequantise to the compute dtype when
-attention reads them.
+ModelInfo.kv_bytes() from the same rule (strata.kv_layout); the stores (strata.stage_worker.kv_stores) allocate those
+bytes. A resident window (strata.stage_worker.kv_resident), when kept, gives decode steps a compacted table of each
+slot's chosen positions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import torch
 from strata.gguf.model import UBATCH_TOKENS, CacheType
 from strata.kv_layout import BLOCK_TOKENS, full_cells, window_space_cells
 from strata.stage_worker.errors import ContextExceededError, PoolExhaustedError, UnknownSlotError
 from strata.stage_worker.kv_cells import CellSpace, Extension, Piece, Placement, PrefixCells
+from strata.stage_worker.kv_resident import ResidentShape, ResidentWindow
+from strata.stage_worker.kv_stores import LayerCache, Store
 from torch import Tensor
 
-Q8_BLOCK = 32
 
-PLAIN_DTYPES: dict[CacheType, torch.dtype] = {
-    CacheType.F32: torch.float32,
-    CacheType.F16: torch.float16,
-    CacheType.BF16: torch.bfloat16,
-}
+class Taken(NamedTuple):
+    """A decode row's new cells: in the full-attention space, in the sliding-window space (0 without one), and its
+    column in the table its attention reads (its position, or its column in the resident window's)."""
 
-
-def _stored_bytes(values: Tensor, scales: Tensor | None) -> int:
-    """Bytes of values and (q8_0) scales, as stored."""
-    extra = 0 if scales is None else scales.numel() * scales.element_size()
-    return values.numel() * values.element_size() + extra
-
-
-def quantise_q8(rows: Tensor) -> tuple[Tensor, Tensor]:
-    """rows [N, width] as ggml's block_q8_0 does it: per 32 values d = max|x| / 127 (f32, stored as f16) and the
-    values round(x / d) as int8, through the f32 inverse of d. Returns (values [N, width] int8, scales [N, width / 32]
-    f16)."""
-    blocks = rows.float().view(rows.shape[0], -1, Q8_BLOCK)  # [N, width / 32, 32]
-    scale = blocks.abs().amax(dim=-1) / 127.0  # [N, width / 32]
-    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    quantised = torch.round(blocks * inverse[..., None]).clamp(-127, 127).to(torch.int8)
-    return quantised.view(rows.shape[0], -1), scale.to(torch.float16)
-
-
-@dataclass(frozen=True)
-class RawRows:
-    """Rows of a store exactly as stored (q8_0: the int8 values and their f16 scales), so a copy put back is
-    bit-identical to what the forward pass wrote."""
-
-    values: Tensor  # [N, width]
-    scales: Tensor | None  # [N, width / 32] for q8_0
-
-    @property
-    def nbytes(self) -> int:
-        return _stored_bytes(self.values, self.scales)
-
-    def head(self, rows: int) -> RawRows:
-        return self.rows(0, rows)
-
-    def rows(self, start: int, stop: int) -> RawRows:
-        return RawRows(values=self.values[start:stop], scales=None if self.scales is None else self.scales[start:stop])
-
-
-class Store:
-    """`cells` rows of `width` values in one cache type."""
-
-    def __init__(self, *, cache_type: CacheType, cells: int, width: int, device: torch.device) -> None:
-        self.cache_type = cache_type
-        if cache_type in PLAIN_DTYPES:
-            self.values = torch.zeros(cells, width, dtype=PLAIN_DTYPES[cache_type], device=device)
-            self.scales: Tensor | None = None
-        elif cache_type is CacheType.Q8_0:
-            if width % Q8_BLOCK:
-                raise ValueError(f"q8_0 cache rows need a multiple of {Q8_BLOCK} values, not {width}")
-            self.values = torch.zeros(cells, width, dtype=torch.int8, device=device)
-            self.scales = torch.zeros(cells, width // Q8_BLOCK, dtype=torch.float16, device=device)
-        else:
-            raise ValueError(f"cache type {cache_type} is not supported by the stage worker (f32, f16, bf16, q8_0)")
-
-    @property
-    def nbytes(self) -> int:
-        return _stored_bytes(self.values, self.scales)
-
-    @property
-    def row_bytes(self) -> int:
-        return _stored_bytes(self.values[0], None if self.scales is None else self.scales[0])
-
-    def raw(self, cells: Tensor) -> RawRows:
-        """A copy of the rows at `cells` as stored (indexing with a tensor gathers into new memory)."""
-        return RawRows(values=self.values[cells], scales=None if self.scales is None else self.scales[cells])
-
-    def view(self, start: int, rows: int) -> RawRows:
-        """Rows start..start+rows-1 in place (not a copy): what the host tier moves a block range through."""
-        stop = start + rows
-        return RawRows(values=self.values[start:stop], scales=None if self.scales is None else self.scales[start:stop])
-
-    def put(self, cells: Tensor, rows: RawRows) -> None:
-        self.values[cells] = rows.values
-        if self.scales is not None and rows.scales is not None:
-            self.scales[cells] = rows.scales
-
-    def write(self, cells: Tensor, rows: Tensor) -> None:
-        # cells: [N], rows: [N, width]
-        if self.scales is None:
-            self.values[cells] = rows.to(self.values.dtype)
-            return
-        self.values[cells], self.scales[cells] = quantise_q8(rows)
-
-    def read(self, cells: Tensor, *, dtype: torch.dtype) -> Tensor:
-        # cells: [S] -> [S, width] in dtype
-        if self.scales is None:
-            return self.values[cells].to(dtype)
-        values = self.values[cells].view(cells.shape[0], -1, Q8_BLOCK).to(torch.float32)
-        scales = self.scales[cells].to(torch.float32)[..., None]
-        return (values * scales).view(cells.shape[0], -1).to(dtype)
-
-
-class LayerCache:
-    """The K and V stores of one layer."""
-
-    def __init__(self, *, keys: Store, values: Store, dtype: torch.dtype) -> None:
-        self.keys = keys
-        self.values = values
-        self.dtype = dtype
-
-    def write(self, cells: Tensor, k: Tensor, v: Tensor) -> None:
-        # cells: [N]; k, v: [N, width]
-        keys, values = self.keys, self.values
-        if k.device.type == "cuda" and keys.scales is not None and values.scales is not None:
-            # Both q8_0 on a GPU: one kernel for the pair (strata.stage_worker.kernels.kv_write).
-            from strata.stage_worker.kernels.kv_write import write_q8_kv
-
-            write_q8_kv(
-                k=k, v=v, cells=cells, k_values=keys.values, k_scales=keys.scales, v_values=values.values,
-                v_scales=values.scales,
-            )  # fmt: skip
-            return
-        keys.write(cells, k)
-        values.write(cells, v)
-
-    def read(self, cells: Tensor) -> tuple[Tensor, Tensor]:
-        return self.keys.read(cells, dtype=self.dtype), self.values.read(cells, dtype=self.dtype)
+    full: int
+    window: int
+    column: int
 
 
 class KVPool:
@@ -175,6 +61,8 @@ class KVPool:
             raise ValueError(f"the sliding flags name {len(sliding)} layers; the pool holds {n_layers}")
         self.context = context
         self.parallel = parallel
+        self.sliding = sliding or (False,) * n_layers
+        self.sliding_window = window if any(sliding) else 0
         # Per slot, the changes made to it outside a step (reset, place, adopt): work a step launched ahead
         # (strata.stage_worker.decode_ahead) stands for its slots as they were when it was launched.
         self.revisions = [0] * parallel
@@ -211,6 +99,22 @@ class KVPool:
         for space in self._spaces():
             mine = [layer for layer, owner in zip(self.layers, spaces, strict=True) if owner is space]
             space.copy_block = partial(_copy_block, mine, block)
+        self.resident: ResidentWindow | None = None  # keep_resident
+
+    def keep_resident(self, shape: ResidentShape, *, n_head: int, head_dim: int, scales: list[float]) -> None:
+        """Let decode steps attend over a resident window of each slot's full-attention positions
+        (strata.stage_worker.kv_resident), chosen by the layers without a sliding window; `scales`: their score
+        scales, in order."""
+        if self.window is None and shape.recent < self.sliding_window:
+            raise ValueError(
+                f"the resident window's {shape.recent} recent positions must cover the sliding window of "
+                f"{self.sliding_window}: its layers read the same compacted table"
+            )
+        full = [layer for layer, sliding in zip(self.layers, self.sliding, strict=True) if not sliding]
+        self.resident = ResidentWindow(
+            shape=shape, space=self.full, layers=full, scales=scales, n_head=n_head, head_dim=head_dim,
+            dtype=self.layers[0].dtype,
+        )  # fmt: skip
 
     @property
     def table(self) -> Tensor:
@@ -219,7 +123,9 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers)
+        """The stores' bytes, and the resident window's when it is kept."""
+        stores = sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers)
+        return stores + (0 if self.resident is None else self.resident.nbytes)
 
     @property
     def cell_bytes(self) -> int:
@@ -270,6 +176,8 @@ class KVPool:
         self._slot(slot)
         for space in self._spaces():
             space.truncate(slot=slot, position=position)
+        if self.resident is not None:
+            self.resident.moved(slot, position)
 
     def extend(self, *, slot: int, start_position: int, length: int) -> Extension:
         """Truncate the slot to `start_position` and give it the cells of `length` positions in each space."""
@@ -280,6 +188,8 @@ class KVPool:
         every space; all pieces or none."""
         for slot, start, length in pieces:
             self.check(slot=slot, start_position=start, length=length)
+            if self.resident is not None:
+                self.resident.prefilled(slot, start)
         full = self.full.extend(pieces)
         if self.window is None:
             return [Extension(full=Placement(new=new, cells=cells), window=None) for new, cells in full]
@@ -293,29 +203,37 @@ class KVPool:
             for (new, cells), (window_new, window_cells) in zip(full, window, strict=True)
         ]
 
-    def take(self, *, slot: int, position: int) -> tuple[int, int]:
-        """A decode step's new cells for `slot` at `position` (full-attention, sliding-window; 0 without the second
-        space), on the host only: the step puts them in the tables."""
+    def take(self, *, slot: int, position: int) -> Taken:
+        """A decode step's new cells for `slot` at `position`, on the host only: the step puts them in the tables."""
         return self.take_all([(slot, position)])[0]
 
-    def take_all(self, positions: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    def take_all(self, positions: list[tuple[int, int]]) -> list[Taken]:
         """`take` for every (slot, position) of a decode step at once: all of them or none."""
         return [run[0] for run in self.take_runs([(slot, position, 1) for slot, position in positions])]
 
-    def take_runs(self, pieces: list[Piece]) -> list[list[tuple[int, int]]]:
-        """`take_all` for a few positions a slot: per piece, each position's new cells (full-attention, sliding-
-        window), on the host only; all of them or none. Each slot is truncated to its piece's start first."""
+    def take_runs(self, pieces: list[Piece]) -> list[list[Taken]]:
+        """`take_all` for a few positions a slot: per piece, each position's new cells, on the host only; all of them
+        or none. Each slot is truncated to its piece's start first."""
         for slot, start, length in pieces:
             self.check(slot=slot, start_position=start, length=length)
         cells = self.full.take_runs(pieces)
-        if self.window is None:
-            return [[(cell, 0) for cell in run] for run in cells]
-        try:
-            window = self.window.take_runs(pieces)
-        except PoolExhaustedError:
-            self._undo(pieces)
-            raise
-        return [list(zip(full, mine, strict=True)) for full, mine in zip(cells, window, strict=True)]
+        window = [[0] * length for _, _, length in pieces]
+        if self.window is not None:
+            try:
+                window = self.window.take_runs(pieces)
+            except PoolExhaustedError:
+                self._undo(pieces)
+                raise
+        if self.resident is None:
+            columns = [list(range(start, start + length)) for _, start, length in pieces]
+        else:
+            for slot, start, _ in pieces:
+                self.resident.moved(slot, start)
+            columns = self.resident.columns(pieces, records=all(length == 1 for _, _, length in pieces))
+        return [
+            [Taken(*cell) for cell in zip(full, mine, column, strict=True)]
+            for full, mine, column in zip(cells, window, columns, strict=True)
+        ]
 
     def prefix(self, *, slot: int, length: int) -> PrefixCells | None:
         """The cells of the slot's positions 0..length-1; None when the sliding-window layers no longer hold all
@@ -334,6 +252,7 @@ class KVPool:
         window's space), already in the tables: a restored prefix is written there."""
         self.check(slot=slot, start_position=0, length=length)
         self.revisions[slot] += 1
+        self._forget(slot)
         try:
             new, _ = self.full.extend([(slot, 0, length)])[0]
             if self.window is None:
@@ -358,6 +277,7 @@ class KVPool:
         prefix writes those)."""
         self.check(slot=slot, start_position=0, length=length)
         self.revisions[slot] += 1
+        self._forget(slot)
         cells = self.full.adopt(slot=slot, blocks=blocks, length=length)
         if self.window is None:
             return PrefixCells(length=length, cells=cells)
@@ -375,8 +295,13 @@ class KVPool:
     def reset(self, slot: int) -> None:
         self._slot(slot)
         self.revisions[slot] += 1
+        self._forget(slot)
         for space in self._spaces():
             space.reset(slot)
+
+    def _forget(self, slot: int) -> None:
+        if self.resident is not None:
+            self.resident.forget(slot)
 
     def _undo(self, pieces: list[Piece]) -> None:
         """Give back the full space's blocks of pieces the sliding-window space refused: both hold the same

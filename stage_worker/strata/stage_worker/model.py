@@ -31,7 +31,7 @@ from strata.stage_worker.experts import MixtureOfExperts
 from strata.stage_worker.kernels.kv_write import rotate_and_write
 from strata.stage_worker.kernels.paged_attention import AttentionRule, Sequences, attend_fresh, attend_pool
 from strata.stage_worker.kernels.quant_matmul import Gate, rms_norm
-from strata.stage_worker.kv_pool import LayerCache
+from strata.stage_worker.kv_stores import LayerCache
 from strata.stage_worker.model_config import ModelConfig
 from strata.stage_worker.rope import Rope
 from strata.stage_worker.weights.linear import PackedLinear
@@ -69,6 +69,9 @@ class Layout:
     # the 166 ms to its first token, where flash attention had taken a few (146 ms to the first token before all
     # chunks went to the pool kernel). Many short prompts in one step are the pool kernel's (see above).
     fresh: Tensor | None = None
+    # A one-row decode step over a resident window: each row's slot, under which attention records the row's query
+    # (LayerCache.queries) for the window's next choice of blocks (strata.stage_worker.kv_resident).
+    recorded: Tensor | None = None
 
     def attend(self, q: Tensor, cache: LayerCache, config: ModelConfig, rule: AttentionRule) -> Tensor:
         if self.fresh is not None and not rule.window and not rule.softcap:
@@ -111,28 +114,40 @@ def decode_layout(
     width: int = 1,
     window_table: Tensor | None = None,
     window_cells: Tensor | None = None,
+    resident_table: Tensor | None = None,
+    columns: Tensor | None = None,
 ) -> Layout:
-    """Put each row's new cell in the pool's table (device only), and its sliding-window cell in that space's table
-    when there is one. slots, positions, cells: [B * width], `width` rows a slot, its consecutive positions in order
-    (a step that verifies drafts); rows: [B] 0..B-1, made once by the caller."""
+    """Put each row's new cell in the pool's table (device only), its sliding-window cell in that space's table when
+    there is one, and, with a resident window, its cell at its column of the window's table, which the full-attention
+    layers then read. slots, positions, cells, columns: [B * width], `width` rows a slot, its consecutive positions in
+    order (a step that verifies drafts); rows: [B] 0..B-1, made once by the caller."""
     table[slots, positions] = cells
-    if width == 1:
-        sequences = Sequences(
-            slots=slots, q_starts=rows, q_lens=torch.ones_like(rows), kv_lens=positions + 1, max_q_len=1
-        )
-    else:  # the kernel indexes the sequences' columns densely: one copy each of the strided views
-        sequences = Sequences(
+
+    def sequences(ends: Tensor) -> Sequences:
+        """Each slot's rows, seeing its columns up to each row's (`ends`)."""
+        if width == 1:
+            return Sequences(slots=slots, q_starts=rows, q_lens=torch.ones_like(rows), kv_lens=ends + 1, max_q_len=1)
+        # the kernel indexes the sequences' columns densely: one copy each of the strided views
+        return Sequences(
             slots=slots[::width].contiguous(),
             q_starts=rows * width,
             q_lens=torch.full_like(rows, width),
-            kv_lens=positions[width - 1 :: width] + 1,
+            kv_lens=ends[width - 1 :: width] + 1,
             max_q_len=width,
         )
+
+    by_position = sequences(positions)
     window = None
     if window_table is not None and window_cells is not None:
         window_table[slots, positions] = window_cells
-        window = Layout(positions=positions, write_cells=window_cells, table=window_table, sequences=sequences)
-    return Layout(positions=positions, write_cells=cells, table=table, sequences=sequences, window=window)
+        window = Layout(positions=positions, write_cells=window_cells, table=window_table, sequences=by_position)
+    if resident_table is None or columns is None:
+        return Layout(positions=positions, write_cells=cells, table=table, sequences=by_position, window=window)
+    resident_table[slots, columns] = cells
+    return Layout(
+        positions=positions, write_cells=cells, table=resident_table, sequences=sequences(columns), window=window,
+        recorded=slots if width == 1 else None,
+    )  # fmt: skip
 
 
 class RMSNorm(nn.Module):
@@ -171,6 +186,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = rotate_and_write(q=q, k=k, v=v, cos=cos, sin=sin, cells=layout.write_cells, cache=cache, rope=rope)
+        if layout.recorded is not None and cache.queries is not None:
+            cache.queries.index_copy_(0, layout.recorded, q)
         out = layout.attend(q, cache, c, self.rule)  # [N, H, hd]
         projected: Tensor = self.wo(out.reshape(n, c.q_dim))  # [N, D]
         return projected

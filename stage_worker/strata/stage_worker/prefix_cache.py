@@ -40,7 +40,8 @@ from dataclasses import dataclass
 
 from strata.stage_worker.errors import PoolExhaustedError
 from strata.stage_worker.kv_host import HostRows, HostTier, HostTierStats, block_runs
-from strata.stage_worker.kv_pool import KVPool, RawRows
+from strata.stage_worker.kv_pool import KVPool
+from strata.stage_worker.kv_stores import RawRows
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 from strata.gguf.model import CacheType
+from strata.kv_layout import BLOCK_TOKENS, ResidentBudget
+from strata.stage_worker.kv_resident import ResidentShape
 
 COMPUTE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -42,6 +44,12 @@ class StageSettings:
     # `hop_slot_positions` positions each (a larger step comes inline); 0 slots: always inline.
     hop_slots: int = 4
     hop_slot_positions: int = 1024
+    # Decode attends over a resident window of this many positions a slot (strata.stage_worker.kv_resident): the
+    # first `resident_sink_tokens`, the last `resident_recent_tokens` and blocks chosen between them; 0: every
+    # position (exact).
+    resident_tokens: int = 0
+    resident_sink_tokens: int = 64
+    resident_recent_tokens: int = 1024
 
     def __post_init__(self) -> None:
         if not 0 <= self.layer_start < self.layer_end:
@@ -59,8 +67,19 @@ class StageSettings:
             raise ValueError(f"the prefix cache budget must not be negative, not {self.prefix_cache_bytes}")
         if self.kv_host_bytes < 0:
             raise ValueError(f"the host KV budget must not be negative, not {self.kv_host_bytes}")
+        _ = self.resident_shape  # a window that leaves nothing to choose is refused here, before the model loads
         if self.dtype and self.dtype not in COMPUTE_DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}")
+
+    @property
+    def resident_shape(self) -> ResidentShape | None:
+        if not self.resident_tokens:
+            return None
+        budget = ResidentBudget(
+            tokens=self.resident_tokens, sink_tokens=self.resident_sink_tokens,
+            recent_tokens=self.resident_recent_tokens,
+        )  # fmt: skip
+        return ResidentShape.of(budget, block=BLOCK_TOKENS)
 
     @property
     def torch_device(self) -> torch.device:

@@ -6,6 +6,7 @@ load status; here every step may fail (a file cut short, memory that runs out, a
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import torch
@@ -15,10 +16,13 @@ from strata.gguf.sources import open_source
 from strata.stage_worker.engine import Engine
 from strata.stage_worker.errors import InvalidRequestError
 from strata.stage_worker.kv_pool import KVPool
+from strata.stage_worker.kv_resident import ResidentShape
 from strata.stage_worker.loader import LoadProgress, load_stage
 from strata.stage_worker.model_config import ModelConfig
 from strata.stage_worker.settings import StageSettings
 from strata.stage_worker.warm_up import warm_engine
+
+log = logging.getLogger(__name__)
 
 
 def build_engine(
@@ -55,6 +59,7 @@ def build_engine(
         cache_types=(s.cache_type_k, s.cache_type_v),
         dtype=s.compute_dtype,
         device=s.torch_device,
+        resident=s.resident_shape,
     )
     return warm_engine(model=model, pool=pool, device=s.torch_device, dtype=s.compute_dtype, stage_index=s.stage_index)
 
@@ -68,10 +73,11 @@ def stage_pool(
     cache_types: tuple[CacheType, CacheType],
     dtype: torch.dtype,
     device: torch.device,
+    resident: ResidentShape | None = None,
 ) -> KVPool:
     """The KV pool of the model's `layers`: K and V in their cache types, the sliding-window layers in a space of
-    their own."""
-    return KVPool(
+    their own, and a resident window for decode when one is asked for."""
+    pool = KVPool(
         n_layers=len(layers),
         context=context,
         parallel=parallel,
@@ -84,3 +90,20 @@ def stage_pool(
         window=config.sliding_window,
         sliding=tuple(config.is_sliding(il) for il in layers),
     )
+    if resident is not None:
+        keep_resident(pool, config, layers=layers, shape=resident)
+    return pool
+
+
+def keep_resident(pool: KVPool, config: ModelConfig, *, layers: range, shape: ResidentShape) -> None:
+    """Give the pool of the model's `layers` a resident window of `shape`, chosen by its full-attention layers. A
+    stage of sliding-window layers only keeps none: each of its steps reads a window already."""
+    scales = [config.attention_rule(il).scale for il in layers if not config.is_sliding(il)]
+    if not scales:
+        return
+    pool.keep_resident(shape, n_head=config.n_head, head_dim=config.head_dim, scales=scales)
+    log.info(
+        "layers [%d, %d): decode attends over a resident window of at most %d positions a slot: %d sink blocks, %d "
+        "chosen, %d recent positions (blocks of %d)",
+        layers.start, layers.stop, shape.tokens, shape.sinks, shape.selected, shape.recent, shape.block,
+    )  # fmt: skip

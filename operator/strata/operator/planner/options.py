@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from strata.fit import DEFAULT_CACHE_TYPE, DEFAULT_HEADROOM_FRACTION, ContextSnap
 from strata.gguf.model import CacheType
+from strata.kv_layout import ResidentBudget
 from strata.operator.planner.errors import InvalidOptionError
 from strata.operator.planner.memory import DEFAULT_PREFIX_CACHE_FRACTION
 from strata.operator.planner.scheduling import Toleration
@@ -28,6 +29,7 @@ class PlanOptions:
     tolerations: tuple[Toleration, ...] = ()
     gpu_memory_bytes: int | None = None  # overrides every node's memory label
     host_kv_bytes: int = 0  # host memory per stage for KV blocks the GPU lets go of (spec.kvCache.hostMemory)
+    resident_window: ResidentBudget | None = None  # decode over a resident window (spec.kvCache.residentWindow)
 
     def __post_init__(self) -> None:
         if self.context_length is not None and self.context_length < 1:
@@ -40,6 +42,11 @@ class PlanOptions:
             raise InvalidOptionError(f"headroom must be a fraction in [0, 1), not {self.headroom_fraction}")
         if not 0 <= self.prefix_cache_fraction < 1:
             raise InvalidOptionError(f"the prefix cache share must be in [0, 1), not {self.prefix_cache_fraction}")
+        if self.resident_window is not None:
+            try:
+                self.resident_window.split()
+            except ValueError as exc:
+                raise InvalidOptionError(str(exc)) from exc
         if self.host_kv_bytes < 0:
             raise InvalidOptionError(f"host KV memory must not be negative, not {self.host_kv_bytes} bytes")
         if self.gpu_memory_bytes is not None and self.gpu_memory_bytes < 1:

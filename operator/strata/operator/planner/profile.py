@@ -46,8 +46,12 @@ class ModelProfile:
         type_v: CacheType,
         parallel: int,
         prefix_cache_fraction: float = 0.0,
+        resident: bool = False,
     ) -> ModelProfile:
-        cells = [model.kv_bytes_per_cell(il, type_k=type_k, type_v=type_v) for il in range(model.block_count)]
+        cells = [
+            model.kv_bytes_per_cell(il, type_k=type_k, type_v=type_v, resident=resident)
+            for il in range(model.block_count)
+        ]
         sliding = [model.is_sliding(il) for il in range(model.block_count)]
         window = model.sliding_window
         window_cells = 0

@@ -78,6 +78,7 @@ def plan_on_inventory(*, model: ModelInfo, inventory: Inventory, options: PlanOp
         type_v=options.cache_type_v,
         parallel=options.parallel,
         prefix_cache_fraction=options.prefix_cache_fraction,
+        resident=options.resident_window is not None,
     )
     slots = ordered_slots(inventory, headroom_fraction=options.headroom_fraction, limit=model.block_count)
     allowed = [slot.usable_bytes for slot in slots[: options.max_stages or model.block_count]]
@@ -212,6 +213,7 @@ def _plan(
                     layers=range(span.start, span.end),
                     n_seq=options.parallel,
                     n_ubatch=UBATCH_TOKENS,
+                    resident=options.resident_window is not None,
                     **types,
                 ),
             )
@@ -224,4 +226,5 @@ def _plan(
         cache_type_v=options.cache_type_v,
         kv_bytes_per_token=model.kv_bytes_per_token(type_k=options.cache_type_k, type_v=options.cache_type_v),
         excluded=inventory.excluded,
+        resident_window=options.resident_window,
     )

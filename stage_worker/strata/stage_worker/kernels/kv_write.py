@@ -2,7 +2,7 @@
 torch custom ops, so that torch.compile keeps them whole inside a compiled block (they mutate the stores in place,
 and a CUDA graph replays them). `rotate_and_write` is what the model calls: q and k rotated by RoPE and k and v
 written in one launch on a GPU; elsewhere, and as the kernel's test oracle, Rope.apply and the pool's own writes
-(strata.stage_worker.kv_pool.quantise_q8 for q8_0).
+(strata.stage_worker.kv_stores.quantise_q8 for q8_0).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from contextlib import nullcontext
 
 import torch
 from strata.gguf.architectures import RopeStyle
-from strata.stage_worker.kv_pool import LayerCache
+from strata.stage_worker.kv_stores import LayerCache
 from strata.stage_worker.rope import Rope
 from torch import Tensor
 

@@ -1,5 +1,5 @@
 """A step's new K and V rows into the pool in one Triton launch: quantised to ggml's block_q8_0 per 32 values (the
-f16 scale max|x| / 127, the values round(x / scale)) as strata.stage_worker.kv_pool.quantise_q8 computes them, or
+f16 scale max|x| / 127, the values round(x / scale)) as strata.stage_worker.kv_stores.quantise_q8 computes them, or
 stored in the pool's plain type. `rope_write` also rotates q and k by RoPE on the way.
 
 Why a kernel: compiled from torch, the write of one layer's K and V was six kernels (two maxima, four scattered

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from strata.stage_worker.kv_pool import LayerCache
+from strata.stage_worker.kv_stores import LayerCache
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right

@@ -1,12 +1,14 @@
 """Decode at the context lengths agents use: Strata's in-process engine against llama.cpp on the same file and GPU.
 
-    python bench/depth.py [--peer .peer/llama-src.tar.xz] [--out DIR] [--depths 300,4096,...]
+    python bench/depth.py [--peer .peer/llama-src.tar.xz] [--out DIR] [--depths 300,4096,...] [--resident-window N]
 
 One run, one table: the pool attention kernel against its reference on the table of named cases (bf16, f16 and f32
 on the GPU); then, on a Llama-3-8B-shape file with random Q8_0 weights (bench/gpu.py's), single-stream decode
 tokens/s after D positions for each depth, with q8_0 and f16 KV, and 16 streams at 4,096 positions each; then
 llama.cpp built from the source carried in the tree (bench/llamacpp.py) on the same file: `llama-bench -d D` and
-`llama-batched-bench -npp 4096 -npl 16`.
+`llama-batched-bench -npp 4096 -npl 16`. With `--resident-window N` (default 4096; 0: none), one stream with q8_0 KV
+decodes over a resident window of N positions (spec.kvCache.residentWindow) at 4K, 32K, 64K and 128K: the window's
+decode at depth over its own at 4K is issue 24's figure (aim: within 10%).
 
 Strata's slots are filled to depth D with random K/V written through the pool's own quantiser (attention's cost does
 not depend on the values, and a 128K-token prefill per depth would spend the lease on prefill); llama.cpp fills its
@@ -24,14 +26,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from strata.gguf.model import CacheType
 from strata.gguf.testmodels import LARGE_SHAPES
 from strata.gguf.testmodels.bulk import write_bulk_q8_model
+from strata.kv_layout import ResidentBudget
 from strata.stage_worker.engine import Chunk, Engine
 from strata.stage_worker.kv_pool import KVPool
+from strata.stage_worker.kv_resident import ResidentShape
+from strata.stage_worker.model import StageModel
+from strata.stage_worker.stage_load import keep_resident
 from strata_testbed.attention_cases import CASES, run_case, tolerance
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -44,6 +51,7 @@ STEPS = 64
 WARM = 8
 STREAMS = 16
 STREAM_DEPTH = 4096
+RESIDENT_DEPTHS = (4096, 32768, 65536, 131072)
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # bf16: the GPUs' compute dtype; f32: the exact path
 
 
@@ -218,7 +226,40 @@ def decode_speed(engine: Engine, *, depths: dict[int, int]) -> float:
     return len(depths) * STEPS / (time.perf_counter() - begun)
 
 
-def strata_sweep(model_path: Path, *, depths: list[int], device: torch.device) -> dict[str, dict[str, float]]:
+def one_stream(engine: Engine, depths: Sequence[int], *, generator: torch.Generator, label: str) -> dict[str, float]:
+    """Decode tokens/s of slot 0 after each depth (filled by `fill`, emptied after)."""
+    speeds: dict[str, float] = {}
+    for depth in depths:
+        fill(engine, slot=0, depth=depth, generator=generator)
+        speeds[str(depth)] = decode_speed(engine, depths={0: depth})
+        engine.pool.reset(0)
+        log(f"strata {label}, depth {depth}: {speeds[str(depth)]:.1f} tok/s")
+    return speeds
+
+
+def resident_sweep(model: StageModel, *, window: int, device: torch.device) -> dict[str, float]:
+    """One stream, q8_0 KV, decoding over a resident window of `window` positions after each of RESIDENT_DEPTHS
+    (its first choice, and the bounds of every block it reads, happen in the warm-up steps; the timed steps cross a
+    block boundary, so they include a choice)."""
+    c = model.config
+    pool = KVPool(
+        n_layers=c.n_layer, context=max(RESIDENT_DEPTHS) + WARM + STEPS + 256, parallel=1, key_width=c.kv_dim,
+        value_width=c.kv_dim, type_k=CacheType.Q8_0, type_v=CacheType.Q8_0, dtype=torch.bfloat16, device=device,
+    )  # fmt: skip
+    shape = ResidentShape.of(ResidentBudget(tokens=window), block=pool.block)
+    keep_resident(pool, c, layers=range(c.n_layer), shape=shape)
+    engine = Engine(model=model, pool=pool, device=device, dtype=torch.bfloat16)
+    engine.warm_up()
+    generator = torch.Generator(device=device).manual_seed(0)
+    speeds = one_stream(engine, RESIDENT_DEPTHS, generator=generator, label=f"q8_0 KV, resident window {window}")
+    del engine, pool
+    torch.cuda.empty_cache()
+    return speeds
+
+
+def strata_sweep(
+    model_path: Path, *, depths: list[int], device: torch.device, resident_window: int
+) -> dict[str, dict[str, float]]:
     shape_layers = LARGE_SHAPES["llama3-8b"].block_count
     model = gpu.load(model_path, span=(0, shape_layers), device=device, dtype=torch.bfloat16)
     c = model.config
@@ -233,12 +274,7 @@ def strata_sweep(model_path: Path, *, depths: list[int], device: torch.device) -
         )  # fmt: skip
         engine = Engine(model=model, pool=pool, device=device, dtype=torch.bfloat16)
         engine.warm_up()
-        speeds: dict[str, float] = {}
-        for depth in wanted:
-            fill(engine, slot=0, depth=depth, generator=generator)
-            speeds[str(depth)] = decode_speed(engine, depths={0: depth})
-            pool.reset(0)
-            log(f"strata {cache.value} KV, depth {depth}: {speeds[str(depth)]:.1f} tok/s")
+        speeds = one_stream(engine, wanted, generator=generator, label=f"{cache.value} KV")
         for slot in range(STREAMS):
             fill(engine, slot=slot, depth=STREAM_DEPTH, generator=generator)
         speeds[f"{STREAMS}x{STREAM_DEPTH}"] = decode_speed(engine, depths=dict.fromkeys(range(STREAMS), STREAM_DEPTH))
@@ -246,6 +282,8 @@ def strata_sweep(model_path: Path, *, depths: list[int], device: torch.device) -
         results[cache.value] = speeds
         del engine, pool
         torch.cuda.empty_cache()
+    if resident_window:
+        results["q8_0 resident"] = resident_sweep(model, window=resident_window, device=device)
     del model
     torch.cuda.empty_cache()
     return results
@@ -306,6 +344,22 @@ def render(r: dict[str, object]) -> str:
                 cells.append(f"{theirs:.1f}" if theirs else "-")
             cells.append(f"{ours / theirs:.2f}x" if ours and theirs else "")
         lines.append("| " + " | ".join(cells) + " |")
+    resident = strata.get("q8_0 resident")
+    if resident:
+        base = resident[str(RESIDENT_DEPTHS[0])]
+        lines += [
+            "",
+            f"One stream, q8_0 KV, over a resident window of {r['resident_window']} positions:",
+            "",
+            "| depth | Strata, resident window | / its 4096 | Strata, every position | llama.cpp q8_0 |",
+            "| ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for key, ours in resident.items():
+            full, theirs = strata.get("q8_0", {}).get(key), peer.get("q8_0", {}).get(key)
+            lines.append(
+                f"| {key} | {ours:.1f} | {ours / base:.2f} | {f'{full:.1f}' if full else '-'} | "
+                f"{f'{theirs:.1f}' if theirs else '-'} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -322,6 +376,9 @@ def main() -> None:
         help="the kernel's checks and speed alone (decode, and chunks after a prefix)",
     )
     parser.add_argument("--no-checks", action="store_true", help="skip the kernel's checks (tuning runs only)")
+    parser.add_argument(
+        "--resident-window", type=int, default=4096, help="tokens of the resident window's sweep (0: no such sweep)"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/depth.py measures a GPU; on the CPU, pytest tests/stage_worker/test_paged_attention.py checks "
@@ -355,7 +412,8 @@ def main() -> None:
     if not args.model.exists():
         write_bulk_q8_model(args.model, shape=LARGE_SHAPES["llama3-8b"])
     results["file_gb"] = args.model.stat().st_size / 1e9
-    results["strata"] = strata_sweep(args.model, depths=depths, device=device)
+    results["resident_window"] = args.resident_window
+    results["strata"] = strata_sweep(args.model, depths=depths, device=device, resident_window=args.resident_window)
     if peer_build is not None:
         try:
             results["llamacpp"] = peer_sweep(llamacpp.built(peer_build), args.model, depths=depths)

@@ -1,7 +1,8 @@
 """What a GPU decode step does differently from the CPU's, checked against the same stage without it: each block's
 norms (and the residual adds before them) formed in the next quantised matrix's load of x (model.normed_projection),
-the next step launched before this one's picks are read (strata.stage_worker.decode_ahead), and steps that verify
-drafts replayed from graphs of a few rows a slot (strata.stage_worker.wide_step).
+the next step launched before this one's picks are read (strata.stage_worker.decode_ahead), steps that verify
+drafts replayed from graphs of a few rows a slot (strata.stage_worker.wide_step), and a resident window's table and
+queries written inside captured steps (strata.stage_worker.kv_resident).
 
 Needs a CUDA device (run on a GPU lease); skipped elsewhere, where the CPU path never takes the fused form. The kernel
 itself is checked against the reference on the CPU too (tests/stage_worker/test_quant_matmul.py's normed cases).
@@ -23,6 +24,8 @@ from strata.stage_worker.engine import Chunk, Engine
 from strata.stage_worker.kernels import paged_attention
 from strata.stage_worker.kernels.quant_matmul import FUSED_TYPES
 from strata.stage_worker.kv_pool import KVPool
+from strata.stage_worker.kv_resident import ResidentShape
+from strata.stage_worker.stage_load import keep_resident
 from strata.stage_worker.weights import linear
 from strata.stage_worker.weights.linear import PackedLinear
 from strata_testbed.stages import load_spans
@@ -251,3 +254,35 @@ def test_a_long_fresh_prompt_attends_through_flash_attention_as_through_the_pool
     assert len(calls) == LAYERS, "with the bound out of reach the pool kernel attends"
     assert through_flash[0] == through_pool[0]
     assert abs(through_flash[1] - through_pool[1]) < 1e-4, (through_flash, through_pool)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gemma3"])
+def test_a_resident_window_decodes_in_compiled_graphs_as_eagerly(architecture: str, tmp_path: Path) -> None:
+    """The window's compacted table written and its queries recorded inside captured, compiled steps (decoding ahead
+    too): the same choices and tokens as the same window decoding eagerly on the same device."""
+    layers = None if architecture == "gemma3" else LAYERS  # gemma3's one full-attention layer is its sixth
+    path = write_test_model(tmp_path / "model.gguf", architecture=architecture, block_count=layers).path
+    prompt = tuple(torch.randint(1, 250, (200,), generator=torch.Generator().manual_seed(1)).tolist())
+    shape = ResidentShape(sinks=1, selected=2, recent=32, block=16)
+    runs = {}
+    for graphs in (True, False):
+        device = torch.device("cuda")
+        (stage,) = load_spans(path, dtype=torch.float32, device=device)
+        c = stage.config
+        pool = KVPool(
+            n_layers=c.n_layer, context=512, parallel=2, key_width=c.kv_dim, value_width=c.kv_dim,
+            type_k=CacheType.F32, type_v=CacheType.F32, dtype=torch.float32, device=device, block=16,
+        )  # fmt: skip
+        keep_resident(pool, c, layers=range(c.n_layer), shape=shape)
+        engine = Engine(model=stage, pool=pool, device=device, dtype=torch.float32, cuda_graphs=graphs)
+        result = engine.step([Chunk(slot=0, start_position=0, length=len(prompt), token_ids=prompt, sample=True)], None)
+        tokens = [result.tokens[0].token_id]
+        for position in range(len(prompt), len(prompt) + 48):
+            result = engine.step([Chunk(slot=0, start_position=position, length=1, token_ids=(tokens[-1],),
+                                        sample=True)], None)  # fmt: skip
+            tokens.append(result.tokens[0].token_id)
+        assert pool.resident is not None
+        runs[graphs] = (tokens, pool.resident.choices, pool.resident.seen(0, len(prompt) + 48))
+        torch._dynamo.reset()
+    assert runs[True][1] > 0, "the window never chose: the comparison would prove nothing"
+    assert runs[True] == runs[False]

@@ -73,6 +73,8 @@ def test_the_choice_keeps_the_blocks_whose_keys_answer_the_query(case: NeedleCas
 def _pool_with_window(shape: ResidentShape) -> KVPool:
     pool = small_pool(CacheType.F32, context=256, parallel=2)
     pool.keep_resident(shape, n_head=4, head_dim=HEAD_DIM, scales=[HEAD_DIM**-0.5] * LAYERS)
+    assert pool.resident is not None
+    assert len(pool.resident.layers) == LAYERS
     return pool
 
 
@@ -210,5 +212,21 @@ def test_recent_positions_must_cover_a_window_read_through_the_same_table() -> N
     with pytest.raises(ValueError, match="must cover the sliding window of 24"):
         pool.keep_resident(
             ResidentShape(sinks=1, selected=2, recent=2 * BLOCK, block=BLOCK), n_head=4, head_dim=HEAD_DIM,
-            scales=[1.0],
+            scales=[None, 1.0],
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("window_space", [False, True], ids=["windows masked in the full table", "a window space"])
+def test_the_window_chooses_by_the_full_attention_layers_alone(window_space: bool, tmp_path: Path) -> None:
+    model = write_test_model(tmp_path / "m.gguf", architecture="gemma3")
+    shape = ResidentShape(sinks=1, selected=2, recent=2 * BLOCK, block=BLOCK)
+    (engine,) = cpu_engines(model.path, [(0, model.shape.block_count)], cache_type=CacheType.F32, context=256,
+                            block=BLOCK, resident=shape, window_space=window_space)  # fmt: skip
+    resident = engine.pool.resident
+    assert resident is not None
+    config = engine.model.config
+    full = [engine.pool.layers[il] for il in range(config.n_layer) if not config.is_sliding(il)]
+    assert resident.layers == full
+    assert resident.scales.tolist() == [config.attention_rule(il).scale for il in range(config.n_layer)
+                                        if not config.is_sliding(il)]  # fmt: skip
+    assert all(layer.queries is None for layer in engine.pool.layers if layer not in full)

@@ -61,7 +61,6 @@ class KVPool:
             raise ValueError(f"the sliding flags name {len(sliding)} layers; the pool holds {n_layers}")
         self.context = context
         self.parallel = parallel
-        self.sliding = sliding or (False,) * n_layers
         self.sliding_window = window if any(sliding) else 0
         # Per slot, the changes made to it outside a step (reset, place, adopt): work a step launched ahead
         # (strata.stage_worker.decode_ahead) stands for its slots as they were when it was launched.
@@ -101,19 +100,21 @@ class KVPool:
             space.copy_block = partial(_copy_block, mine, block)
         self.resident: ResidentWindow | None = None  # keep_resident
 
-    def keep_resident(self, shape: ResidentShape, *, n_head: int, head_dim: int, scales: list[float]) -> None:
+    def keep_resident(self, shape: ResidentShape, *, n_head: int, head_dim: int, scales: list[float | None]) -> None:
         """Let decode steps attend over a resident window of each slot's full-attention positions
-        (strata.stage_worker.kv_resident), chosen by the layers without a sliding window; `scales`: their score
-        scales, in order."""
+        (strata.stage_worker.kv_resident). `scales`: per layer of the pool, the score scale of a full-attention
+        layer, which the window chooses by, or None for a sliding-window one."""
+        if len(scales) != len(self.layers):
+            raise ValueError(f"{len(scales)} layers' scales for a pool of {len(self.layers)} layers")
         if self.window is None and shape.recent < self.sliding_window:
             raise ValueError(
                 f"the resident window's {shape.recent} recent positions must cover the sliding window of "
                 f"{self.sliding_window}: its layers read the same compacted table"
             )
-        full = [layer for layer, sliding in zip(self.layers, self.sliding, strict=True) if not sliding]
+        chosen_by = [(layer, scale) for layer, scale in zip(self.layers, scales, strict=True) if scale is not None]
         self.resident = ResidentWindow(
-            shape=shape, space=self.full, layers=full, scales=scales, n_head=n_head, head_dim=head_dim,
-            dtype=self.layers[0].dtype,
+            shape=shape, space=self.full, layers=[layer for layer, _ in chosen_by],
+            scales=[scale for _, scale in chosen_by], n_head=n_head, head_dim=head_dim, dtype=self.layers[0].dtype,
         )  # fmt: skip
 
     @property

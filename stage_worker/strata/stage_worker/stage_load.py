@@ -98,8 +98,8 @@ def stage_pool(
 def keep_resident(pool: KVPool, config: ModelConfig, *, layers: range, shape: ResidentShape) -> None:
     """Give the pool of the model's `layers` a resident window of `shape`, chosen by its full-attention layers. A
     stage of sliding-window layers only keeps none: each of its steps reads a window already."""
-    scales = [config.attention_rule(il).scale for il in layers if not config.is_sliding(il)]
-    if not scales:
+    scales = [None if config.is_sliding(il) else config.attention_rule(il).scale for il in layers]
+    if not any(scale is not None for scale in scales):
         return
     pool.keep_resident(shape, n_head=config.n_head, head_dim=config.head_dim, scales=scales)
     log.info(

@@ -87,12 +87,12 @@ def block_shares(queries: Tensor, bounds: Tensor, *, scales: Tensor) -> Tensor:
     return bound.softmax(dim=-1).sum(dim=(0, 1, 2))
 
 
-def choose(shares: Tensor, *, candidates: list[int], keep: int) -> list[int]:
-    """The `keep` candidates of the largest shares (all of them when there are no more), in position order."""
-    if len(candidates) <= keep:
-        return list(candidates)
-    top = torch.topk(shares, keep).indices.tolist()
-    return sorted(candidates[i] for i in top)
+def choose(shares: Tensor, *, candidates: Tensor, keep: int) -> Tensor:
+    """The `keep` candidates of the largest shares (all of them when there are no more), in position order: on the
+    device, so a choice never waits for the GPU."""
+    if candidates.numel() <= keep:
+        return candidates
+    return candidates[torch.topk(shares, keep).indices].sort().values
 
 
 class ResidentWindow:
@@ -130,7 +130,9 @@ class ResidentWindow:
         self.queries = torch.zeros(len(layers), parallel, n_head, head_dim, dtype=dtype, device=device)
         for index, layer in enumerate(layers):
             layer.queries = self.queries[index]
-        self._prefix: list[list[int]] = [[] for _ in range(parallel)]  # per slot: the resident blocks before its tail
+        # per slot: the logical blocks it sees before its tail, in order (on the device), and how many
+        self._prefix: list[Tensor | None] = [None] * parallel
+        self._prefix_blocks = [0] * parallel
         self._tail = [0] * parallel  # per slot: the first of its recent positions (a block boundary)
         self._stale = [True] * parallel  # the slot's row must be built again before its next decode step
         self._queried = [False] * parallel  # a decode step of the slot's current sequence recorded its queries
@@ -145,10 +147,18 @@ class ResidentWindow:
 
     def seen(self, slot: int, end: int) -> list[int]:
         """The positions before `end` that the slot's next decode step sees, in its row's order: the chosen blocks',
-        then the recent ones."""
-        size = self.shape.block
-        chosen = [block * size + offset for block in self._prefix[slot] for offset in range(size)]
-        return chosen + list(range(self._tail[slot], end))
+        then the recent ones (read back from the device: for tests and reports, not for a step)."""
+        positions: list[int] = self._positions(slot, end).tolist()
+        return positions
+
+    def _positions(self, slot: int, end: int) -> Tensor:
+        size, device = self.shape.block, self.table.device
+        recent = torch.arange(self._tail[slot], end, device=device)
+        prefix = self._prefix[slot]
+        if prefix is None:
+            return recent
+        chosen = (prefix[:, None] * size + torch.arange(size, device=device)).flatten()
+        return torch.cat([chosen, recent])
 
     def forget(self, slot: int) -> None:
         """The slot holds another sequence now (reset, a restored prefix): nothing of its choice or queries stays."""
@@ -174,7 +184,7 @@ class ResidentWindow:
         for slot, start, length in pieces:
             if self._stale[slot] or (self._queried[slot] and self._next_tail(start) > self._tail[slot]):
                 self._build(slot, start)
-            base = len(self._prefix[slot]) * self.shape.block - self._tail[slot]
+            base = self._prefix_blocks[slot] * self.shape.block - self._tail[slot]
             out.append([base + position for position in range(start, start + length)])
             self._queried[slot] = self._queried[slot] or records
         return out
@@ -188,39 +198,41 @@ class ResidentWindow:
 
     def _build(self, slot: int, start: int) -> None:
         """Choose the slot's blocks for a step at `start` (once it recorded queries) and lay their cells and its
-        recent positions out in its row; until then, or with nothing to choose from, every position in order."""
-        size = self.shape.block
+        recent positions out in its row; until then, or with nothing to choose from, every position in order. All on
+        the device: the host knows how many blocks are chosen, never which, so it never waits for the GPU."""
+        size, sinks = self.shape.block, self.shape.sinks
         tail = self._next_tail(start) if self._queried[slot] else 0
-        prefix = []
+        prefix = None
         if tail:
-            prefix = list(range(self.shape.sinks)) + self._choose(slot, list(range(self.shape.sinks, tail // size)))
+            sink_blocks = torch.arange(sinks, device=self.table.device)
+            prefix = torch.cat([sink_blocks, self._choose(slot, sinks, tail // size)])
         self._prefix[slot], self._tail[slot] = prefix, tail
-        positions = self.seen(slot, start)
-        if positions:
-            index = torch.tensor(positions, dtype=torch.long).to(self.table.device, non_blocking=True)
-            self.table[slot, : len(positions)] = self.space.table[slot].index_select(0, index)
+        self._prefix_blocks[slot] = sinks + min(self.shape.selected, tail // size - sinks) if tail else 0
+        positions = self._positions(slot, start)
+        self.table[slot, : positions.numel()] = self.space.table[slot].index_select(0, positions)
         self._stale[slot] = False
 
-    def _choose(self, slot: int, candidates: list[int]) -> list[int]:
-        if len(candidates) <= self.shape.selected:
+    def _choose(self, slot: int, first: int, end: int) -> Tensor:
+        """The chosen of the slot's logical blocks first..end-1 (all full), in order."""
+        candidates = torch.arange(first, end, device=self.table.device)
+        if end - first <= self.shape.selected:
             return candidates  # every block fits: nothing to score
-        self._bound(slot, candidates[-1] + 1)
-        blocks = self.space.blocks_of(slot)
-        physical = torch.tensor([blocks[c] for c in candidates], dtype=torch.long).to(self.bounds.device)
+        self._bound(slot, end)
+        physical = self.space.table[slot, candidates * self.shape.block] // self.shape.block
         shares = block_shares(self.queries[:, slot], self.bounds.index_select(1, physical), scales=self.scales)
         self.choices += 1
         return choose(shares, candidates=candidates, keep=self.shape.selected)
 
     def _bound(self, slot: int, end: int) -> None:
-        """Compute the key bounds of the slot's blocks up to `end` (logical, all full) not yet computed."""
-        size, blocks = self.shape.block, self.space.blocks_of(slot)
+        """Compute the key bounds of the slot's blocks up to `end` (logical, all full) not yet computed. Their cells
+        come from the pool's table, on the device."""
+        size = self.shape.block
         for first in range(self._bounded[slot], end, BOUND_CHUNK_BLOCKS):
-            chunk = blocks[first : min(end, first + BOUND_CHUNK_BLOCKS)]
-            physical = torch.tensor(chunk, dtype=torch.long)
-            cells = (physical[:, None] * size + torch.arange(size)).flatten().to(self.bounds.device)
-            target = physical.to(self.bounds.device)
+            count = min(end, first + BOUND_CHUNK_BLOCKS) - first
+            cells = self.space.table[slot, first * size : (first + count) * size]
+            physical = cells[::size] // size
             for index, layer in enumerate(self.layers):
-                keys = layer.keys.read(cells, dtype=self.bounds.dtype).view(len(chunk), size, self.kv_heads, -1)
-                self.bounds[index, target, 0] = keys.amin(dim=1)
-                self.bounds[index, target, 1] = keys.amax(dim=1)
+                keys = layer.keys.read(cells, dtype=self.bounds.dtype).view(count, size, self.kv_heads, -1)
+                self.bounds[index, physical, 0] = keys.amin(dim=1)
+                self.bounds[index, physical, 1] = keys.amax(dim=1)
         self._bounded[slot] = max(self._bounded[slot], end)

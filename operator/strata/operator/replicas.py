@@ -40,7 +40,7 @@ def summarize(plan: Plan, *, generation: int, spec_generation: int | None = None
         parallel=plan.parallel,
         cacheTypeK=str(plan.cache_type_k),
         cacheTypeV=str(plan.cache_type_v),
-        residentWindowTokens=None if plan.resident_window is None else plan.resident_window.tokens,
+        residentWindowTokens=0 if plan.resident_window is None else plan.resident_window.tokens,
     )
 
 
@@ -55,7 +55,7 @@ def describe(summary: PlanSummary) -> str:
     stages = ", ".join(f"{s.node} layers [{s.layer_start},{s.layer_end})" for s in summary.stages)
     kv = f"{summary.cache_type_k}/{summary.cache_type_v}"
     window = summary.resident_window_tokens
-    resident = "" if window is None else f", decode over a resident window of {window} tokens"
+    resident = f", decode over a resident window of {window} tokens" if window else ""
     return (
         f"generation {summary.generation}: {len(summary.stages)} stage(s) ({stages}), "
         f"context {summary.context_length}, {summary.parallel} slots, KV {kv}{resident}"

@@ -84,11 +84,13 @@ class PlanSummary(_Status):
     parallel: int = Field(ge=1)
     cache_type_k: str = Field(alias="cacheTypeK")
     cache_type_v: str = Field(alias="cacheTypeV")
-    resident_window_tokens: int | None = Field(
-        default=None,
+    # 0, not None, when there is none: the API server drops a nested null, and a status that keeps writing a field
+    # the server keeps dropping is written on every pass (tests/operator/test_operator_watches.py caught it).
+    resident_window_tokens: int = Field(
+        default=0,
         alias="residentWindowTokens",
-        ge=1,
-        description="Positions a slot's decode step attends over at most (spec.kvCache.residentWindow); unset: all.",
+        ge=0,
+        description="Positions a slot's decode step attends over at most (spec.kvCache.residentWindow); 0: all.",
     )
 
 

@@ -228,8 +228,6 @@ class KVPool:
         if self.resident is None:
             columns = [list(range(start, start + length)) for _, start, length in pieces]
         else:
-            for slot, start, _ in pieces:
-                self.resident.moved(slot, start)
             columns = self.resident.columns(pieces, records=all(length == 1 for _, _, length in pieces))
         return [
             [Taken(*cell) for cell in zip(full, mine, column, strict=True)]

@@ -130,9 +130,8 @@ class ResidentWindow:
         self.queries = torch.zeros(len(layers), parallel, n_head, head_dim, dtype=dtype, device=device)
         for index, layer in enumerate(layers):
             layer.queries = self.queries[index]
-        # per slot: the logical blocks it sees before its tail, in order (on the device), and how many
+        # per slot: the logical blocks it sees before its tail, in order (on the device; its length is host metadata)
         self._prefix: list[Tensor | None] = [None] * parallel
-        self._prefix_blocks = [0] * parallel
         self._tail = [0] * parallel  # per slot: the first of its recent positions (a block boundary)
         self._stale = [True] * parallel  # the slot's row must be built again before its next decode step
         self._queried = [False] * parallel  # a decode step of the slot's current sequence recorded its queries
@@ -182,9 +181,11 @@ class ResidentWindow:
         chosen, again first where due). `records`: the step records each slot's queries (a one-row step)."""
         out = []
         for slot, start, length in pieces:
+            self.moved(slot, start)  # the step truncated the slot to its start
             if self._stale[slot] or (self._queried[slot] and self._next_tail(start) > self._tail[slot]):
                 self._build(slot, start)
-            base = self._prefix_blocks[slot] * self.shape.block - self._tail[slot]
+            prefix = self._prefix[slot]
+            base = (0 if prefix is None else prefix.numel()) * self.shape.block - self._tail[slot]
             out.append([base + position for position in range(start, start + length)])
             self._queried[slot] = self._queried[slot] or records
         return out
@@ -207,7 +208,6 @@ class ResidentWindow:
             sink_blocks = torch.arange(sinks, device=self.table.device)
             prefix = torch.cat([sink_blocks, self._choose(slot, sinks, tail // size)])
         self._prefix[slot], self._tail[slot] = prefix, tail
-        self._prefix_blocks[slot] = sinks + min(self.shape.selected, tail // size - sinks) if tail else 0
         positions = self._positions(slot, start)
         self.table[slot, : positions.numel()] = self.space.table[slot].index_select(0, positions)
         self._stale[slot] = False

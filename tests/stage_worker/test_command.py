@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 from strata.rpc.v1 import stage_pb2
 from strata.stage_worker.client import Pipeline, Request, wait_loaded
-from strata.stage_worker.command import resolve
+from strata.stage_worker.command import STOP_DEADLINE_S, resolve
 from strata_testbed.pipelines import local_pipeline
 from strata_testbed.range_server import serve_directory
 
@@ -24,26 +25,35 @@ PROMPT = (3, 1, 4, 1, 5, 9, 2, 6)
 
 @contextmanager
 def stage_ports(env: dict[str, str], *flags: str, stages: int = 1) -> Iterator[list[int]]:
-    """A `strata stage-worker` process; the port of each of its stages, first to last."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "strata.cli", "stage-worker", "--listen", "127.0.0.1:0", *flags],
-        env={**os.environ, **env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    try:
-        assert process.stdout is not None
-        ports = []
-        for index in range(stages):
-            line = process.stdout.readline()
-            match = re.search(r"listening on port (\d+)", line)
-            assert match, f"stage {index} of the process printed {line!r}"
-            ports.append(int(match.group(1)))
-        yield ports
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+    """A `strata stage-worker` process; the port of each of its stages, first to last. It must end by itself, with
+    status 0, after SIGTERM; its log is in the failure when it does not."""
+    # The log goes to a file, not a pipe: a log no one reads cannot fill a pipe and block the process.
+    with tempfile.TemporaryFile(mode="w+") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "strata.cli", "stage-worker", "--listen", "127.0.0.1:0", *flags],
+            env={**os.environ, **env},
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
+        try:
+            assert process.stdout is not None
+            ports = []
+            for index in range(stages):
+                line = process.stdout.readline()
+                match = re.search(r"listening on port (\d+)", line)
+                assert match, f"stage {index} of the process printed {line!r}"
+                ports.append(int(match.group(1)))
+            yield ports
+        finally:
+            process.terminate()
+            try:
+                status = process.wait(timeout=STOP_DEADLINE_S + 10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                status = process.wait()
+            log.seek(0)
+            assert status == 0, f"the process ended with status {status} after SIGTERM; its log:\n{log.read()[-8000:]}"
 
 
 @contextmanager

@@ -48,6 +48,9 @@ import threading
 
 from strata.settings import Option, add_options, resolve_options
 
+STOP_GRACE_S = 5.0  # an open stream's time to end after SIGTERM, before it is cancelled
+STOP_DEADLINE_S = 20.0  # every stage's stop and every thread's end after SIGTERM; past it the process says what held it
+
 # Flag, environment variable, type, default (None: required).
 OPTIONS: tuple[Option, ...] = tuple(
     Option(*row)
@@ -97,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     from strata.gguf.model import CacheType
     from strata.stage_worker.co_located import CoLocatedStages, co_located_settings, parse_split
     from strata.stage_worker.settings import StageSettings
+    from strata.stage_worker.shutdown import stop_within
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     values = resolve(args, dict(os.environ))
@@ -114,5 +118,5 @@ def run(args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopping.set())
     stopping.wait()
-    group.stop(grace_s=5.0)
+    stop_within(lambda: group.stop(grace_s=STOP_GRACE_S), deadline_s=STOP_DEADLINE_S, what="strata stage-worker")
     return 0

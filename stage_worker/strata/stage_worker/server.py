@@ -396,7 +396,8 @@ class RunningStage:
     ) -> None:
         self.health = health.HealthServicer()
         self.service = StageService(settings, health_servicer=self.health, then=then, after_in_process=after_in_process)
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
+        self.handlers = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="stage-handler")
+        self.server = grpc.server(self.handlers, options=CHANNEL_OPTIONS)
         stage_pb2_grpc.add_StageServicer_to_server(self.service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port(settings.listen)
@@ -411,3 +412,6 @@ class RunningStage:
     def stop(self, grace_s: float | None = None) -> None:
         self.service.close()
         self.server.stop(grace_s).wait()
+        # Idle handler threads end now rather than at the interpreter's exit, so a thread still running after the
+        # stop is one that a call holds (strata.stage_worker.shutdown names it).
+        self.handlers.shutdown(wait=False)

@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# One GPU lease's measurements, in the tree, so a lease is spent measuring rather than writing scripts that a new
+# checkout loses (the scratch scripts of earlier leases lived in the ignored .tmp/ and went with their checkouts).
+#
+#   here, once:       bash bench/lease.sh prepare          wheels (.whl), llama.cpp's source (.peer), protos compiled
+#   each device call: bash bench/lease.sh STEP [STEP...]   carry .whl, .peer and core/strata/rpc; figures in $OUT
+#
+# A device call may run 10 minutes and a warm machine waits 30 s for the next call, so the steps are cut to fit one
+# call each and keep their state under /tmp/strata-lease on the machine (the generated files, llama.cpp's build,
+# the installed wheels): call them back to back, the setup first. BENCH_ARGS goes to the step's bench (residency's
+# --files q8_0 or --skip fidelity, say, where one call cannot hold both files). Steps, in the order that closes issues soonest:
+#
+#   setup      install the wheels; write the Llama-3-8B-shape Q8_0 file and run the GPU tests and the kernels' tests
+#              compiled on the device while llama.cpp builds on the CPUs
+#   residency  bench/residency.py on the Q8_0 and Q4_K_M files, fidelity included (issue 17's table)
+#   depth      bench/depth.py beside llama.cpp at every depth, with the resident window (issues 29 and 24)
+#   needle     bench/needle.py on the real Gemma 3 270M on the GPU (issue 24's recall). The file is 253 MB: split it
+#              here (bench/gpu-pieces.sh split FILE .pieces), then one call a piece before this step, carrying
+#              .pieces/piece-NN and .pieces/sha256 alone: bash bench/gpu-pieces.sh keep .pieces /tmp/strata-lease/pieces
+#   kernels    bench/quant_matmul.py --dot8 and --sweep (the launch shapes behind the residency table)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+STATE=${STRATA_LEASE_STATE:-/tmp/strata-lease}
+OUT=${OUT:-$STATE/out}
+
+prepare() {
+  [ -x .venv/bin/python ] || { echo "lease: run make setup first (the protos and the pinned versions)" >&2; exit 1; }
+  bash bench/gpu-wheels.sh .whl
+  .venv/bin/python bench/llamacpp.py prepare .peer
+  for ignored in .whl .peer; do
+    git check-ignore -q "$ignored" || echo "/$ignored/" >> .git/info/exclude
+  done
+  echo "lease: carry .whl, .peer and core/strata/rpc in every device call ($(du -shc .whl .peer core/strata/rpc | tail -1 | cut -f1))"
+}
+
+environment() {
+  # The device's python3 has torch and Triton; the rest comes from the carried wheels, installed once a machine.
+  if [ ! -f "$STATE/site/.installed" ]; then
+    mkdir -p "$STATE/site"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$STATE/site" .whl/*.whl
+    # strata's own dist-info: the CLI reads its version from the installed metadata.
+    version=$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -1)
+    info="$STATE/site/strata-$version.dist-info"
+    mkdir -p "$info"
+    printf 'Metadata-Version: 2.1\nName: strata\nVersion: %s\n' "$version" > "$info/METADATA"
+    printf '[console_scripts]\nstrata = strata.cli:main\n' > "$info/entry_points.txt"
+    touch "$STATE/site/.installed"
+  fi
+  export PYTHONPATH="$STATE/site:core:operator:stage_worker:gateway:testbed:bench"
+  export PYTHONUNBUFFERED=1
+  mkdir -p "$OUT"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/machine.txt"
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/machine.txt"
+}
+
+setup() {
+  # llama.cpp compiles (niced) on the CPUs while the file is written and the tests run on the GPU; the step ends once
+  # it is built, so the benches after it find the build done (bench/llamacpp.py reuses a stamped build)
+  mkdir -p "$STATE/llamacpp"
+  nice -n 10 python3 -c "
+import sys; sys.path.insert(0, 'bench')
+from pathlib import Path
+import llamacpp
+print(llamacpp.build(Path('.peer/llama-src.tar.xz'), work=Path('$STATE/llamacpp'), cuda=True))
+" > "$OUT/llamacpp-build.log" 2>&1 &
+  build=$!
+  python3 -c "
+from pathlib import Path
+from strata.gguf.testmodels import LARGE_SHAPES
+from strata.gguf.testmodels.bulk import write_bulk_q8_model
+path = Path('$STATE/strata-bench-model.gguf')
+if not path.exists():
+    write_bulk_q8_model(path, shape=LARGE_SHAPES['llama3-8b'])
+print(path, path.stat().st_size)
+"
+  python3 -m pytest --noconftest -p no:cacheprovider -q tests/gpu 2>&1 | tee "$OUT/tests-gpu.txt" | tail -5
+  # the kernels' tests take the device from tests/stage_worker/conftest.py, whose packages the wheels hold
+  python3 -m pytest -p no:cacheprovider -q tests/stage_worker/test_quant_dot8.py \
+    tests/stage_worker/test_quant_matmul.py tests/stage_worker/test_paged_attention.py 2>&1 \
+    | tee "$OUT/tests-kernels.txt" | tail -5
+  wait "$build" || { echo "lease: llama.cpp did not build:"; tail -20 "$OUT/llamacpp-build.log"; exit 1; }
+  tail -1 "$OUT/llamacpp-build.log"
+}
+
+residency() {
+  python3 bench/residency.py --dir "$STATE" --peer-work "$STATE/llamacpp" --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/residency.log" | tail -40
+}
+
+depth() {
+  python3 bench/depth.py --model "$STATE/strata-bench-model.gguf" --peer-work "$STATE/llamacpp" --out "$OUT" \
+    --resident-window 4096 ${BENCH_ARGS:-} 2>&1 | tee "$OUT/depth.log" | tail -40
+}
+
+needle() {
+  [ -f "$STATE/gemma-3-270m-q4_k_m.gguf" ] || bash bench/gpu-pieces.sh join "$STATE/pieces" "$STATE/gemma-3-270m-q4_k_m.gguf"
+  python3 bench/needle.py --device cuda --model "$STATE/gemma-3-270m-q4_k_m.gguf" --out "$OUT/needle.json" 2>&1 \
+    | tee "$OUT/needle.log" | tail -20
+}
+
+kernels() {
+  python3 bench/quant_matmul.py --dot8 --out "$OUT/dot8.json" 2>&1 | tee "$OUT/dot8.log" | tail -30
+  python3 bench/quant_matmul.py --sweep --out "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" | tail -30
+}
+
+STEPS="setup residency depth needle kernels"
+[ $# -gt 0 ] || { sed -n 2,21p "$0" | grep '^#' >&2; exit 2; }
+if [ "$1" = prepare ]; then
+  prepare
+  exit
+fi
+for step in "$@"; do
+  [[ " $STEPS " == *" $step "* ]] || { echo "lease: unknown step $step; steps: $STEPS" >&2; exit 2; }
+done
+environment
+for step in "$@"; do
+  echo "== lease: $step ($(date -u +%H:%M:%S))"
+  "$step"
+done

@@ -50,7 +50,7 @@ class Case:
     equal_to_one: frozenset[str] = field(default_factory=frozenset)
 
 
-def attention_decode(*, cache: str, block_n: int, warps: int) -> Case:
+def attention_decode(*, cache: str, block_n: int, warps: int, int8_scores: bool = False) -> Case:
     """One stream's decode step (16 rows: the GQA group of 4 padded, over 4 positions' tile rule) over a q8_0 or
     f16 pool, as paged_attention_triton.paged_attention launches it."""
     q8 = cache == "q8_0"
@@ -69,9 +69,10 @@ def attention_decode(*, cache: str, block_n: int, warps: int) -> Case:
                            "stride_vsc", "stride_table", "head_dim"])  # fmt: skip
     constexprs: dict[str, object] = {"K_Q8": q8, "V_Q8": q8, "PAGE": 64, "BLOCK_T": 4, "REP": 4, "BLOCK_D": 128}
     constexprs |= {"BLOCK_N": block_n, "MIN_SPLIT": block_n, "F32_DOT": False, "BLOCKED_SCALES": True}
-    constexprs |= {"SOFTCAP": False, "DOT_F16": True}
+    constexprs |= {"SOFTCAP": False, "DOT_F16": True, "INT8_SCORES": int8_scores}
     return Case(
-        name=f"attention decode, {cache} KV, {block_n} positions a tile, {warps} warp(s)",
+        name=f"attention decode, {cache} KV, {block_n} positions a tile, {warps} warp(s)"
+        + (", int8 scores" if int8_scores else ""),
         kernel=attention._attend_split,
         types=types,
         constexprs=constexprs,
@@ -84,6 +85,8 @@ CASES: dict[str, Callable[[], Case]] = {
     "attention-q8-lone": lambda: attention_decode(cache="q8_0", block_n=32, warps=1),
     "attention-q8-batch": lambda: attention_decode(cache="q8_0", block_n=64, warps=2),
     "attention-f16-lone": lambda: attention_decode(cache="f16", block_n=32, warps=1),
+    "attention-q8-lone-int8": lambda: attention_decode(cache="q8_0", block_n=32, warps=1, int8_scores=True),
+    "attention-q8-batch-int8": lambda: attention_decode(cache="q8_0", block_n=64, warps=2, int8_scores=True),
 }
 
 

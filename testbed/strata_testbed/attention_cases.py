@@ -10,13 +10,17 @@ one of them, even to multiply it by zero, fails the case.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 from strata.gguf.model import CacheType
 from strata.stage_worker.kernels.paged_attention import AttentionRule, Sequences, attend_fresh, kernel, reference
 from strata.stage_worker.kv_pool import KVPool
+
+if TYPE_CHECKING:
+    from strata.stage_worker.kernels.paged_attention_triton import LaunchConfig
 
 ALL_CACHE_TYPES = (CacheType.Q8_0, CacheType.F16, CacheType.BF16, CacheType.F32)
 
@@ -97,6 +101,14 @@ CASES = [
     ),
 ]
 
+# The cases LaunchConfig.int8_scores takes (q8_0 K of 128-value heads): every q8_0 case of the table but the fresh
+# prompts (flash attention), at that head size.
+INT8_CASES = [
+    c if c.head_dim == 128 else replace(c, name=f"{c.name}, heads of 128", head_dim=128)
+    for c in CASES
+    if c.cache is CacheType.Q8_0 and not c.fresh
+]
+
 
 def relative_error(ours: torch.Tensor, expected: torch.Tensor) -> float:
     """The largest relative L2 error over rows and heads."""
@@ -104,8 +116,18 @@ def relative_error(ours: torch.Tensor, expected: torch.Tensor) -> float:
     return float((diff / expected.float().norm(dim=-1).clamp_min(1e-30)).max())
 
 
-def run_case(case: AttentionCase, *, device: torch.device, dtype: torch.dtype, seed: int = 0) -> float:
-    """Kernel against reference on fresh random inputs; returns the largest relative error (NaN fails any bound)."""
+def run_case(
+    case: AttentionCase,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int = 0,
+    launch: LaunchConfig | None = None,
+    reference_q: Callable[[torch.Tensor, float], torch.Tensor] | None = None,
+) -> float:
+    """Kernel against reference on fresh random inputs; returns the largest relative error (NaN fails any bound).
+    `launch`: the Triton kernel under that launch configuration, called directly (not through the model's op);
+    `reference_q`: what the reference attends with instead of q (q and the scores' scale in; round_q_int8, say)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     width = case.n_head_kv * case.head_dim
     cells = sum(case.kv_lens) + 7
@@ -142,10 +164,21 @@ def run_case(case: AttentionCase, *, device: torch.device, dtype: torch.dtype, s
     )
     rule = AttentionRule(scale=case.head_dim**-0.5, window=case.window, softcap=case.softcap)
     args = {"table": pool.table, "sequences": sequences, "n_head_kv": case.n_head_kv, "rule": rule}
-    expected = reference(q, pool.layers[0], **args)  # type: ignore[arg-type]
+    exact_q = q if reference_q is None else reference_q(q, rule.scale)
+    expected = reference(exact_q, pool.layers[0], **args)  # type: ignore[arg-type]
     if case.fresh:
         prompt_cells = pool.table[0, : case.kv_lens[0]]
         ours = attend_fresh(q, pool.layers[0], cells=prompt_cells, n_head_kv=case.n_head_kv, rule=rule)
+    elif launch is not None:
+        from strata.stage_worker.kernels.paged_attention_triton import paged_attention  # Triton, only when asked
+
+        cache = pool.layers[0]
+        ours = paged_attention(
+            q.contiguous(), keys=cache.keys.values, key_scales=cache.keys.scales, values=cache.values.values,
+            value_scales=cache.values.scales, table=pool.table, slots=sequences.slots, q_starts=sequences.q_starts,
+            q_lens=sequences.q_lens, kv_lens=sequences.kv_lens, max_q_len=sequences.max_q_len,
+            n_head_kv=case.n_head_kv, scale=rule.scale, window=rule.window, softcap=rule.softcap, config=launch,
+        )  # fmt: skip
     else:
         ours = kernel(q, pool.layers[0], **args)  # type: ignore[arg-type]
     return relative_error(ours, expected)

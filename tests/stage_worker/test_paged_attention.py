@@ -11,10 +11,17 @@ import importlib
 import pytest
 import torch
 from strata.gguf.model import CacheType
-from strata.stage_worker.kernels.paged_attention import AttentionRule, attend_fresh, kernel, reference
+from strata.stage_worker.kernels.paged_attention import (
+    AttentionRule,
+    attend_fresh,
+    kernel,
+    reference,
+    round_q_int8,
+)
+from strata.stage_worker.kernels.paged_attention_triton import LaunchConfig
 from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.model import step_layout
-from strata_testbed.attention_cases import CASES, AttentionCase, relative_error, run_case, tolerance
+from strata_testbed.attention_cases import CASES, INT8_CASES, AttentionCase, relative_error, run_case, tolerance
 
 TRITON_MODULE = "strata.stage_worker.kernels.paged_attention_triton"
 
@@ -108,3 +115,35 @@ def test_the_flash_path_refuses_a_window_or_a_cap(rule: AttentionRule, device: t
     )  # fmt: skip
     with pytest.raises(ValueError, match="reads the pool"):
         attend_fresh(torch.zeros(4, 2, 32), pool.layers[0], cells=torch.arange(4), n_head_kv=2, rule=rule)
+
+
+# The interpreter's share of the integer-score cases: the GPU's fidelity check (bench/depth.py) runs them all.
+INTERPRETED_INT8_CASES = [c for c in INT8_CASES if not c.gpu_only and max(c.kv_lens) < 1000]
+INT8_SCORES = LaunchConfig(int8_scores=True)
+
+
+@pytest.mark.parametrize("case", INTERPRETED_INT8_CASES, ids=lambda c: c.name)
+def test_integer_scores_are_the_reference_on_q_rounded_to_int8(case: AttentionCase, device: torch.device) -> None:
+    """The kernel's integer scores compute attention of q rounded to int8 a block of 32 (round_q_int8) to the 16-bit
+    path's accuracy; against the exact q, the rounding stays inside the bound the bf16 path is held to. In these cases
+    it is about 3.4x bf16's own rounding of q (300 positions: 6.6e-3 against 1.9e-3), as llama.cpp's q8_1 Q is."""
+    rounded = run_case(
+        case,
+        device=device,
+        dtype=torch.float16,
+        seed=3,
+        launch=INT8_SCORES,
+        reference_q=round_q_int8,
+    )
+    exact = run_case(case, device=device, dtype=torch.float16, seed=3, launch=INT8_SCORES)
+    assert rounded <= tolerance(torch.float16), f"{case.name}: {rounded:.2e} from attention of the rounded q"
+    assert exact <= tolerance(torch.bfloat16), f"{case.name}: {exact:.2e} from attention of the exact q"
+
+
+def test_integer_scores_are_the_path_taken(device: torch.device) -> None:
+    """The check above is of the integer products: over many positions q's rounding moves the output off the 16-bit
+    path's (one position would not show it: its softmax is 1 whatever the score)."""
+    case = AttentionCase("300 positions, heads of 128", kv_lens=(300,), head_dim=128)
+    integer = run_case(case, device=device, dtype=torch.float16, seed=3, launch=INT8_SCORES)
+    sixteen_bit = run_case(case, device=device, dtype=torch.float16, seed=3, launch=LaunchConfig())
+    assert integer != sixteen_bit

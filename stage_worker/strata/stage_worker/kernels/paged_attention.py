@@ -88,6 +88,18 @@ def reference(
     return out
 
 
+def round_q_int8(q: Tensor, scale: float) -> Tensor:
+    """q as the kernel's integer scores see it (LaunchConfig.int8_scores), in f32: q * scale rounded to int8 a block
+    of 32 values on the block's own scale (its largest magnitude over 127, halves away from zero), then / scale. The
+    reference of those scores is `reference` on this q."""
+    x = q.float() * scale
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    step = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+    steps = blocks / torch.where(step > 0, step, 1.0)
+    rounded = torch.where(steps >= 0, steps + 0.5, steps - 0.5).trunc() * step
+    return rounded.reshape(x.shape) / scale
+
+
 @torch.library.custom_op("strata::paged_attention", mutates_args=())
 def _paged_attention_op(
     q: Tensor,

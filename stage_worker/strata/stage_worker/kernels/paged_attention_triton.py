@@ -63,6 +63,28 @@ def _dequantise(values, scales_ptr, cell, stride_sc, first_column, pos_ok, d_ok,
     return numbers * scale.to(numbers.dtype)
 
 
+@triton.jit
+def _q_block_int8(q_ptr, q_rows, row_ok, sm_scale, first: tl.constexpr):
+    """Query values [first, first + 32) of each row, times sm_scale, rounded to int8 on a scale of their own (the
+    largest magnitude over 127), with that scale: llama.cpp's q8_1 rounding of Q against a quantised K."""
+    offs_j = tl.arange(0, 32)
+    x = tl.load(q_ptr + q_rows[:, None] + first + offs_j[None, :], mask=row_ok[:, None], other=0.0)
+    x = x.to(tl.float32) * sm_scale
+    scale = tl.max(tl.abs(x), axis=1) / 127.0
+    x = x / tl.where(scale > 0.0, scale, 1.0)[:, None]
+    return tl.where(x >= 0.0, x + 0.5, x - 0.5).to(tl.int8), scale
+
+
+@triton.jit
+def _block_scores(q_block, k_block_ptr, k_scale_ptr, pos_ok, b: tl.constexpr):
+    """Block b's part of the scores [M, N]: its int8 q against the tile's int8 K of that block, an integer product on
+    the tensor cores (IMMA), times both sides' scales."""
+    q8, q_scale = q_block
+    k8 = tl.load(k_block_ptr + b * 32, mask=pos_ok[None, :], other=0)  # [32, N]: K transposed, as stored
+    k_scale = tl.load(k_scale_ptr + b, mask=pos_ok, other=0.0).to(tl.float32)
+    return tl.dot(q8, k8, out_dtype=tl.int32).to(tl.float32) * q_scale[:, None] * k_scale[None, :]
+
+
 # The partial results' strides follow the batch's split count, which follows its size: specialised on them, the kernels
 # compiled again for each new batch size in the middle of serving (seconds each on an H200). So would the query tiles a
 # sequence takes, which follow the step's longest chunk (Triton specialises an integer that is 1 or a multiple of 16).
@@ -83,7 +105,7 @@ def _attend_split(
     K_Q8: tl.constexpr, V_Q8: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_T: tl.constexpr, REP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     F32_DOT: tl.constexpr, BLOCKED_SCALES: tl.constexpr, SOFTCAP: tl.constexpr, MIN_SPLIT: tl.constexpr,
-    DOT_F16: tl.constexpr,
+    DOT_F16: tl.constexpr, INT8_SCORES: tl.constexpr,
 ):  # fmt: skip
     seq_tile = tl.program_id(0)
     group = tl.program_id(1)
@@ -125,8 +147,15 @@ def _attend_split(
         return
 
     q_rows = rows * stride_qn + head.to(tl.int64) * stride_qh
-    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    q = (q.to(tl.float32) * sm_scale).to(tl.float16 if DOT_F16 else q_ptr.dtype.element_ty)
+    if INT8_SCORES:  # q8_0 K of heads of 128 values: four blocks of 32, each q block rounded to int8 once
+        q_0 = _q_block_int8(q_ptr, q_rows, row_ok, sm_scale, 0)
+        q_1 = _q_block_int8(q_ptr, q_rows, row_ok, sm_scale, 32)
+        q_2 = _q_block_int8(q_ptr, q_rows, row_ok, sm_scale, 64)
+        q_3 = _q_block_int8(q_ptr, q_rows, row_ok, sm_scale, 96)
+        q = tl.zeros([BLOCK_T * REP, BLOCK_D], dtype=tl.float16)  # only its dtype is read: V's tiles' and p's
+    else:
+        q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        q = (q.to(tl.float32) * sm_scale).to(tl.float16 if DOT_F16 else q_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_T * REP], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_T * REP], dtype=tl.float32)
@@ -139,12 +168,20 @@ def _attend_split(
         cell = (page * PAGE + pos % PAGE).to(tl.int64)
         kv_mask = pos_ok[:, None] & d_ok[None, :]
 
-        k = tl.load(k_ptr + cell[:, None] * stride_kc + column[None, :], mask=kv_mask, other=0)
-        if K_Q8:
-            k = _dequantise(k, ks_ptr, cell, stride_ksc, group * head_dim, pos_ok, d_ok,
-                            BLOCK_N, BLOCK_D, BLOCKED_SCALES, DOT_F16)  # fmt: skip
-        k = k.to(q.dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") if F32_DOT else tl.dot(q, tl.trans(k))
+        if INT8_SCORES:
+            k_block_ptr = k_ptr + cell[None, :] * stride_kc + group * head_dim + tl.arange(0, 32)[:, None]
+            k_scale_ptr = ks_ptr + cell * stride_ksc + group * (head_dim // 32)
+            scores = _block_scores(q_0, k_block_ptr, k_scale_ptr, pos_ok, 0)
+            scores += _block_scores(q_1, k_block_ptr, k_scale_ptr, pos_ok, 1)
+            scores += _block_scores(q_2, k_block_ptr, k_scale_ptr, pos_ok, 2)
+            scores += _block_scores(q_3, k_block_ptr, k_scale_ptr, pos_ok, 3)
+        else:
+            k = tl.load(k_ptr + cell[:, None] * stride_kc + column[None, :], mask=kv_mask, other=0)
+            if K_Q8:
+                k = _dequantise(k, ks_ptr, cell, stride_ksc, group * head_dim, pos_ok, d_ok,
+                                BLOCK_N, BLOCK_D, BLOCKED_SCALES, DOT_F16)  # fmt: skip
+            k = k.to(q.dtype)
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") if F32_DOT else tl.dot(q, tl.trans(k))
         if SOFTCAP:  # softcap * tanh(scores / softcap), with tanh(x) = 2 sigmoid(2x) - 1
             scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
         seen = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)  # [M, N]
@@ -230,12 +267,23 @@ class LaunchConfig:
     # 32,512 1,184 against 2,736; a 4,096-token chunk after 126,976 59.6 ms against 65.0; from position 0, 0.95x (a
     # lone long prompt takes flash attention instead). Fewer rows (speculative steps) keep 64, and 256-value heads too.
     chunk_rows: int = 128
+    # Scores as integer products: q rounded to int8 a block of 32 (llama.cpp's q8_1 rounding of Q) against q8_0 K of
+    # 128-value heads, on the tensor cores, with no K dequantised. Compiled offline for sm_90a (Triton 3.6,
+    # bench/sass.py), one stream's decode tile took 1,539 instructions against 1,778 and the 16-stream launch 1,527
+    # against 1,791; off until a lease times it (bench/depth.py --kernel-only) and the fidelity checks pass there.
+    int8_scores: bool = False
 
 
 DEFAULT = LaunchConfig()
 # A program's query rows in a step of a few positions (speculative ones) or of 256-value heads; longer chunks take
 # `LaunchConfig.chunk_rows`.
 SHORT_CHUNK_ROWS = 64
+
+
+def int8_scores_apply(keys: Tensor, key_scales: Tensor | None, q: Tensor, head_dim: int, dot_f16: bool) -> bool:
+    """Where `LaunchConfig.int8_scores` can take a layer: q8_0 K, 128-value heads (four q8_0 blocks, the kernel's
+    unrolled blocks), 16-bit dot products."""
+    return key_scales is not None and keys.dtype == torch.int8 and head_dim == 128 and dot_f16
 
 
 @dataclass(frozen=True)
@@ -340,6 +388,7 @@ def paged_attention(
     o_part = torch.empty(n, n_head, splits, head_dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(n, n_head, splits, dtype=torch.float32, device=q.device)
     f16_tiles = keys.dtype in (torch.int8, torch.float16) and values.dtype in (torch.int8, torch.float16)
+    dot_f16 = config.f16_dot and q.dtype in (torch.bfloat16, torch.float16) and f16_tiles
     _attend_split[(slots.shape[0] * q_tiles, n_head_kv, splits)](
         q, keys, keys if key_scales is None else key_scales, values, values if value_scales is None else value_scales,
         table, slots, q_starts, q_lens, kv_lens, o_part, lse_part,
@@ -355,7 +404,7 @@ def paged_attention(
         BLOCK_T=block_t, REP=rep, BLOCK_N=block_n, BLOCK_D=block_d,
         F32_DOT=q.dtype == torch.float32, BLOCKED_SCALES=head_dim % 32 == 0 and block_d == head_dim,
         SOFTCAP=softcap > 0, MIN_SPLIT=max(config.min_split, block_n),
-        DOT_F16=config.f16_dot and q.dtype in (torch.bfloat16, torch.float16) and f16_tiles,
+        DOT_F16=dot_f16, INT8_SCORES=config.int8_scores and int8_scores_apply(keys, key_scales, q, head_dim, dot_f16),
         num_warps=launch.warps, num_stages=config.num_stages,
     )  # fmt: skip
     out = torch.empty_like(q)

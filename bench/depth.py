@@ -74,7 +74,7 @@ def kernel_fidelity(device: torch.device) -> list[dict[str, object]]:
     for case in INT8_CASES:
         rounded = run_case(case, device=device, dtype=torch.bfloat16, seed=1, launch=launch, reference_q=round_q_int8)
         exact = run_case(case, device=device, dtype=torch.bfloat16, seed=1, launch=launch)
-        row = {"case": f"{case.name}, int8 scores", "dtype": "bfloat16", "error": exact, "rounded_q_error": rounded}
+        row = {"case": f"{case.name}, int8 scores", "dtype": "bf16+int8", "error": exact, "rounded_q_error": rounded}
         rows.append({**row, "ok": max(exact, rounded) <= bound})
     return rows
 
@@ -116,6 +116,10 @@ def kernel_speed(device: torch.device, *, depths: list[int]) -> dict[str, float]
         # Scores as integer products of q rounded to int8 and the stored K: 13-15% fewer instructions a tile, compiled
         # offline (bench/sass.py); not timed yet.
         "integer scores": dataclasses.replace(base, int8_scores=True),
+        # ... the lone stream's tile on 1 warp spills 48 bytes with them (offline); 64 positions on 2 warps does not
+        "integer scores, lone 64-position tiles, 2 warps": dataclasses.replace(
+            base, int8_scores=True, lone_block_n=64, num_warps=2
+        ),
     }
     shapes = [(1, d) for d in depths] + [(STREAMS, STREAM_DEPTH)]
     speeds = {}

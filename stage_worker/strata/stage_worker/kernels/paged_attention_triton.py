@@ -147,15 +147,15 @@ def _attend_split(
         return
 
     q_rows = rows * stride_qn + head.to(tl.int64) * stride_qh
+    tiles = tl.float16 if DOT_F16 else q_ptr.dtype.element_ty  # the dtype of the dot products' 16- or 32-bit tiles
     if INT8_SCORES:  # q8_0 K of heads of 128 values: four blocks of 32, each q block rounded to int8 once
         q_0 = _q_block_int8(q_ptr, q_rows, row_ok, sm_scale, 0)
         q_1 = _q_block_int8(q_ptr, q_rows, row_ok, sm_scale, 32)
         q_2 = _q_block_int8(q_ptr, q_rows, row_ok, sm_scale, 64)
         q_3 = _q_block_int8(q_ptr, q_rows, row_ok, sm_scale, 96)
-        q = tl.zeros([BLOCK_T * REP, BLOCK_D], dtype=tl.float16)  # only its dtype is read: V's tiles' and p's
     else:
         q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        q = (q.to(tl.float32) * sm_scale).to(tl.float16 if DOT_F16 else q_ptr.dtype.element_ty)
+        q = (q.to(tl.float32) * sm_scale).to(tiles)
 
     m_i = tl.full([BLOCK_T * REP], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_T * REP], dtype=tl.float32)
@@ -180,7 +180,7 @@ def _attend_split(
             if K_Q8:
                 k = _dequantise(k, ks_ptr, cell, stride_ksc, group * head_dim, pos_ok, d_ok,
                                 BLOCK_N, BLOCK_D, BLOCKED_SCALES, DOT_F16)  # fmt: skip
-            k = k.to(q.dtype)
+            k = k.to(tiles)
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") if F32_DOT else tl.dot(q, tl.trans(k))
         if SOFTCAP:  # softcap * tanh(scores / softcap), with tanh(x) = 2 sigmoid(2x) - 1
             scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
@@ -197,7 +197,7 @@ def _attend_split(
         if V_Q8:
             v = _dequantise(v, vs_ptr, cell, stride_vsc, group * head_dim, pos_ok, d_ok,
                             BLOCK_N, BLOCK_D, BLOCKED_SCALES, DOT_F16)  # fmt: skip
-        v = v.to(q.dtype)
+        v = v.to(tiles)
         if F32_DOT:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -280,7 +280,7 @@ DEFAULT = LaunchConfig()
 SHORT_CHUNK_ROWS = 64
 
 
-def int8_scores_apply(keys: Tensor, key_scales: Tensor | None, q: Tensor, head_dim: int, dot_f16: bool) -> bool:
+def int8_scores_apply(keys: Tensor, key_scales: Tensor | None, head_dim: int, dot_f16: bool) -> bool:
     """Where `LaunchConfig.int8_scores` can take a layer: q8_0 K, 128-value heads (four q8_0 blocks, the kernel's
     unrolled blocks), 16-bit dot products."""
     return key_scales is not None and keys.dtype == torch.int8 and head_dim == 128 and dot_f16
@@ -404,7 +404,7 @@ def paged_attention(
         BLOCK_T=block_t, REP=rep, BLOCK_N=block_n, BLOCK_D=block_d,
         F32_DOT=q.dtype == torch.float32, BLOCKED_SCALES=head_dim % 32 == 0 and block_d == head_dim,
         SOFTCAP=softcap > 0, MIN_SPLIT=max(config.min_split, block_n),
-        DOT_F16=dot_f16, INT8_SCORES=config.int8_scores and int8_scores_apply(keys, key_scales, q, head_dim, dot_f16),
+        DOT_F16=dot_f16, INT8_SCORES=config.int8_scores and int8_scores_apply(keys, key_scales, head_dim, dot_f16),
         num_warps=launch.warps, num_stages=config.num_stages,
     )  # fmt: skip
     out = torch.empty_like(q)

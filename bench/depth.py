@@ -79,9 +79,10 @@ def kernel_fidelity(device: torch.device) -> list[dict[str, object]]:
     return rows
 
 
-def kernel_speed(device: torch.device, *, depths: list[int]) -> dict[str, float]:
+def kernel_speed(device: torch.device, *, depths: list[int], only: Sequence[str] = ()) -> dict[str, float]:
     """One layer's decode attention alone (Llama-3-8B heads, q8_0 KV), replayed from a CUDA graph: achieved GB/s of
-    K/V read, for one stream at each depth and 16 streams at 4,096, under each launch configuration tried."""
+    K/V read, for one stream at each depth and 16 streams at 4,096, under each launch configuration tried (those
+    named in `only`, where it names any)."""
     import triton.testing
     from strata.stage_worker.kernels import paged_attention_triton as kernels
 
@@ -120,7 +121,14 @@ def kernel_speed(device: torch.device, *, depths: list[int]) -> dict[str, float]
         "integer scores, lone 64-position tiles, 2 warps": dataclasses.replace(
             base, int8_scores=True, lone_block_n=64, num_warps=2
         ),
+        # ... and with one stage the lone tile keeps everything in registers (offline: no stack, 1,531 instructions;
+        # the default's tile with one stage: 1,790, no stack)
+        "integer scores, 1 stage": dataclasses.replace(base, int8_scores=True, num_stages=1),
+        "1 stage": dataclasses.replace(base, num_stages=1),
     }
+    if unknown := set(only) - set(configs):
+        raise SystemExit(f"--configs: unknown launches {sorted(unknown)}; known: {', '.join(configs)}")
+    configs = {name: config for name, config in configs.items() if not only or name in only}
     shapes = [(1, d) for d in depths] + [(STREAMS, STREAM_DEPTH)]
     speeds = {}
     for streams, depth in shapes:
@@ -338,7 +346,8 @@ def render(r: dict[str, object]) -> str:
     lines = [
         machine_line(machine),
         f"model: llama3-8b shape, random Q8_0 weights ({r['file_gb']:.2f} GB file) kept in their blocks, bf16 "
-        f"compute; decode {STEPS} greedy steps after {WARM} warm-up; copy bandwidth {r['bandwidth'] / 1e12:.2f} TB/s",
+        f"compute; decode {STEPS} greedy steps after {WARM} warm-up; copy bandwidth {r['bandwidth'] / 1e12:.2f} TB/s"
+        + ("; decode attention with integer scores (--int8-scores)" if r.get("int8_scores") else ""),
         f"pool attention kernel vs reference: {r['kernel_passed']} of {r['kernel_cases']} case x dtype checks pass "
         f"(worst bf16 error {r['kernel_worst_bf16']:.2e})",
         "",
@@ -395,6 +404,14 @@ def main() -> None:
     )
     parser.add_argument("--no-checks", action="store_true", help="skip the kernel's checks (tuning runs only)")
     parser.add_argument(
+        "--configs", default="", help="--kernel-only: the launches to time, by name, separated by ';' (default: all)"
+    )
+    parser.add_argument(
+        "--int8-scores",
+        action="store_true",
+        help="decode attention takes integer scores (LaunchConfig.int8_scores) for the whole run",
+    )
+    parser.add_argument(
         "--resident-window", type=int, default=4096, help="tokens of the resident window's sweep (0: no such sweep)"
     )
     args = parser.parse_args()
@@ -403,6 +420,10 @@ def main() -> None:
                  "the same kernel under Triton's interpreter")  # fmt: skip
     device = torch.device("cuda:0")
     depths = [int(d) for d in args.depths.split(",")]
+    if args.int8_scores:
+        from strata.stage_worker.kernels import paged_attention_triton as kernels
+
+        kernels.use_default(dataclasses.replace(kernels.DEFAULT, int8_scores=True))
     # llama.cpp builds on the CPUs (niced) while Strata measures on the GPU; its benches run after Strata's.
     peer_build = None
     if args.peer.exists() and not args.kernel_only:
@@ -421,7 +442,8 @@ def main() -> None:
         )  # type: ignore[arg-type]
     if args.kernel_only:
         log(f"{machine_line(results['machine'])}; copy bandwidth {float(results['bandwidth']) / 1e12:.2f} TB/s")  # type: ignore[arg-type]
-        results["kernel_speed"] = kernel_speed(device, depths=depths)
+        only = [name.strip() for name in args.configs.split(";") if name.strip()]
+        results["kernel_speed"] = kernel_speed(device, depths=depths, only=only)
         results["chunk_speed"] = chunk_speed(device)
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
@@ -431,6 +453,7 @@ def main() -> None:
         write_bulk_q8_model(args.model, shape=LARGE_SHAPES["llama3-8b"])
     results["file_gb"] = args.model.stat().st_size / 1e9
     results["resident_window"] = args.resident_window
+    results["int8_scores"] = args.int8_scores
     results["strata"] = strata_sweep(args.model, depths=depths, device=device, resident_window=args.resident_window)
     if peer_build is not None:
         try:

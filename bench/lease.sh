@@ -10,8 +10,9 @@
 # the installed wheels): call them back to back, the setup first. BENCH_ARGS goes to the step's bench (residency's
 # --files q8_0 or --skip fidelity, say, where one call cannot hold both files). Steps, in the order that closes issues soonest:
 #
-#   setup      install the wheels; write the Llama-3-8B-shape Q8_0 file and run the GPU tests and the kernels' tests
-#              compiled on the device while llama.cpp builds on the CPUs
+#   setup      install the wheels; start llama.cpp's build on the CPUs (it goes on after the call); write the
+#              Llama-3-8B-shape Q8_0 file and run the GPU tests and the quantised kernels' tests compiled on the device
+#   attention  bench/depth.py --kernel-only: the attention kernel's checks and its launches (ATTENTION_CONFIGS)
 #   residency  bench/residency.py on the Q8_0 and Q4_K_M files, fidelity included (issue 17's table)
 #   depth      bench/depth.py beside llama.cpp at every depth, with the resident window (issues 29 and 24)
 #   needle     bench/needle.py on the real Gemma 3 270M on the GPU (issue 24's recall). The file is 253 MB: split it
@@ -54,16 +55,15 @@ environment() {
 }
 
 setup() {
-  # llama.cpp compiles (niced) on the CPUs while the file is written and the tests run on the GPU; the step ends once
-  # it is built, so the benches after it find the build done (bench/llamacpp.py reuses a stamped build)
-  mkdir -p "$STATE/llamacpp"
-  nice -n 10 python3 -c "
-import sys; sys.path.insert(0, 'bench')
-from pathlib import Path
-import llamacpp
-print(llamacpp.build(Path('.peer/llama-src.tar.xz'), work=Path('$STATE/llamacpp'), cuda=True))
-" > "$OUT/llamacpp-build.log" 2>&1 &
-  build=$!
+  # llama.cpp compiles (niced, in a session of its own so it outlives this call) on the CPUs while the next calls
+  # measure on the GPU; the steps that run it wait for it (peer_built)
+  if [ ! -f "$STATE/build-llamacpp.sh" ]; then
+    mkdir -p "$STATE/llamacpp"
+    printf '%s\n' "cd '$PWD'" \
+      "nice -n 10 python3 -c \"import sys; sys.path.insert(0, 'bench'); from pathlib import Path; import llamacpp; print(llamacpp.build(Path('$PWD/.peer/llama-src.tar.xz'), work=Path('$STATE/llamacpp'), cuda=True))\"" \
+      "echo \$? > '$STATE/llamacpp.done'" > "$STATE/build-llamacpp.sh"
+    setsid nohup bash "$STATE/build-llamacpp.sh" < /dev/null > "$STATE/llamacpp-build.log" 2>&1 &
+  fi
   python3 -c "
 from pathlib import Path
 from strata.gguf.testmodels import LARGE_SHAPES
@@ -73,20 +73,45 @@ if not path.exists():
     write_bulk_q8_model(path, shape=LARGE_SHAPES['llama3-8b'])
 print(path, path.stat().st_size)
 "
-  python3 -m pytest --noconftest -p no:cacheprovider -q tests/gpu 2>&1 | tee "$OUT/tests-gpu.txt" | tail -5
-  # the kernels' tests take the device from tests/stage_worker/conftest.py, whose packages the wheels hold
-  python3 -m pytest -p no:cacheprovider -q tests/stage_worker/test_quant_dot8.py \
-    tests/stage_worker/test_quant_matmul.py tests/stage_worker/test_paged_attention.py 2>&1 \
-    | tee "$OUT/tests-kernels.txt" | tail -5
-  wait "$build" || { echo "lease: llama.cpp did not build:"; tail -20 "$OUT/llamacpp-build.log"; exit 1; }
-  tail -1 "$OUT/llamacpp-build.log"
+  # each suite under a deadline of its own (SETUP_TESTS_S, default 180 s), so a slow one cannot take the call's
+  # measurements with it; one cut off says so, and the step goes on
+  local deadline=${SETUP_TESTS_S:-180}
+  timeout "$deadline" python3 -m pytest --noconftest -p no:cacheprovider -q tests/gpu 2>&1 \
+    | tee "$OUT/tests-gpu.txt" | tail -5 || echo "lease: tests/gpu stopped (exit ${PIPESTATUS[0]}; 124: past ${deadline}s)"
+  # the kernels' tests take the device from tests/stage_worker/conftest.py, whose packages the wheels hold; the
+  # attention kernel's checks are bench/depth.py's (the attention step)
+  timeout "$deadline" python3 -m pytest -p no:cacheprovider -q tests/stage_worker/test_quant_dot8.py \
+    tests/stage_worker/test_quant_matmul.py 2>&1 | tee "$OUT/tests-kernels.txt" | tail -5 \
+    || echo "lease: the kernels' tests stopped (exit ${PIPESTATUS[0]}; 124: past ${deadline}s)"
+}
+
+peer_built() {
+  # the build setup started; 540 s at most, a call's time less what a bench needs after it
+  local waited=0
+  until [ -f "$STATE/llamacpp.done" ]; do
+    [ "$waited" -lt 540 ] || { echo "lease: llama.cpp still building after ${waited}s:"; tail -5 "$STATE/llamacpp-build.log"; exit 1; }
+    sleep 5
+    waited=$((waited + 5))
+  done
+  [ "$(cat "$STATE/llamacpp.done")" = 0 ] || { echo "lease: llama.cpp did not build:"; tail -20 "$STATE/llamacpp-build.log"; exit 1; }
+  cp "$STATE/llamacpp-build.log" "$OUT/llamacpp-build.log"
+  echo "lease: llama.cpp built (waited ${waited}s): $(tail -1 "$STATE/llamacpp-build.log")"
+}
+
+attention() {
+  # the attention kernel alone: its checks on the GPU and the launches in ATTENTION_CONFIGS (names of bench/depth.py's
+  # kernel_speed, separated by ';'; empty: all of them)
+  python3 bench/depth.py --kernel-only --out "$OUT" --configs "${ATTENTION_CONFIGS:-}" ${BENCH_ARGS:-} 2>&1 \
+    | tee "$OUT/attention.log" | tail -40
 }
 
 residency() {
+  peer_built
   python3 bench/residency.py --dir "$STATE" --peer-work "$STATE/llamacpp" --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/residency.log" | tail -40
 }
 
 depth() {
+  peer_built
   python3 bench/depth.py --model "$STATE/strata-bench-model.gguf" --peer-work "$STATE/llamacpp" --out "$OUT" \
     --resident-window 4096 ${BENCH_ARGS:-} 2>&1 | tee "$OUT/depth.log" | tail -40
 }
@@ -102,8 +127,8 @@ kernels() {
   python3 bench/quant_matmul.py --sweep --out "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" | tail -30
 }
 
-STEPS="setup residency depth needle kernels"
-[ $# -gt 0 ] || { sed -n 2,21p "$0" | grep '^#' >&2; exit 2; }
+STEPS="setup attention residency depth needle kernels"
+[ $# -gt 0 ] || { sed -n '2,/^set -euo/p' "$0" | grep '^#' >&2; exit 2; }
 if [ "$1" = prepare ]; then
   prepare
   exit

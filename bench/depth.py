@@ -115,7 +115,7 @@ def kernel_speed(device: torch.device, *, depths: list[int], only: Sequence[str]
         "16-position tiles, 4 warps": dataclasses.replace(base, lone_block_n=16, block_n=16, num_warps=4),
         "64-position tiles, 8 warps": dataclasses.replace(base, lone_block_n=64, num_warps=8),
         # Scores as integer products of q rounded to int8 and the stored K: 13-15% fewer instructions a tile, compiled
-        # offline (bench/sass.py); not timed yet.
+        # offline (bench/sass.py); on an H100 (2026-12-07) one stream was 5-11% slower at depth, 16 streams 5.5% faster
         "integer scores": dataclasses.replace(base, int8_scores=True),
         # ... the lone stream's tile on 1 warp spills 48 bytes with them (offline); 64 positions on 2 warps does not
         "integer scores, lone 64-position tiles, 2 warps": dataclasses.replace(

@@ -63,6 +63,10 @@ SLOTS = (1, 4, 16)
 DECODE_PROMPT = 300
 DECODE_STEPS = 128
 TTFT_PROMPTS = (512, 4096)
+# The served first token of a 4,096-token prompt sent as the gateway sends it, this many tokens a step (its default
+# prefill chunk first), beside the whole prompt in one step: a step of more than GEMM_MAX_ROWS rows dequantises each
+# matrix for cuBLAS, so the chunk size decides how often a long prompt pays that.
+GATEWAY_CHUNKS = (256, 1024, 2048)
 KV = CacheType.Q8_0
 KV_BYTES_PER_VALUE = 34 / 32
 # `strata stage-worker` without the other subcommands (the bench machine carries only the stage worker's packages).
@@ -289,12 +293,18 @@ def served(model: Path, *, spans: list[tuple[int, int]], devices: list[str], voc
         pipeline = Pipeline(f"127.0.0.1:{port}", fence=stage_pb2.Fence(term=1, holder="bench"))
         pipeline.claim()
 
-        def prefill(slot: int, tokens: tuple[int, ...]) -> tuple[int, float]:
+        def prefill(slot: int, tokens: tuple[int, ...], chunk: int = 0) -> tuple[int, float]:
+            """The first token of `tokens` and its time, prefilled `chunk` tokens a step (0: in one step)."""
             pipeline.reset(slot)
             started = time.perf_counter()
-            chunk = stage_pb2.SlotChunk(slot=slot, start_position=0, length=len(tokens), token_ids=tokens, sample=True)
-            token = pipeline.step([chunk]).tokens[0].token_id
-            return token, time.perf_counter() - started
+            width = chunk or len(tokens)
+            for start in range(0, len(tokens), width):
+                ids = tokens[start : start + width]
+                last = start + len(ids) == len(tokens)
+                reply = pipeline.step(
+                    [stage_pb2.SlotChunk(slot=slot, start_position=start, length=len(ids), token_ids=ids, sample=last)]
+                )
+            return reply.tokens[0].token_id, time.perf_counter() - started
 
         for slots in SLOTS:
             last = {s: prefill(s, prompt(DECODE_PROMPT, vocab=vocab, seed=s))[0] for s in range(slots)}
@@ -317,6 +327,9 @@ def served(model: Path, *, spans: list[tuple[int, int]], devices: list[str], voc
         for length in TTFT_PROMPTS:
             times = [prefill(0, prompt(length, vocab=vocab, seed=100 + r))[1] for r in range(3)]
             figures[f"ttft_{length}"] = statistics.median(times)
+        for chunk in GATEWAY_CHUNKS:
+            times = [prefill(0, prompt(4096, vocab=vocab, seed=100 + r), chunk)[1] for r in range(3)]
+            figures[f"ttft_4096_chunks_{chunk}"] = statistics.median(times)
         pipeline.reset(0)
         pipeline.link.close()
     return figures

@@ -126,6 +126,14 @@ def render(r: dict[str, object]) -> str:
             ratio = "" if a is None or c is None else f"{(c / a if key.startswith('ttft') else a / c):.2f}x"
             cells = [format(v * scale, fmt) if isinstance(v, float) else "-" for v in (a, b, c)]
             lines.append(f"| {name} | {label} | {' | '.join(cells)} | {ratio} |")
+        for chunk in gpu.GATEWAY_CHUNKS:  # served only: the prompt in the gateway's steps of `chunk` tokens
+            seconds, theirs_s = served.get(f"ttft_{TTFT}_chunks_{chunk}"), theirs.get(f"ttft_{TTFT}")
+            if isinstance(seconds, float):
+                ratio = f"{theirs_s / seconds:.2f}x" if isinstance(theirs_s, float) else ""
+                lines.append(
+                    f"| {name} | time to first token, {TTFT} tokens in steps of {chunk}, ms | | "
+                    f"{seconds * 1e3:.0f} | | {ratio} |"
+                )
         fidelity = ours.get("fidelity")
         if isinstance(fidelity, dict):
             verdict = "PASS" if fidelity["passed"] else "FAIL"

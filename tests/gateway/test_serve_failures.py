@@ -203,3 +203,20 @@ def test_serve_refuses_a_host_kv_memory_that_is_no_quantity_naming_the_option(tm
     assert result.returncode == 1
     assert result.stderr.strip() == "strata serve: --kv-host-memory 'lots' is not a Kubernetes quantity such as 80Gi"
     assert "stage 0" not in result.stdout, "no stage may start"
+
+
+def test_serve_refuses_a_prefill_chunk_its_prefix_cache_cannot_restore_on_naming_the_option(tmp_path: Path) -> None:
+    model = write_header_only_model(tmp_path / "model.gguf", shape=LARGE_SHAPES["llama3-8b"]).path
+    result = subprocess.run(
+        [sys.executable, "-m", "strata.cli", "serve", str(model), "--port", "0", "--prefill-chunk", "512"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        "strata serve: --prefill-chunk: the prefix cache chunk (256 tokens) must be a multiple of the prefill chunk "
+        "(512 tokens)"
+    )
+    assert "stage 0" not in result.stdout, "no stage may start"

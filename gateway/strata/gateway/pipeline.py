@@ -50,6 +50,7 @@ from strata.gateway.grammar import Constraint
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.prefix_caching import PrefixCaching
 from strata.gateway.prefix_index import PrefixIndex
+from strata.gateway.settings import DEFAULT_PREFILL_CHUNK
 from strata.gateway.speculation import Drafter, NgramDrafter, Speculation, drafts_for
 from strata.gateway.stage_stream import CHANNEL_OPTIONS, DroppedStreamError, LapsedTermError, Step
 from strata.gateway.stepping import Stepping
@@ -68,7 +69,7 @@ class Pipeline(Stepping, PrefixCaching):
         context: int,
         fence: FencingToken | None,
         plan_generation: int = 0,
-        prefill_chunk: int = 256,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         prefix_chunk: int = 0,  # tokens per prefix-cache chunk; 0: no prefix cache
         prefix_seed: bytes = b"",  # what prompt hashes chain from (strata.gateway.prefix_index.prefix_seed)
         micro_batches: int = 1,  # steps in flight at once, of disjoint slots; used only with two stages or more

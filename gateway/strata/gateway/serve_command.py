@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 from strata.fit import DEFAULT_CACHE_TYPE
 from strata.gateway import serve_speculation
 from strata.gateway.serve_lines import say
-from strata.gateway.settings import DEFAULT_MICRO_BATCHES
+from strata.gateway.settings import DEFAULT_MICRO_BATCHES, DEFAULT_PREFILL_CHUNK, prefill_chunk_refusal
 from strata.gateway.supervision import RestartPolicy
 from strata.gguf.model import CacheType
 from strata.quantity import quantity_to_bytes
@@ -123,6 +123,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--prefix-cache-chunk", type=int, default=256, help="prefix snapshots are taken every N tokens (default 256)"
     )
     parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=DEFAULT_PREFILL_CHUNK,
+        metavar="TOKENS",
+        help="a prompt goes in at most this many tokens a step, so decoding lanes keep stepping; the prefix cache "
+        f"chunk must be a multiple of it (default {DEFAULT_PREFILL_CHUNK})",
+    )
+    parser.add_argument(
         "--micro-batches",
         type=int,
         default=DEFAULT_MICRO_BATCHES,
@@ -186,6 +194,10 @@ def run(args: argparse.Namespace) -> int:
             ResidentBudget(tokens=args.resident_window).split()
     except ValueError as exc:
         raise SystemExit(f"strata serve: --resident-window {exc}") from exc
+    prefix_chunk = args.prefix_cache_chunk if args.prefix_cache_bytes > 0 else 0
+    chunk_refused = prefill_chunk_refusal(prefill_chunk=args.prefill_chunk, prefix_cache_chunk=prefix_chunk)
+    if chunk_refused is not None:
+        raise SystemExit(f"strata serve: --prefill-chunk: {chunk_refused}")
     policy = _restart_policy(args)
     workdir = Path(tempfile.mkdtemp(prefix="strata-serve-"))
     model = args.model or str(_demo_model(workdir))
@@ -278,7 +290,8 @@ def run(args: argparse.Namespace) -> int:
             max_wait_seconds=args.max_wait_seconds,
             retry_after_seconds=args.retry_after_seconds,
             listen=f"{args.host}:{args.port}",
-            prefix_cache_chunk=args.prefix_cache_chunk if args.prefix_cache_bytes > 0 else 0,
+            prefix_cache_chunk=prefix_chunk,
+            prefill_chunk=args.prefill_chunk,
             kv_cache_types=f"{args.cache_type}/{args.cache_type}",
             micro_batches=args.micro_batches,
             speculative=args.speculative,

@@ -74,6 +74,7 @@ def build(settings: GatewaySettings, *, header: GGUFHeader | None = None) -> tup
             context=entry.context,
             fence=fence,
             plan_generation=entry.generation,
+            prefill_chunk=settings.prefill_chunk,
             prefix_chunk=settings.prefix_cache_chunk,
             prefix_seed=seed,
             micro_batches=settings.micro_batches,

@@ -34,6 +34,12 @@ from strata.settings import Option, resolve_options
 # the target GPUs says it pays; a pipeline of one stage ignores it.
 DEFAULT_MICRO_BATCHES = 1
 
+# A prompt is prefilled this many tokens a step (chunks end on multiples of it), so decoding slots keep stepping while
+# a long prompt goes in. On a GPU a step of more than quant_matmul.GEMM_MAX_ROWS rows dequantises each matrix for
+# cuBLAS, a cost a step that longer chunks share; `bench/residency.py` times a 4,096-token prompt's first token in
+# chunks of several sizes. The prefix cache's chunk must be a multiple of it (GatewaySettings).
+DEFAULT_PREFILL_CHUNK = 256
+
 # Speculative decoding's methods: n-gram lookup over the request's own context, or a draft model of the target's
 # vocabulary run in the gateway process (strata.gateway.draft_model).
 SPECULATIVE_METHODS = ("", "ngram", "draft")
@@ -64,6 +70,7 @@ OPTIONS: tuple[Option, ...] = tuple(
         ("--deployment-name", "STRATA_DEPLOYMENT_NAME", str, ""),
         ("--deployment-uid", "STRATA_DEPLOYMENT_UID", str, ""),
         ("--prefix-cache-chunk", "STRATA_PREFIX_CACHE_CHUNK", int, 256),
+        ("--prefill-chunk", "STRATA_PREFILL_CHUNK", int, DEFAULT_PREFILL_CHUNK),
         ("--kv-cache-types", "STRATA_KV_CACHE_TYPES", str, ""),
         ("--micro-batches", "STRATA_MICRO_BATCHES", int, DEFAULT_MICRO_BATCHES),
         ("--pipelines-poll-seconds", "STRATA_PIPELINES_POLL_SECONDS", float, 0.0),
@@ -78,6 +85,20 @@ OPTIONS: tuple[Option, ...] = tuple(
         ("--drain-seconds", "STRATA_DRAIN_SECONDS", float, DRAIN_S),
     )
 )
+
+
+def prefill_chunk_refusal(*, prefill_chunk: int, prefix_cache_chunk: int) -> str | None:
+    """Why a prefill chunk cannot go with this prefix cache chunk (0: no prefix cache), or None."""
+    if prefill_chunk < 1:
+        return f"the prefill chunk must be at least 1 token, not {prefill_chunk}"
+    if prefix_cache_chunk % prefill_chunk:
+        # a restored prefix ends on a prefix chunk; it must end on a prefill chunk too, so the request prefills the
+        # same spans of positions as a full prefill (and computes the same values)
+        return (
+            f"the prefix cache chunk ({prefix_cache_chunk} tokens) must be a multiple of the prefill chunk "
+            f"({prefill_chunk} tokens)"
+        )
+    return None
 
 
 def local_fence() -> FencingToken:
@@ -111,6 +132,7 @@ class GatewaySettings:
     deployment_name: str = ""  # the ModelDeployment that Events name (in lease_namespace); empty: no Events
     deployment_uid: str = ""
     prefix_cache_chunk: int = 256  # tokens per prefix-cache chunk (snapshots are taken at multiples); 0: off
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens a step prefills at most (chunks end on multiples)
     kv_cache_types: str = ""  # the stages' K/V cache types ("q8_0/q8_0"): prompt hashes chain from them
     micro_batches: int = DEFAULT_MICRO_BATCHES  # steps of disjoint slots in flight at once (with 2+ stages)
     pipelines_poll_seconds: float = 0.0  # how often the deployment's serving pipelines are read; 0: one pipeline
@@ -137,6 +159,9 @@ class GatewaySettings:
             raise ValueError(f"context ({self.context}) must be at least 2 and parallel ({self.parallel}) positive")
         if self.prefix_cache_chunk < 0:
             raise ValueError(f"the prefix cache chunk must not be negative, not {self.prefix_cache_chunk}")
+        refusal = prefill_chunk_refusal(prefill_chunk=self.prefill_chunk, prefix_cache_chunk=self.prefix_cache_chunk)
+        if refusal is not None:
+            raise ValueError(refusal)
         if self.micro_batches < 1:
             raise ValueError(f"micro-batches must be at least 1, not {self.micro_batches}")
         if self.pipelines_poll_seconds < 0 or (self.pipelines_poll_seconds and not self.deployment_name):

@@ -15,6 +15,11 @@
 #   attention  bench/depth.py --kernel-only: the attention kernel's checks and its launches (ATTENTION_CONFIGS)
 #   residency  bench/residency.py on the Q8_0 and Q4_K_M files, fidelity included (issue 17's table)
 #   depth      bench/depth.py beside llama.cpp at every depth, with the resident window (issues 29 and 24)
+#   paging     bench/kv_paging.py: the paged pool against the contiguous one, the host tier's bandwidth, a 128K prompt
+#              restored from the host against recomputed (issue 24's other figures, for the same lease as depth)
+#   profile    bench/decode_profile.py on the Q8_0 file and the Q4_K_M one (residency makes it): where a one-stream
+#              step goes, kernel by kernel, and what the host and the gaps between kernels add
+#   tests      tests/gpu and the kernels' tests compiled, under TESTS_S (default 540 s) together
 #   needle     bench/needle.py on the real Gemma 3 270M on the GPU (issue 24's recall). The file is 253 MB: split it
 #              here (bench/gpu-pieces.sh split FILE .pieces), then one call a piece before this step, carrying
 #              .pieces/piece-NN and .pieces/sha256 alone: bash bench/gpu-pieces.sh keep .pieces /tmp/strata-lease/pieces
@@ -122,12 +127,34 @@ needle() {
     | tee "$OUT/needle.log" | tail -20
 }
 
+paging() {
+  python3 bench/kv_paging.py --model "$STATE/strata-bench-model.gguf" --out "$OUT/kv_paging.json" ${BENCH_ARGS:-} 2>&1 \
+    | tee "$OUT/kv_paging.log" | tail -30
+}
+
+profile() {
+  for file in strata-bench-model.gguf strata-bench-model-q4_k_m.gguf; do
+    if [ ! -f "$STATE/$file" ]; then
+      echo "lease: no $STATE/$file (the residency step makes the Q4_K_M file)"
+      continue
+    fi
+    python3 bench/decode_profile.py --model "$STATE/$file" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/profile-${file%.gguf}.log" \
+      | tail -30
+  done
+}
+
+tests() {
+  timeout "${TESTS_S:-540}" python3 -m pytest -p no:cacheprovider -q tests/gpu tests/stage_worker/test_quant_dot8.py \
+    tests/stage_worker/test_quant_matmul.py 2>&1 | tee "$OUT/tests.txt" | tail -15 \
+    || echo "lease: the tests stopped (exit ${PIPESTATUS[0]}; 124: past ${TESTS_S:-540}s)"
+}
+
 kernels() {
   python3 bench/quant_matmul.py --dot8 --out "$OUT/dot8.json" 2>&1 | tee "$OUT/dot8.log" | tail -30
   python3 bench/quant_matmul.py --sweep --out "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" | tail -30
 }
 
-STEPS="setup attention residency depth needle kernels"
+STEPS="setup attention residency depth paging profile tests needle kernels"
 [ $# -gt 0 ] || { sed -n '2,/^set -euo/p' "$0" | grep '^#' >&2; exit 2; }
 if [ "$1" = prepare ]; then
   prepare

@@ -191,32 +191,30 @@ def test_serve_refuses_a_model_its_stages_cannot_run(tmp_path: Path, case: str) 
     assert "stage 0" not in result.stdout, "no stage may start"
 
 
-def test_serve_refuses_a_host_kv_memory_that_is_no_quantity_naming_the_option(tmp_path: Path) -> None:
-    model = write_header_only_model(tmp_path / "model.gguf", shape=LARGE_SHAPES["llama3-8b"]).path
-    result = subprocess.run(
-        [sys.executable, "-m", "strata.cli", "serve", str(model), "--port", "0", "--kv-host-memory", "lots"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert result.returncode == 1
-    assert result.stderr.strip() == "strata serve: --kv-host-memory 'lots' is not a Kubernetes quantity such as 80Gi"
-    assert "stage 0" not in result.stdout, "no stage may start"
-
-
-def test_serve_refuses_a_prefill_chunk_its_prefix_cache_cannot_restore_on_naming_the_option(tmp_path: Path) -> None:
-    model = write_header_only_model(tmp_path / "model.gguf", shape=LARGE_SHAPES["llama3-8b"]).path
-    result = subprocess.run(
-        [sys.executable, "-m", "strata.cli", "serve", str(model), "--port", "0", "--prefill-chunk", "512"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert result.returncode == 1
-    assert result.stderr.strip() == (
+REFUSED_OPTIONS = {
+    "a host KV memory that is no quantity": (
+        ("--kv-host-memory", "lots"),
+        "strata serve: --kv-host-memory 'lots' is not a Kubernetes quantity such as 80Gi",
+    ),
+    "a prefill chunk the prefix cache cannot restore on": (
+        ("--prefill-chunk", "512"),
         "strata serve: --prefill-chunk: the prefix cache chunk (256 tokens) must be a multiple of the prefill chunk "
-        "(512 tokens)"
+        "(512 tokens)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED_OPTIONS)
+def test_serve_refuses_an_option_it_cannot_honour_naming_it(tmp_path: Path, case: str) -> None:
+    options, message = REFUSED_OPTIONS[case]
+    model = write_header_only_model(tmp_path / "model.gguf", shape=LARGE_SHAPES["llama3-8b"]).path
+    result = subprocess.run(
+        [sys.executable, "-m", "strata.cli", "serve", str(model), "--port", "0", *options],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
+    assert result.returncode == 1
+    assert result.stderr.strip() == message
     assert "stage 0" not in result.stdout, "no stage may start"

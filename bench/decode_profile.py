@@ -1,13 +1,13 @@
 """Where a decode step's time goes on one GPU: the kernels of one replayed step, by name, and what the host adds.
 
-    python bench/decode_profile.py [--depth 300] [--steps 10] [--out DIR]
+    python bench/decode_profile.py [--model FILE] [--depth 300] [--steps 10] [--out DIR]
 
-Loads bench/gpu.py's Llama-3-8B-shape file (random Q8_0 weights, written where it runs) into the in-process engine
-(weights in their blocks, compiled blocks in CUDA graphs, q8_0 KV), decodes one stream after `--depth` positions, and
-reports: the engine's step time and a bare graph replay's (their difference is the host's part of a step), then the
-torch profiler's view of `--steps` steps: kernels a step, kernel time a step, the gaps between kernels, and the
-kernels grouped by name, most time first. The table of docs/benchmarks.md's "Where a single-stream step goes" came
-from here.
+Loads `--model` (by default bench/gpu.py's Llama-3-8B-shape file, random Q8_0 weights, written where it runs) into
+the in-process engine (weights in their blocks, compiled blocks in CUDA graphs, q8_0 KV), decodes one stream after
+`--depth` positions, and reports: the engine's step time and a bare graph replay's (their difference is the host's
+part of a step), then the torch profiler's view of `--steps` steps: kernels a step, kernel time a step, the gaps
+between kernels, and the kernels grouped by name, most time first. The table of docs/benchmarks.md's "Where a
+single-stream step goes" came from here.
 """
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ def render(r: dict[str, object], *, depth: int) -> str:
     assert isinstance(machine, dict)
     lines = [
         "machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()),
-        f"model: llama3-8b shape, random Q8_0 weights kept in their blocks, bf16 compute, q8_0 KV; one stream at "
-        f"depth {depth}",
+        f"model: {r['model_file']} (llama3-8b shape, random weights kept in their blocks), bf16 compute, q8_0 KV; one "
+        f"stream at depth {depth}",
         "",
         f"engine step {r['step_ms']:.3f} ms (median of 5 runs of back-to-back steps); bare graph replay "
         f"{r['replay_ms']:.3f} ms (the host's part: {r['step_ms'] - r['replay_ms']:.3f} ms)",  # type: ignore[operator]
@@ -136,6 +136,7 @@ def main() -> None:
     engine.decodes_ahead = ahead
     results: dict[str, object] = {
         "machine": gpu.machine(device),
+        "model_file": args.model.name,
         "step_ms": step * 1e3,
         "step_behind_ms": step_behind * 1e3,
         "ahead": ahead,

@@ -63,10 +63,11 @@ SLOTS = (1, 4, 16)
 DECODE_PROMPT = 300
 DECODE_STEPS = 128
 TTFT_PROMPTS = (512, 4096)
-# The served first token of a 4,096-token prompt sent as the gateway sends it, this many tokens a step (its default
-# prefill chunk first), beside the whole prompt in one step: a step of more than GEMM_MAX_ROWS rows dequantises each
-# matrix for cuBLAS, so the chunk size decides how often a long prompt pays that.
-GATEWAY_CHUNKS = (256, 1024, 2048)
+# The served first token of a 4,096-token prompt sent as the gateway sends it, this many tokens a step, beside the
+# whole prompt in one step: a step of more than GEMM_MAX_ROWS rows dequantises each matrix for cuBLAS, so the chunk
+# size decides how often a long prompt pays that. The gateway's default (256), the widest it takes today (the plan's
+# UBATCH_TOKENS, 512), and what a plan of 2,048-row steps would buy.
+GATEWAY_CHUNKS = (256, 512, 2048)
 KV = CacheType.Q8_0
 KV_BYTES_PER_VALUE = 34 / 32
 # `strata stage-worker` without the other subcommands (the bench machine carries only the stage worker's packages).

@@ -196,10 +196,10 @@ REFUSED_OPTIONS = {
         ("--kv-host-memory", "lots"),
         "strata serve: --kv-host-memory 'lots' is not a Kubernetes quantity such as 80Gi",
     ),
-    "a prefill chunk the prefix cache cannot restore on": (
-        ("--prefill-chunk", "512"),
-        "strata serve: --prefill-chunk: the prefix cache chunk (256 tokens) must be a multiple of the prefill chunk "
-        "(512 tokens)",
+    "a prefill chunk wider than the plan's micro-batch": (
+        ("--prefill-chunk", "1024"),
+        "strata serve: --prefill-chunk: the prefill chunk must be 1 to 512 tokens (the rows a step the plan sizes a "
+        "stage's activations and sliding-window cells for), not 1024",
     ),
 }
 

@@ -16,8 +16,8 @@
     STRATA_LEASE_DURATION_SECONDS, STRATA_RENEW_DEADLINE_SECONDS, STRATA_RETRY_PERIOD_SECONDS  (default 15, 10, 2)
     STRATA_POD_NAME              this replica's name in the Lease (default: the hostname)
     STRATA_PREFIX_CACHE_CHUNK    prefix snapshots are taken every N prompt tokens (default 256; 0: no prefix cache)
-    STRATA_PREFILL_CHUNK         a prompt goes in at most N tokens a step, chunks ending on multiples of N; the prefix
-                                 cache chunk must be a multiple of it (default 256)
+    STRATA_PREFILL_CHUNK         a prompt goes in at most N tokens a step, chunks ending on multiples of N; 1 to 512,
+                                 the plan's micro-batch (default 256)
     STRATA_KV_CACHE_TYPES        the stages' K/V cache types (e.g. q8_0/q8_0): prompt hashes chain from them, so
                                  snapshots of two cache types never share a key (default: unnamed)
     STRATA_DEPLOYMENT_NAME       the ModelDeployment (in the Lease's namespace) Events are recorded on

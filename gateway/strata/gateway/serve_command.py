@@ -39,7 +39,7 @@ from strata.gateway import serve_speculation
 from strata.gateway.serve_lines import say
 from strata.gateway.settings import DEFAULT_MICRO_BATCHES, DEFAULT_PREFILL_CHUNK, prefill_chunk_refusal
 from strata.gateway.supervision import RestartPolicy
-from strata.gguf.model import CacheType
+from strata.gguf.model import UBATCH_TOKENS, CacheType
 from strata.quantity import quantity_to_bytes
 
 if TYPE_CHECKING:
@@ -127,8 +127,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=int,
         default=DEFAULT_PREFILL_CHUNK,
         metavar="TOKENS",
-        help="a prompt goes in at most this many tokens a step, so decoding lanes keep stepping; the prefix cache "
-        f"chunk must be a multiple of it (default {DEFAULT_PREFILL_CHUNK})",
+        help="a prompt goes in at most this many tokens a step, so decoding lanes keep stepping; 1 to the plan's "
+        f"micro-batch of {UBATCH_TOKENS} (default {DEFAULT_PREFILL_CHUNK})",
     )
     parser.add_argument(
         "--micro-batches",
@@ -194,9 +194,7 @@ def run(args: argparse.Namespace) -> int:
             ResidentBudget(tokens=args.resident_window).split()
     except ValueError as exc:
         raise SystemExit(f"strata serve: --resident-window {exc}") from exc
-    prefix_chunk = args.prefix_cache_chunk if args.prefix_cache_bytes > 0 else 0
-    chunk_refused = prefill_chunk_refusal(prefill_chunk=args.prefill_chunk, prefix_cache_chunk=prefix_chunk)
-    if chunk_refused is not None:
+    if (chunk_refused := prefill_chunk_refusal(args.prefill_chunk)) is not None:
         raise SystemExit(f"strata serve: --prefill-chunk: {chunk_refused}")
     policy = _restart_policy(args)
     workdir = Path(tempfile.mkdtemp(prefix="strata-serve-"))
@@ -290,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
             max_wait_seconds=args.max_wait_seconds,
             retry_after_seconds=args.retry_after_seconds,
             listen=f"{args.host}:{args.port}",
-            prefix_cache_chunk=prefix_chunk,
+            prefix_cache_chunk=args.prefix_cache_chunk if args.prefix_cache_bytes > 0 else 0,
             prefill_chunk=args.prefill_chunk,
             kv_cache_types=f"{args.cache_type}/{args.cache_type}",
             micro_batches=args.micro_batches,

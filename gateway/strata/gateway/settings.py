@@ -23,6 +23,7 @@ from pathlib import Path
 from strata.draining import DRAIN_S
 from strata.gateway.speculation import DEFAULTS as DRAFT_DEFAULTS
 from strata.gateway.speculation import DraftSource, Speculation
+from strata.gguf.model import UBATCH_TOKENS
 from strata.lease import FencingToken, LeaseTiming
 from strata.settings import Option, resolve_options
 
@@ -34,10 +35,12 @@ from strata.settings import Option, resolve_options
 # the target GPUs says it pays; a pipeline of one stage ignores it.
 DEFAULT_MICRO_BATCHES = 1
 
-# A prompt is prefilled this many tokens a step (chunks end on multiples of it), so decoding slots keep stepping while
-# a long prompt goes in. On a GPU a step of more than quant_matmul.GEMM_MAX_ROWS rows dequantises each matrix for
+# A prompt is prefilled this many tokens a step (chunks end on multiples of it, after a restored prefix too, so that
+# from there on a restored request prefills the spans a full prefill would), so decoding slots keep stepping while a
+# long prompt goes in. On a GPU a step of more than quant_matmul.GEMM_MAX_ROWS rows dequantises each matrix for
 # cuBLAS, a cost a step that longer chunks share; `bench/residency.py` times a 4,096-token prompt's first token in
-# chunks of several sizes. The prefix cache's chunk must be a multiple of it (GatewaySettings).
+# chunks of several sizes. At most UBATCH_TOKENS: the plan sizes a stage's activations and its sliding-window
+# layers' spare cells for that many new rows a step.
 DEFAULT_PREFILL_CHUNK = 256
 
 # Speculative decoding's methods: n-gram lookup over the request's own context, or a draft model of the target's
@@ -87,16 +90,12 @@ OPTIONS: tuple[Option, ...] = tuple(
 )
 
 
-def prefill_chunk_refusal(*, prefill_chunk: int, prefix_cache_chunk: int) -> str | None:
-    """Why a prefill chunk cannot go with this prefix cache chunk (0: no prefix cache), or None."""
-    if prefill_chunk < 1:
-        return f"the prefill chunk must be at least 1 token, not {prefill_chunk}"
-    if prefix_cache_chunk % prefill_chunk:
-        # a restored prefix ends on a prefix chunk; it must end on a prefill chunk too, so the request prefills the
-        # same spans of positions as a full prefill (and computes the same values)
+def prefill_chunk_refusal(prefill_chunk: int) -> str | None:
+    """Why the stages cannot take prefill steps of `prefill_chunk` tokens, or None."""
+    if not 1 <= prefill_chunk <= UBATCH_TOKENS:
         return (
-            f"the prefix cache chunk ({prefix_cache_chunk} tokens) must be a multiple of the prefill chunk "
-            f"({prefill_chunk} tokens)"
+            f"the prefill chunk must be 1 to {UBATCH_TOKENS} tokens (the rows a step the plan sizes a stage's "
+            f"activations and sliding-window cells for), not {prefill_chunk}"
         )
     return None
 
@@ -159,8 +158,7 @@ class GatewaySettings:
             raise ValueError(f"context ({self.context}) must be at least 2 and parallel ({self.parallel}) positive")
         if self.prefix_cache_chunk < 0:
             raise ValueError(f"the prefix cache chunk must not be negative, not {self.prefix_cache_chunk}")
-        refusal = prefill_chunk_refusal(prefill_chunk=self.prefill_chunk, prefix_cache_chunk=self.prefix_cache_chunk)
-        if refusal is not None:
+        if (refusal := prefill_chunk_refusal(self.prefill_chunk)) is not None:
             raise ValueError(refusal)
         if self.micro_batches < 1:
             raise ValueError(f"micro-batches must be at least 1, not {self.micro_batches}")

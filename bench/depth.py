@@ -346,8 +346,7 @@ def render(r: dict[str, object]) -> str:
     lines = [
         machine_line(machine),
         f"model: llama3-8b shape, random Q8_0 weights ({r['file_gb']:.2f} GB file) kept in their blocks, bf16 "
-        f"compute; decode {STEPS} greedy steps after {WARM} warm-up; copy bandwidth {r['bandwidth'] / 1e12:.2f} TB/s"
-        + ("; decode attention with integer scores (--int8-scores)" if r.get("int8_scores") else ""),
+        f"compute; decode {STEPS} greedy steps after {WARM} warm-up; copy bandwidth {r['bandwidth'] / 1e12:.2f} TB/s",
         f"pool attention kernel vs reference: {r['kernel_passed']} of {r['kernel_cases']} case x dtype checks pass "
         f"(worst bf16 error {r['kernel_worst_bf16']:.2e})",
         "",
@@ -407,11 +406,6 @@ def main() -> None:
         "--configs", default="", help="--kernel-only: the launches to time, by name, separated by ';' (default: all)"
     )
     parser.add_argument(
-        "--int8-scores",
-        action="store_true",
-        help="decode attention takes integer scores (LaunchConfig.int8_scores) for the whole run",
-    )
-    parser.add_argument(
         "--resident-window", type=int, default=4096, help="tokens of the resident window's sweep (0: no such sweep)"
     )
     args = parser.parse_args()
@@ -420,10 +414,6 @@ def main() -> None:
                  "the same kernel under Triton's interpreter")  # fmt: skip
     device = torch.device("cuda:0")
     depths = [int(d) for d in args.depths.split(",")]
-    if args.int8_scores:
-        from strata.stage_worker.kernels import paged_attention_triton as kernels
-
-        kernels.use_default(dataclasses.replace(kernels.DEFAULT, int8_scores=True))
     # llama.cpp builds on the CPUs (niced) while Strata measures on the GPU; its benches run after Strata's.
     peer_build = None
     if args.peer.exists() and not args.kernel_only:
@@ -453,7 +443,6 @@ def main() -> None:
         write_bulk_q8_model(args.model, shape=LARGE_SHAPES["llama3-8b"])
     results["file_gb"] = args.model.stat().st_size / 1e9
     results["resident_window"] = args.resident_window
-    results["int8_scores"] = args.int8_scores
     results["strata"] = strata_sweep(args.model, depths=depths, device=device, resident_window=args.resident_window)
     if peer_build is not None:
         try:

@@ -11,7 +11,7 @@
 # --files q8_0 or --skip fidelity, say, where one call cannot hold both files). Steps, in the order that closes issues soonest:
 #
 #   setup      install the wheels; start llama.cpp's build on the CPUs (it goes on after the call); write the
-#              Llama-3-8B-shape Q8_0 file and run the GPU tests and the quantised kernels' tests compiled on the device
+#              Llama-3-8B-shape Q8_0 file and run the tests step under SETUP_TESTS_S (default 360 s)
 #   attention  bench/depth.py --kernel-only: the attention kernel's checks and its launches (ATTENTION_CONFIGS)
 #   residency  bench/residency.py on the Q8_0 and Q4_K_M files, fidelity included (issue 17's table)
 #   depth      bench/depth.py beside llama.cpp at every depth, with the resident window (issues 29 and 24)
@@ -78,16 +78,9 @@ if not path.exists():
     write_bulk_q8_model(path, shape=LARGE_SHAPES['llama3-8b'])
 print(path, path.stat().st_size)
 "
-  # each suite under a deadline of its own (SETUP_TESTS_S, default 180 s), so a slow one cannot take the call's
-  # measurements with it; one cut off says so, and the step goes on
-  local deadline=${SETUP_TESTS_S:-180}
-  timeout "$deadline" python3 -m pytest --noconftest -p no:cacheprovider -q tests/gpu 2>&1 \
-    | tee "$OUT/tests-gpu.txt" | tail -5 || echo "lease: tests/gpu stopped (exit ${PIPESTATUS[0]}; 124: past ${deadline}s)"
-  # the kernels' tests take the device from tests/stage_worker/conftest.py, whose packages the wheels hold; the
-  # attention kernel's checks are bench/depth.py's (the attention step)
-  timeout "$deadline" python3 -m pytest -p no:cacheprovider -q tests/stage_worker/test_quant_dot8.py \
-    tests/stage_worker/test_quant_matmul.py 2>&1 | tee "$OUT/tests-kernels.txt" | tail -5 \
-    || echo "lease: the kernels' tests stopped (exit ${PIPESTATUS[0]}; 124: past ${deadline}s)"
+  # the GPU tests while llama.cpp builds, under a deadline (SETUP_TESTS_S, default 360 s) so they cannot take the
+  # call's measurements with them
+  TESTS_S=${SETUP_TESTS_S:-360} tests
 }
 
 peer_built() {
@@ -144,6 +137,8 @@ profile() {
 }
 
 tests() {
+  # tests/gpu with the shared conftest, whose packages the wheels hold (the kernels' tests take their device there);
+  # the attention kernel's checks are bench/depth.py's (the attention step)
   timeout "${TESTS_S:-540}" python3 -m pytest -p no:cacheprovider -q tests/gpu tests/stage_worker/test_quant_dot8.py \
     tests/stage_worker/test_quant_matmul.py 2>&1 | tee "$OUT/tests.txt" | tail -15 \
     || echo "lease: the tests stopped (exit ${PIPESTATUS[0]}; 124: past ${TESTS_S:-540}s)"

@@ -277,20 +277,6 @@ class LaunchConfig:
 
 
 DEFAULT = LaunchConfig()
-_default = [DEFAULT]
-
-
-def default_config() -> LaunchConfig:
-    """The launch a call without one takes: `DEFAULT`, or what `use_default` set for an A/B run."""
-    return _default[0]
-
-
-def use_default(config: LaunchConfig) -> None:
-    """Make `config` the launch of every later call without one (benches compare a variant end to end this way;
-    a graph captured before keeps the launch it captured)."""
-    _default[0] = config
-
-
 # A program's query rows in a step of a few positions (speculative ones) or of 256-value heads; longer chunks take
 # `LaunchConfig.chunk_rows`.
 SHORT_CHUNK_ROWS = 64
@@ -309,7 +295,7 @@ class Launch:
     block_n: int
 
 
-def launch_shape(*, programs: int, rows: int, device: torch.device, config: LaunchConfig | None = None) -> Launch:
+def launch_shape(*, programs: int, rows: int, device: torch.device, config: LaunchConfig = DEFAULT) -> Launch:
     """The launch from the batch's shape only, so a CUDA graph replays at any depth.
 
     Splits give enough programs to fill the GPU `waves` times over, whatever the lengths (empty splits end at once).
@@ -319,7 +305,6 @@ def launch_shape(*, programs: int, rows: int, device: torch.device, config: Laun
     two warps and 64 (16 streams at 4,096: 1.38 TB/s against 1.25). `rows` is a program's query rows: one warp holds
     the 16 of a decode step's GQA group, not the 64 of a short chunk, and the 128 of a long one take 4 warps whatever
     the number of programs (see `LaunchConfig.chunk_rows`)."""
-    config = config or default_config()
     sms = _multiprocessors(device)
     splits = max(1, min(config.max_splits, -(-config.waves * sms // max(programs, 1))))
     lone = programs * 4 <= sms and rows <= 16
@@ -327,9 +312,9 @@ def launch_shape(*, programs: int, rows: int, device: torch.device, config: Laun
     return Launch(splits=splits, warps=warps, block_n=config.lone_block_n if lone else config.block_n)
 
 
-def saturating_programs(device: torch.device, config: LaunchConfig | None = None) -> int:
+def saturating_programs(device: torch.device, config: LaunchConfig = DEFAULT) -> int:
     """The programs from which a launch's shape no longer changes with more: one split each, the most warps."""
-    return (config or default_config()).waves * _multiprocessors(device)
+    return config.waves * _multiprocessors(device)
 
 
 @dataclass(frozen=True)
@@ -352,10 +337,9 @@ class TileShape:
 
 def tile_shape(
     *, n_seq: int, max_q_len: int, n_head: int, n_head_kv: int, head_dim: int, device: torch.device,
-    config: LaunchConfig | None = None,
+    config: LaunchConfig = DEFAULT,
 ) -> TileShape:  # fmt: skip
     """How a batch of `n_seq` sequences of up to `max_q_len` query positions is tiled and launched."""
-    config = config or default_config()
     rep = triton.next_power_of_2(n_head // n_head_kv)
     block_d = max(16, triton.next_power_of_2(head_dim))
     short = max_q_len * rep <= SHORT_CHUNK_ROWS or block_d > 128
@@ -385,13 +369,12 @@ def paged_attention(
     window: int = 0,
     softcap: float = 0.0,
     page: int = 1,
-    config: LaunchConfig | None = None,
+    config: LaunchConfig = DEFAULT,
 ) -> Tensor:
     """q: [N, H, hd]; keys/values: [cells, Hkv * hd] as stored (int8 with [cells, Hkv * hd / 32] f16 scales for
     q8_0); table: [slots, pages]; per sequence (device tensors): its table row, first row in q, query rows and
     visible positions; scores scaled by `scale`, over the last `window` positions (0: all), soft-capped at `softcap`
     (0: not). Returns [N, H, hd] in q's dtype."""
-    config = config or default_config()
     for name, column in (("slots", slots), ("q_starts", q_starts), ("q_lens", q_lens), ("kv_lens", kv_lens)):
         if not column.is_contiguous():  # the kernel indexes them as dense arrays: a strided view reads other values
             raise ValueError(f"the sequences' {name} must be one contiguous tensor, not strided {column.stride()}")

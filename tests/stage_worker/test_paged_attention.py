@@ -147,3 +147,16 @@ def test_integer_scores_are_the_path_taken(device: torch.device) -> None:
     integer = run_case(case, device=device, dtype=torch.float16, seed=3, launch=INT8_SCORES)
     sixteen_bit = run_case(case, device=device, dtype=torch.float16, seed=3, launch=LaunchConfig())
     assert integer != sixteen_bit
+
+
+# The share of a head one merge program takes (LaunchConfig.merge_d; 32 by default): any width is the same function,
+# on heads narrower and wider than it and not a multiple of it.
+MERGE_WIDTHS = {"16 values": LaunchConfig(merge_d=16), "a whole head": LaunchConfig(merge_d=256)}
+MERGE_CASES = ("one stream, 300 positions", "head dim 48 (heads not on q8_0 block edges)", "head dim 256")
+
+
+@pytest.mark.parametrize("launch", MERGE_WIDTHS.values(), ids=MERGE_WIDTHS.keys())
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in MERGE_CASES], ids=lambda c: c.name)
+def test_merge_widths_match_the_reference(case: AttentionCase, launch: LaunchConfig, device: torch.device) -> None:
+    error = run_case(case, device=device, dtype=torch.float16, seed=5, launch=launch)
+    assert error <= tolerance(torch.float16), f"{case.name}: relative error {error:.2e}"

@@ -219,10 +219,11 @@ def _merge_splits(
     splits, head_dim,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
+    """Program (row, head, part): values [part * BLOCK_D, (part + 1) * BLOCK_D) of one row's head, from its splits."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     s_ok = offs_s < splits
     lse = tl.load(lse_part_ptr + row * stride_ln + head * stride_lh + offs_s, mask=s_ok, other=float("-inf"))
     top = tl.max(lse, axis=0)
@@ -255,6 +256,15 @@ class LaunchConfig:
     lone_block_n: int = 32  # ... when the sequences alone would leave most multiprocessors idle
     num_warps: int | None = None  # None: by the batch's shape (launch_shape)
     num_stages: int = 2
+    # ... for a lone stream's launch: one. On an H100 (2026-12-07, --kernel-only, one layer) a lone stream's launch
+    # took 11.6 us at 300 positions against 12.6 with two, 15.7 against 17.1 at 4K, 52.9 against 54.0 at 32K and 162.4
+    # against 166.8 at 128K: a split of a short sequence is one tile, which a pipeline only delays.
+    lone_stages: int = 1
+    # Values of a head one merge program takes. A lone stream's 128 splits of a whole 128-value head were a [128, 128]
+    # f32 tile a program: 255 registers a thread and 72 bytes of spills (compiled offline, Triton 3.6), 7.8 us a layer
+    # in an H100's profile of a one-stream step at depth 300 (2026-12-07), 6.5% of the step; 32 values take 44
+    # registers and four times the programs.
+    merge_d: int = 32
     waves: int = 8  # programs per multiprocessor the splits aim for
     max_splits: int = 128
     # Positions a split takes at least (0: its tile). A short sequence is latency-bound: more splits of one tile each
@@ -293,6 +303,7 @@ class Launch:
     splits: int  # programs per sequence, tile and KV head
     warps: int
     block_n: int
+    stages: int = 2
 
 
 def launch_shape(*, programs: int, rows: int, device: torch.device, config: LaunchConfig = DEFAULT) -> Launch:
@@ -309,7 +320,8 @@ def launch_shape(*, programs: int, rows: int, device: torch.device, config: Laun
     splits = max(1, min(config.max_splits, -(-config.waves * sms // max(programs, 1))))
     lone = programs * 4 <= sms and rows <= 16
     warps = config.num_warps or (1 if lone else 4 if rows > SHORT_CHUNK_ROWS else 2 if programs < sms else 4)
-    return Launch(splits=splits, warps=warps, block_n=config.lone_block_n if lone else config.block_n)
+    return Launch(splits=splits, warps=warps, block_n=config.lone_block_n if lone else config.block_n,
+                  stages=config.lone_stages if lone else config.num_stages)  # fmt: skip
 
 
 def saturating_programs(device: torch.device, config: LaunchConfig = DEFAULT) -> int:
@@ -332,7 +344,7 @@ class TileShape:
         compiles (seconds), so a stage's warm-up runs a step of each its batches meet
         (strata.stage_worker.warm_steps)."""
         splits = triton.next_power_of_2(self.launch.splits)  # the merge's tile
-        return (self.block_t, self.block_n, self.launch.warps, splits)
+        return (self.block_t, self.block_n, self.launch.warps, splits, self.launch.stages)
 
 
 def tile_shape(
@@ -347,7 +359,7 @@ def tile_shape(
     block_t = max(1, rows // rep)
     q_tiles = triton.cdiv(max_q_len, block_t)
     launch = launch_shape(programs=n_seq * q_tiles * n_head_kv, rows=block_t * rep, device=device, config=config)
-    block_n = launch.block_n if block_d <= 128 else launch.block_n // 2
+    block_n = launch.block_n if block_d <= 128 else max(16, launch.block_n // 2)  # the dots take K >= 16
     return TileShape(rep=rep, block_t=block_t, block_d=block_d, q_tiles=q_tiles, block_n=block_n, launch=launch)
 
 
@@ -407,14 +419,15 @@ def paged_attention(
         F32_DOT=q.dtype == torch.float32, BLOCKED_SCALES=head_dim % 32 == 0 and block_d == head_dim,
         SOFTCAP=softcap > 0, MIN_SPLIT=max(config.min_split, block_n),
         DOT_F16=dot_f16, INT8_SCORES=config.int8_scores and int8_scores_apply(keys, key_scales, head_dim, dot_f16),
-        num_warps=launch.warps, num_stages=config.num_stages,
+        num_warps=launch.warps, num_stages=launch.stages,
     )  # fmt: skip
     out = torch.empty_like(q)
-    _merge_splits[(n, n_head)](
+    merge_d = min(config.merge_d, block_d)
+    _merge_splits[(n, n_head, triton.cdiv(head_dim, merge_d))](
         o_part, lse_part, out,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         out.stride(0), out.stride(1),
         splits, head_dim,
-        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=merge_d,
     )  # fmt: skip
     return out

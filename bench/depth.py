@@ -126,8 +126,8 @@ def kernel_speed(device: torch.device, *, depths: list[int], only: Sequence[str]
         "integer scores, 1 stage": dataclasses.replace(base, int8_scores=True, num_stages=1),
         "1 stage": dataclasses.replace(base, num_stages=1),
         # The merge of the splits over a whole head a program (before 2026-12-07), and a lone stream on two stages
-        "whole-head merge": dataclasses.replace(base, merge_d=128),
-        "whole-head merge, lone stream on 2 stages": dataclasses.replace(base, merge_d=128, lone_stages=2),
+        "whole-head merge": dataclasses.replace(base, merge_values=1 << 20),
+        "whole-head merge, lone stream on 2 stages": dataclasses.replace(base, merge_values=1 << 20, lone_stages=2),
     }
     if unknown := set(only) - set(configs):
         raise SystemExit(f"--configs: unknown launches {sorted(unknown)}; known: {', '.join(configs)}")

@@ -149,9 +149,9 @@ def test_integer_scores_are_the_path_taken(device: torch.device) -> None:
     assert integer != sixteen_bit
 
 
-# The share of a head one merge program takes (LaunchConfig.merge_d; 32 by default): any width is the same function,
-# on heads narrower and wider than it and not a multiple of it.
-MERGE_WIDTHS = {"16 values": LaunchConfig(merge_d=16), "a whole head": LaunchConfig(merge_d=256)}
+# How much of a head one merge program takes (LaunchConfig.merge_values): any share is the same function, on heads
+# narrower and wider than it and not a multiple of it.
+MERGE_WIDTHS = {"16 values": LaunchConfig(merge_values=16), "a whole head": LaunchConfig(merge_values=1 << 20)}
 MERGE_CASES = ("one stream, 300 positions", "head dim 48 (heads not on q8_0 block edges)", "head dim 256")
 
 

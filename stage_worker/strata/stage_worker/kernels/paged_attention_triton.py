@@ -260,11 +260,12 @@ class LaunchConfig:
     # took 11.6 us at 300 positions against 12.6 with two, 15.7 against 17.1 at 4K, 52.9 against 54.0 at 32K and 162.4
     # against 166.8 at 128K: a split of a short sequence is one tile, which a pipeline only delays.
     lone_stages: int = 1
-    # Values of a head one merge program takes. A lone stream's 128 splits of a whole 128-value head were a [128, 128]
-    # f32 tile a program: 255 registers a thread and 72 bytes of spills (compiled offline, Triton 3.6), 7.8 us a layer
-    # in an H100's profile of a one-stream step at depth 300 (2026-12-07), 6.5% of the step; 32 values take 44
-    # registers and four times the programs.
-    merge_d: int = 32
+    # The most values of the [splits, head values] f32 tile one merge program holds: a row's head is cut into as many
+    # programs as that takes. A lone stream's 128 splits of a whole 128-value head were 16,384 values a program: 255
+    # registers a thread and 72 bytes of spills (compiled offline, Triton 3.6), 7.8 us a layer in an H100's profile of
+    # a one-stream step at depth 300 (2026-12-07), 6.5% of the step; 32 values of the head take 44 registers. A batch's
+    # few splits and a prefill chunk's one keep a whole head a program: their rows are programs enough.
+    merge_values: int = 4096
     waves: int = 8  # programs per multiprocessor the splits aim for
     max_splits: int = 128
     # Positions a split takes at least (0: its tile). A short sequence is latency-bound: more splits of one tile each
@@ -422,7 +423,7 @@ def paged_attention(
         num_warps=launch.warps, num_stages=launch.stages,
     )  # fmt: skip
     out = torch.empty_like(q)
-    merge_d = min(config.merge_d, block_d)
+    merge_d = min(block_d, max(16, config.merge_values // triton.next_power_of_2(splits)))
     _merge_splits[(n, n_head, triton.cdiv(head_dim, merge_d))](
         o_part, lse_part, out,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),

@@ -128,6 +128,7 @@ def kernel_speed(device: torch.device, *, depths: list[int], only: Sequence[str]
         # The merge of the splits over a whole head a program (before 2026-12-07), and a lone stream on two stages
         "whole-head merge": dataclasses.replace(base, merge_values=1 << 20),
         "whole-head merge, lone stream on 2 stages": dataclasses.replace(base, merge_values=1 << 20, lone_stages=2),
+        "cells a tile ahead": dataclasses.replace(base, cells_ahead=True),
     }
     if unknown := set(only) - set(configs):
         raise SystemExit(f"--configs: unknown launches {sorted(unknown)}; known: {', '.join(configs)}")

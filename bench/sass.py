@@ -50,7 +50,9 @@ class Case:
     equal_to_one: frozenset[str] = field(default_factory=frozenset)
 
 
-def attention_decode(*, cache: str, block_n: int, warps: int, int8_scores: bool = False) -> Case:
+def attention_decode(
+    *, cache: str, block_n: int, warps: int, int8_scores: bool = False, cells_ahead: bool = False, stages: int = 2
+) -> Case:
     """One stream's decode step (16 rows: the GQA group of 4 padded, over 4 positions' tile rule) over a q8_0 or
     f16 pool, as paged_attention_triton.paged_attention launches it."""
     q8 = cache == "q8_0"
@@ -69,22 +71,27 @@ def attention_decode(*, cache: str, block_n: int, warps: int, int8_scores: bool 
                            "stride_vsc", "stride_table", "head_dim"])  # fmt: skip
     constexprs: dict[str, object] = {"K_Q8": q8, "V_Q8": q8, "PAGE": 64, "BLOCK_T": 4, "REP": 4, "BLOCK_D": 128}
     constexprs |= {"BLOCK_N": block_n, "MIN_SPLIT": block_n, "F32_DOT": False, "BLOCKED_SCALES": True}
-    constexprs |= {"SOFTCAP": False, "DOT_F16": True, "INT8_SCORES": int8_scores}
+    constexprs |= {"SOFTCAP": False, "DOT_F16": True, "INT8_SCORES": int8_scores, "CELLS_AHEAD": cells_ahead}
     return Case(
-        name=f"attention decode, {cache} KV, {block_n} positions a tile, {warps} warp(s)"
-        + (", int8 scores" if int8_scores else ""),
+        name=f"attention decode, {cache} KV, {block_n} positions a tile, {warps} warp(s), {stages} stage(s)"
+        + (", int8 scores" if int8_scores else "")
+        + (", cells a tile ahead" if cells_ahead else ""),
         kernel=attention._attend_split,
         types=types,
         constexprs=constexprs,
         divisible=divisible if q8 else divisible - {"ks_ptr", "vs_ptr", "stride_ksc", "stride_vsc"},
         warps=warps,
+        stages=stages,
     )
 
 
 CASES: dict[str, Callable[[], Case]] = {
-    "attention-q8-lone": lambda: attention_decode(cache="q8_0", block_n=32, warps=1),
+    "attention-q8-lone": lambda: attention_decode(cache="q8_0", block_n=32, warps=1, stages=1),
+    "attention-q8-lone-cells-ahead": lambda: attention_decode(
+        cache="q8_0", block_n=32, warps=1, stages=1, cells_ahead=True
+    ),
     "attention-q8-batch": lambda: attention_decode(cache="q8_0", block_n=64, warps=2),
-    "attention-f16-lone": lambda: attention_decode(cache="f16", block_n=32, warps=1),
+    "attention-f16-lone": lambda: attention_decode(cache="f16", block_n=32, warps=1, stages=1),
     "attention-q8-lone-int8": lambda: attention_decode(cache="q8_0", block_n=32, warps=1, int8_scores=True),
     "attention-q8-batch-int8": lambda: attention_decode(cache="q8_0", block_n=64, warps=2, int8_scores=True),
 }

@@ -160,3 +160,20 @@ MERGE_CASES = ("one stream, 300 positions", "head dim 48 (heads not on q8_0 bloc
 def test_merge_widths_match_the_reference(case: AttentionCase, launch: LaunchConfig, device: torch.device) -> None:
     error = run_case(case, device=device, dtype=torch.float16, seed=5, launch=launch)
     assert error <= tolerance(torch.float16), f"{case.name}: relative error {error:.2e}"
+
+
+# The next tile's cells loaded during this one (LaunchConfig.cells_ahead, timed by bench/depth.py --kernel-only): the
+# same function over tiles of a split, a window and chunks after cached positions among the cases.
+CELLS_AHEAD = LaunchConfig(cells_ahead=True)
+CELLS_AHEAD_CASES = (
+    "one stream, 300 positions",
+    "lengths around a tile edge",
+    "a window of 100 over decode rows",
+    "a window of 32 over chunks after cached positions",
+)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in CELLS_AHEAD_CASES], ids=lambda c: c.name)
+def test_cells_loaded_a_tile_ahead_match_the_reference(case: AttentionCase, device: torch.device) -> None:
+    error = run_case(case, device=device, dtype=torch.float16, seed=5, launch=CELLS_AHEAD)
+    assert error <= tolerance(torch.float16), f"{case.name}: relative error {error:.2e}"

@@ -105,7 +105,7 @@ def _attend_split(
     K_Q8: tl.constexpr, V_Q8: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_T: tl.constexpr, REP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     F32_DOT: tl.constexpr, BLOCKED_SCALES: tl.constexpr, SOFTCAP: tl.constexpr, MIN_SPLIT: tl.constexpr,
-    DOT_F16: tl.constexpr, INT8_SCORES: tl.constexpr,
+    DOT_F16: tl.constexpr, INT8_SCORES: tl.constexpr, CELLS_AHEAD: tl.constexpr,
 ):  # fmt: skip
     seq_tile = tl.program_id(0)
     group = tl.program_id(1)
@@ -161,10 +161,19 @@ def _attend_split(
     l_i = tl.zeros([BLOCK_T * REP], dtype=tl.float32)
     acc = tl.zeros([BLOCK_T * REP, BLOCK_D], dtype=tl.float32)
     column = group * head_dim + offs_d  # [D] this group's values in a cell's row
+    table_row = table_ptr + slot.to(tl.int64) * stride_table
+    if CELLS_AHEAD:  # the first tile's pages; each tile then loads the next one's (LaunchConfig.cells_ahead)
+        ahead = begin + tl.arange(0, BLOCK_N)
+        next_page = tl.load(table_row + ahead // PAGE, mask=ahead < end, other=0)
     for start in range(begin, end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         pos_ok = pos < end
-        page = tl.load(table_ptr + slot.to(tl.int64) * stride_table + pos // PAGE, mask=pos_ok, other=0)
+        if CELLS_AHEAD:
+            page = next_page
+            ahead = pos + BLOCK_N
+            next_page = tl.load(table_row + ahead // PAGE, mask=ahead < end, other=0)
+        else:
+            page = tl.load(table_row + pos // PAGE, mask=pos_ok, other=0)
         cell = (page * PAGE + pos % PAGE).to(tl.int64)
         kv_mask = pos_ok[:, None] & d_ok[None, :]
 
@@ -266,6 +275,11 @@ class LaunchConfig:
     # a one-stream step at depth 300 (2026-12-07), 6.5% of the step; 32 values of the head take 44 registers. A batch's
     # few splits and a prefill chunk's one keep a whole head a program: their rows are programs enough.
     merge_values: int = 4096
+    # Each tile loads the next tile's cells from the table, so a tile's K/V loads wait on one round trip to memory, not
+    # two in a row (its cells, then K/V). Compiled offline (Triton 3.6, sm_90a, bench/sass.py) the lone tile on one
+    # stage keeps its 255 registers and no stack, 13 instructions more (1,803); not yet timed (bench/depth.py
+    # --kernel-only, "cells a tile ahead"), so off.
+    cells_ahead: bool = False
     waves: int = 8  # programs per multiprocessor the splits aim for
     max_splits: int = 128
     # Positions a split takes at least (0: its tile). A short sequence is latency-bound: more splits of one tile each
@@ -420,6 +434,7 @@ def paged_attention(
         F32_DOT=q.dtype == torch.float32, BLOCKED_SCALES=head_dim % 32 == 0 and block_d == head_dim,
         SOFTCAP=softcap > 0, MIN_SPLIT=max(config.min_split, block_n),
         DOT_F16=dot_f16, INT8_SCORES=config.int8_scores and int8_scores_apply(keys, key_scales, head_dim, dot_f16),
+        CELLS_AHEAD=config.cells_ahead,
         num_warps=launch.warps, num_stages=launch.stages,
     )  # fmt: skip
     out = torch.empty_like(q)

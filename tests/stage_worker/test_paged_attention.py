@@ -149,31 +149,40 @@ def test_integer_scores_are_the_path_taken(device: torch.device) -> None:
     assert integer != sixteen_bit
 
 
-# How much of a head one merge program takes (LaunchConfig.merge_values): any share is the same function, on heads
-# narrower and wider than it and not a multiple of it.
-MERGE_WIDTHS = {"16 values": LaunchConfig(merge_values=16), "a whole head": LaunchConfig(merge_values=1 << 20)}
-MERGE_CASES = ("one stream, 300 positions", "head dim 48 (heads not on q8_0 block edges)", "head dim 256")
+# Launch variants against the reference, each on the cases that exercise it: how much of a head one merge program
+# takes (LaunchConfig.merge_values: heads narrower and wider than it, not a multiple of it), and the next tile's cells
+# loaded during this one (LaunchConfig.cells_ahead, timed by bench/depth.py --kernel-only: tiles of a split, a window
+# and chunks after cached positions).
+LAUNCH_VARIANTS = {
+    "a merge of 16 values a program": (
+        LaunchConfig(merge_values=16),
+        ("one stream, 300 positions", "head dim 48 (heads not on q8_0 block edges)", "head dim 256"),
+    ),
+    "a merge of a whole head a program": (
+        LaunchConfig(merge_values=1 << 20),
+        ("one stream, 300 positions", "head dim 48 (heads not on q8_0 block edges)", "head dim 256"),
+    ),
+    "cells a tile ahead": (
+        LaunchConfig(cells_ahead=True),
+        (
+            "one stream, 300 positions",
+            "lengths around a tile edge",
+            "a window of 100 over decode rows",
+            "a window of 32 over chunks after cached positions",
+        ),
+    ),
+}
 
 
-@pytest.mark.parametrize("launch", MERGE_WIDTHS.values(), ids=MERGE_WIDTHS.keys())
-@pytest.mark.parametrize("case", [c for c in CASES if c.name in MERGE_CASES], ids=lambda c: c.name)
-def test_merge_widths_match_the_reference(case: AttentionCase, launch: LaunchConfig, device: torch.device) -> None:
-    error = run_case(case, device=device, dtype=torch.float16, seed=5, launch=launch)
-    assert error <= tolerance(torch.float16), f"{case.name}: relative error {error:.2e}"
-
-
-# The next tile's cells loaded during this one (LaunchConfig.cells_ahead, timed by bench/depth.py --kernel-only): the
-# same function over tiles of a split, a window and chunks after cached positions among the cases.
-CELLS_AHEAD = LaunchConfig(cells_ahead=True)
-CELLS_AHEAD_CASES = (
-    "one stream, 300 positions",
-    "lengths around a tile edge",
-    "a window of 100 over decode rows",
-    "a window of 32 over chunks after cached positions",
+@pytest.mark.parametrize(
+    ("launch", "case"),
+    [
+        pytest.param(launch, case, id=f"{variant}: {case.name}")
+        for variant, (launch, names) in LAUNCH_VARIANTS.items()
+        for case in CASES
+        if case.name in names
+    ],
 )
-
-
-@pytest.mark.parametrize("case", [c for c in CASES if c.name in CELLS_AHEAD_CASES], ids=lambda c: c.name)
-def test_cells_loaded_a_tile_ahead_match_the_reference(case: AttentionCase, device: torch.device) -> None:
-    error = run_case(case, device=device, dtype=torch.float16, seed=5, launch=CELLS_AHEAD)
+def test_launch_variants_match_the_reference(launch: LaunchConfig, case: AttentionCase, device: torch.device) -> None:
+    error = run_case(case, device=device, dtype=torch.float16, seed=5, launch=launch)
     assert error <= tolerance(torch.float16), f"{case.name}: relative error {error:.2e}"

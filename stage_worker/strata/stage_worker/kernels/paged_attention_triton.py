@@ -438,12 +438,13 @@ def paged_attention(
         num_warps=launch.warps, num_stages=launch.stages,
     )  # fmt: skip
     out = torch.empty_like(q)
-    merge_d = min(block_d, max(16, config.merge_values // triton.next_power_of_2(splits)))
+    block_s = triton.next_power_of_2(splits)
+    merge_d = min(block_d, max(16, config.merge_values // block_s))
     _merge_splits[(n, n_head, triton.cdiv(head_dim, merge_d))](
         o_part, lse_part, out,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         out.stride(0), out.stride(1),
         splits, head_dim,
-        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=merge_d,
+        BLOCK_S=block_s, BLOCK_D=merge_d,
     )  # fmt: skip
     return out

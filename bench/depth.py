@@ -28,6 +28,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from strata.gguf.model import CacheType
@@ -40,6 +41,9 @@ from strata.stage_worker.kv_resident import ResidentShape
 from strata.stage_worker.model import StageModel
 from strata.stage_worker.stage_load import keep_resident
 from strata_testbed.attention_cases import CASES, INT8_CASES, run_case, tolerance
+
+if TYPE_CHECKING:
+    from strata.stage_worker.kernels.paged_attention_triton import LaunchConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 import gpu
@@ -59,6 +63,17 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
+def _gpu_variants() -> dict[str, LaunchConfig]:
+    from strata.stage_worker.kernels.paged_attention_triton import LaunchConfig
+
+    return {
+        "int8 four a register": LaunchConfig(packed_int8=True, lone_packed_int8=True),
+        "int8 four a register, cells a tile ahead": LaunchConfig(
+            packed_int8=True, lone_packed_int8=True, cells_ahead=True
+        ),
+    }
+
+
 def kernel_fidelity(device: torch.device) -> list[dict[str, object]]:
     from strata.stage_worker.kernels.paged_attention import round_q_int8
     from strata.stage_worker.kernels.paged_attention_triton import LaunchConfig
@@ -68,6 +83,12 @@ def kernel_fidelity(device: torch.device) -> list[dict[str, object]]:
         for dtype in KERNEL_DTYPES:
             error = run_case(case, device=device, dtype=dtype, seed=1)
             rows.append({"case": case.name, "dtype": str(dtype)[6:], "error": error, "ok": error <= tolerance(dtype)})
+    # Launches that differ from the default on a GPU only (PTX the interpreter does not run), on every case
+    for name, variant in _gpu_variants().items():
+        for case in CASES:
+            error = run_case(case, device=device, dtype=torch.bfloat16, seed=1, launch=variant)
+            row = {"case": f"{case.name}, {name}", "dtype": "bf16", "error": error}
+            rows.append({**row, "ok": error <= tolerance(torch.bfloat16)})
     # Integer scores (LaunchConfig.int8_scores, bf16 q only): the attention of q rounded to int8 to bf16's accuracy,
     # and within bf16's bound of the exact q's (tests/stage_worker/test_paged_attention.py, on the CPU, in f16).
     launch, bound = LaunchConfig(int8_scores=True), tolerance(torch.bfloat16)
@@ -129,6 +150,10 @@ def kernel_speed(device: torch.device, *, depths: list[int], only: Sequence[str]
         "whole-head merge": dataclasses.replace(base, merge_values=1 << 20),
         "whole-head merge, lone stream on 2 stages": dataclasses.replace(base, merge_values=1 << 20, lone_stages=2),
         "cells a tile ahead": dataclasses.replace(base, cells_ahead=True),
+        "int8 four a register": dataclasses.replace(base, packed_int8=True, lone_packed_int8=True),
+        "int8 four a register, cells a tile ahead": dataclasses.replace(
+            base, packed_int8=True, lone_packed_int8=True, cells_ahead=True
+        ),
     }
     if unknown := set(only) - set(configs):
         raise SystemExit(f"--configs: unknown launches {sorted(unknown)}; known: {', '.join(configs)}")

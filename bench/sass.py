@@ -51,7 +51,14 @@ class Case:
 
 
 def attention_decode(
-    *, cache: str, block_n: int, warps: int, int8_scores: bool = False, cells_ahead: bool = False, stages: int = 2
+    *,
+    cache: str,
+    block_n: int,
+    warps: int,
+    int8_scores: bool = False,
+    cells_ahead: bool = False,
+    stages: int = 2,
+    packed_int8: bool = False,
 ) -> Case:
     """One stream's decode step (16 rows: the GQA group of 4 padded, over 4 positions' tile rule) over a q8_0 or
     f16 pool, as paged_attention_triton.paged_attention launches it."""
@@ -72,10 +79,12 @@ def attention_decode(
     constexprs: dict[str, object] = {"K_Q8": q8, "V_Q8": q8, "PAGE": 64, "BLOCK_T": 4, "REP": 4, "BLOCK_D": 128}
     constexprs |= {"BLOCK_N": block_n, "MIN_SPLIT": block_n, "F32_DOT": False, "BLOCKED_SCALES": True}
     constexprs |= {"SOFTCAP": False, "DOT_F16": True, "INT8_SCORES": int8_scores, "CELLS_AHEAD": cells_ahead}
+    constexprs["PACKED_INT8"] = packed_int8
     return Case(
         name=f"attention decode, {cache} KV, {block_n} positions a tile, {warps} warp(s), {stages} stage(s)"
         + (", int8 scores" if int8_scores else "")
-        + (", cells a tile ahead" if cells_ahead else ""),
+        + (", cells a tile ahead" if cells_ahead else "")
+        + (", int8 converted 4 a register" if packed_int8 else ""),
         kernel=attention._attend_split,
         types=types,
         constexprs=constexprs,
@@ -90,6 +99,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "attention-q8-lone-cells-ahead": lambda: attention_decode(
         cache="q8_0", block_n=32, warps=1, stages=1, cells_ahead=True
     ),
+    "attention-q8-lone-packed": lambda: attention_decode(cache="q8_0", block_n=32, warps=1, stages=1, packed_int8=True),
     "attention-q8-batch": lambda: attention_decode(cache="q8_0", block_n=64, warps=2),
     "attention-f16-lone": lambda: attention_decode(cache="f16", block_n=32, warps=1, stages=1),
     "attention-q8-lone-int8": lambda: attention_decode(cache="q8_0", block_n=32, warps=1, int8_scores=True),

@@ -41,8 +41,31 @@ def _int8_to_f16(values):
 
 
 @triton.jit
+def _int8x4_to_f16(values):
+    """`_int8_to_f16` four bytes of a register at a time, in PTX: one XOR flips the four sign bits, two byte permutes
+    put 0x64 above each byte (two f16 a register), two f16x2 subtractions take the 1152 off. Triton's own lowering of
+    `_int8_to_f16` extracts and repacks every byte (two permutes for two values). GPU only: no interpreter runs PTX."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 flipped, offset;
+        xor.b32 flipped, $2, 0x80808080;
+        mov.b32 offset, 0x64806480;
+        prmt.b32 $0, flipped, 0x64646464, 0x4140;
+        prmt.b32 $1, flipped, 0x64646464, 0x4342;
+        sub.f16x2 $0, $0, offset;
+        sub.f16x2 $1, $1, offset;
+        }""",
+        constraints="=r,=r,r",
+        args=[values],
+        dtype=tl.float16,
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
 def _dequantise(values, scales_ptr, cell, stride_sc, first_column, pos_ok, d_ok, BLOCK_N: tl.constexpr,
-                BLOCK_D: tl.constexpr, BLOCKED: tl.constexpr, F16: tl.constexpr):  # fmt: skip
+                BLOCK_D: tl.constexpr, BLOCKED: tl.constexpr, F16: tl.constexpr, PACKED: tl.constexpr):  # fmt: skip
     """q8_0 int8 values [N, D] of one KV head times their f16 scales (one per 32 values of a cell's row), in f16
     (F16: for f16 dot products) or f32.
 
@@ -50,7 +73,12 @@ def _dequantise(values, scales_ptr, cell, stride_sc, first_column, pos_ok, d_ok,
     their blocks; otherwise every value loads its own scale (the same bytes, many more load instructions), and only
     for the head's columns: a padded column past the last head would read past the row, and 0 times a stray inf or
     NaN there is NaN in every score."""
-    numbers = _int8_to_f16(values) if F16 else values.to(tl.float32)
+    if PACKED:
+        numbers = _int8x4_to_f16(values)
+    elif F16:
+        numbers = _int8_to_f16(values)
+    else:
+        numbers = values.to(tl.float32)
     if BLOCKED:
         offs_b = tl.arange(0, BLOCK_D // 32)
         scale = tl.load(scales_ptr + cell[:, None] * stride_sc + first_column // 32 + offs_b[None, :],
@@ -105,7 +133,7 @@ def _attend_split(
     K_Q8: tl.constexpr, V_Q8: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_T: tl.constexpr, REP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     F32_DOT: tl.constexpr, BLOCKED_SCALES: tl.constexpr, SOFTCAP: tl.constexpr, MIN_SPLIT: tl.constexpr,
-    DOT_F16: tl.constexpr, INT8_SCORES: tl.constexpr, CELLS_AHEAD: tl.constexpr,
+    DOT_F16: tl.constexpr, INT8_SCORES: tl.constexpr, CELLS_AHEAD: tl.constexpr, PACKED_INT8: tl.constexpr,
 ):  # fmt: skip
     seq_tile = tl.program_id(0)
     group = tl.program_id(1)
@@ -188,7 +216,7 @@ def _attend_split(
             k = tl.load(k_ptr + cell[:, None] * stride_kc + column[None, :], mask=kv_mask, other=0)
             if K_Q8:
                 k = _dequantise(k, ks_ptr, cell, stride_ksc, group * head_dim, pos_ok, d_ok,
-                                BLOCK_N, BLOCK_D, BLOCKED_SCALES, DOT_F16)  # fmt: skip
+                                BLOCK_N, BLOCK_D, BLOCKED_SCALES, DOT_F16, PACKED_INT8)  # fmt: skip
             k = k.to(tiles)
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") if F32_DOT else tl.dot(q, tl.trans(k))
         if SOFTCAP:  # softcap * tanh(scores / softcap), with tanh(x) = 2 sigmoid(2x) - 1
@@ -205,7 +233,7 @@ def _attend_split(
         v = tl.load(v_ptr + cell[:, None] * stride_vc + column[None, :], mask=kv_mask, other=0)
         if V_Q8:
             v = _dequantise(v, vs_ptr, cell, stride_vsc, group * head_dim, pos_ok, d_ok,
-                            BLOCK_N, BLOCK_D, BLOCKED_SCALES, DOT_F16)  # fmt: skip
+                            BLOCK_N, BLOCK_D, BLOCKED_SCALES, DOT_F16, PACKED_INT8)  # fmt: skip
         v = v.to(tiles)
         if F32_DOT:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
@@ -280,6 +308,12 @@ class LaunchConfig:
     # stage keeps its 255 registers and no stack, 13 instructions more (1,803); not yet timed (bench/depth.py
     # --kernel-only, "cells a tile ahead"), so off.
     cells_ahead: bool = False
+    # q8_0 values converted to f16 four bytes a register in PTX (`_int8x4_to_f16`) on a GPU; the interpreter (CPU) keeps
+    # `_int8_to_f16`, the same values. Compiled offline (Triton 3.6, sm_90a, bench/sass.py) the lone tile takes 1,586
+    # instructions against 1,790, 255 registers, no stack; a batch's tile (64 positions, 2 warps) spills 144 bytes with
+    # it. Not yet timed (bench/depth.py --kernel-only, "int8 four a register"), so off.
+    packed_int8: bool = False
+    lone_packed_int8: bool = False  # ... for a lone stream's launch
     waves: int = 8  # programs per multiprocessor the splits aim for
     max_splits: int = 128
     # Positions a split takes at least (0: its tile). A short sequence is latency-bound: more splits of one tile each
@@ -319,6 +353,7 @@ class Launch:
     warps: int
     block_n: int
     stages: int = 2
+    packed_int8: bool = False  # LaunchConfig.packed_int8
 
 
 def launch_shape(*, programs: int, rows: int, device: torch.device, config: LaunchConfig = DEFAULT) -> Launch:
@@ -336,7 +371,8 @@ def launch_shape(*, programs: int, rows: int, device: torch.device, config: Laun
     lone = programs * 4 <= sms and rows <= 16
     warps = config.num_warps or (1 if lone else 4 if rows > SHORT_CHUNK_ROWS else 2 if programs < sms else 4)
     return Launch(splits=splits, warps=warps, block_n=config.lone_block_n if lone else config.block_n,
-                  stages=config.lone_stages if lone else config.num_stages)  # fmt: skip
+                  stages=config.lone_stages if lone else config.num_stages,
+                  packed_int8=config.lone_packed_int8 if lone else config.packed_int8)  # fmt: skip
 
 
 def saturating_programs(device: torch.device, config: LaunchConfig = DEFAULT) -> int:
@@ -359,7 +395,7 @@ class TileShape:
         compiles (seconds), so a stage's warm-up runs a step of each its batches meet
         (strata.stage_worker.warm_steps)."""
         splits = triton.next_power_of_2(self.launch.splits)  # the merge's tile
-        return (self.block_t, self.block_n, self.launch.warps, splits, self.launch.stages)
+        return (self.block_t, self.block_n, self.launch.warps, splits, self.launch.stages, self.launch.packed_int8)
 
 
 def tile_shape(
@@ -434,7 +470,7 @@ def paged_attention(
         F32_DOT=q.dtype == torch.float32, BLOCKED_SCALES=head_dim % 32 == 0 and block_d == head_dim,
         SOFTCAP=softcap > 0, MIN_SPLIT=max(config.min_split, block_n),
         DOT_F16=dot_f16, INT8_SCORES=config.int8_scores and int8_scores_apply(keys, key_scales, head_dim, dot_f16),
-        CELLS_AHEAD=config.cells_ahead,
+        CELLS_AHEAD=config.cells_ahead, PACKED_INT8=launch.packed_int8 and dot_f16 and q.device.type == "cuda",
         num_warps=launch.warps, num_stages=launch.stages,
     )  # fmt: skip
     out = torch.empty_like(q)

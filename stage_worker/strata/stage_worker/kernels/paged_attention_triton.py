@@ -300,20 +300,24 @@ class LaunchConfig:
     # The most values of the [splits, head values] f32 tile one merge program holds: a row's head is cut into as many
     # programs as that takes. A lone stream's 128 splits of a whole 128-value head were 16,384 values a program: 255
     # registers a thread and 72 bytes of spills (compiled offline, Triton 3.6), 7.8 us a layer in an H100's profile of
-    # a one-stream step at depth 300 (2026-12-07), 6.5% of the step; 32 values of the head take 44 registers. A batch's
+    # a one-stream step at depth 300 (2026-12-07); 32 values of the head take 44 registers, and the lone launch with
+    # its merge took 9.5 us at 300 positions against 12.1 with whole heads (H100, 2026-12-07, --kernel-only). A batch's
     # few splits and a prefill chunk's one keep a whole head a program: their rows are programs enough.
     merge_values: int = 4096
     # Each tile loads the next tile's cells from the table, so a tile's K/V loads wait on one round trip to memory, not
-    # two in a row (its cells, then K/V). Compiled offline (Triton 3.6, sm_90a, bench/sass.py) the lone tile on one
-    # stage keeps its 255 registers and no stack, 13 instructions more (1,803); not yet timed (bench/depth.py
-    # --kernel-only, "cells a tile ahead"), so off.
-    cells_ahead: bool = False
+    # two in a row (its cells, then K/V): 13 instructions more a tile (1,803, offline), and on its own within 2% of
+    # the plain loads (an H100, 2026-12-07, --kernel-only: 48.2 us against 49.2 at 32K, 154.9 against 159.4 at 128K,
+    # 100.3 against 101.3 for 16 streams at 4K); with `lone_packed_int8` it pays (below).
+    cells_ahead: bool = True
     # q8_0 values converted to f16 four bytes a register in PTX (`_int8x4_to_f16`) on a GPU; the interpreter (CPU) keeps
     # `_int8_to_f16`, the same values. Compiled offline (Triton 3.6, sm_90a, bench/sass.py) the lone tile takes 1,586
-    # instructions against 1,790, 255 registers, no stack; a batch's tile (64 positions, 2 warps) spills 144 bytes with
-    # it. Not yet timed (bench/depth.py --kernel-only, "int8 four a register"), so off.
+    # instructions against 1,790, 255 registers, no stack. On an H100 (2026-12-07, --kernel-only, one layer), a lone
+    # stream's launch with cells a tile ahead: 9.1 us at 300 positions against 9.5, 10.5 against 11.1 at 4K, 13.9
+    # against 15.0 at 8K, 22.4 against 24.6 at 16K, 44.0 against 49.2 at 32K, 142.4 against 159.4 at 128K (2.0 TB/s of
+    # q8_0 K/V); without cells ahead about half of that. A batch's tile (64 positions, 2 warps) spills 144 bytes with
+    # it (offline), and 16 streams at 4K took 109.2 us against 101.3: lone launches only.
     packed_int8: bool = False
-    lone_packed_int8: bool = False  # ... for a lone stream's launch
+    lone_packed_int8: bool = True  # ... for a lone stream's launch
     waves: int = 8  # programs per multiprocessor the splits aim for
     max_splits: int = 128
     # Positions a split takes at least (0: its tile). A short sequence is latency-bound: more splits of one tile each

@@ -119,7 +119,15 @@ def _block_scores(q_block, k_block_ptr, k_scale_ptr, pos_ok, b: tl.constexpr):
 _BY_SPLITS = ["stride_on", "stride_oh", "stride_os", "stride_ln", "stride_lh"]
 
 
-@triton.jit(do_not_specialize=[*_BY_SPLITS, "q_tiles"])
+# The sequences' columns are rows of one tensor in a prefill step (strata.stage_worker.model.step_layout): the second
+# starts 8 bytes a sequence in, 16-byte aligned for an even number of sequences only. Specialised on that alignment,
+# a step of two prompts compiled again where the warm-up's step of one had compiled its launch (tests/gpu,
+# test_after_warm_up_no_prefill_step_compiles_attention, on an H100 2026-12-07); each column is read one value a
+# program, so the alignment is worth nothing to the kernel.
+_SEQUENCE_COLUMNS = ["slots_ptr", "q_starts_ptr", "q_lens_ptr", "kv_lens_ptr"]
+
+
+@triton.jit(do_not_specialize=[*_BY_SPLITS, "q_tiles"], do_not_specialize_on_alignment=_SEQUENCE_COLUMNS)
 def _attend_split(
     q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, table_ptr, slots_ptr, q_starts_ptr, q_lens_ptr, kv_lens_ptr,
     o_part_ptr, lse_part_ptr,

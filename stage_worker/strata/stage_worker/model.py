@@ -34,7 +34,7 @@ from strata.stage_worker.kernels.quant_matmul import Gate, rms_norm
 from strata.stage_worker.kv_stores import LayerCache
 from strata.stage_worker.model_config import ModelConfig
 from strata.stage_worker.rope import Rope
-from strata.stage_worker.weights.linear import PackedLinear
+from strata.stage_worker.weights.linear import PackedLinear, joined, split_columns
 from torch import Tensor, nn
 
 ACTIVATIONS: dict[Activation, Callable[[Tensor], Tensor]] = {
@@ -173,13 +173,16 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
 
     def forward(self, x: Tensor, *, rope: Rope, cos: Tensor, sin: Tensor, cache: LayerCache, layout: Layout) -> Tensor:
-        return self.attend(self.wqkv(x), rope=rope, cos=cos, sin=sin, cache=cache, layout=layout)
+        return self.attend(projection_pieces(self.wqkv, x), rope=rope, cos=cos, sin=sin, cache=cache, layout=layout)
 
-    def attend(self, qkv: Tensor, *, rope: Rope, cos: Tensor, sin: Tensor, cache: LayerCache, layout: Layout) -> Tensor:
-        """From the q/k/v projection of x on: `Block` may form that projection with the norm before it."""
+    def attend(
+        self, qkv: Sequence[Tensor], *, rope: Rope, cos: Tensor, sin: Tensor, cache: LayerCache, layout: Layout
+    ) -> Tensor:
+        """From the q/k/v projection of x on, as column pieces (`projection_pieces`): `Block` may form that projection
+        with the norm before it."""
         c = self.config
-        n = qkv.shape[0]
-        q, k, v = torch.split(qkv, [c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
+        n = qkv[0].shape[0]
+        q, k, v = split_columns(qkv, [c.q_dim, c.kv_dim, c.kv_dim])
         q = q.view(n, c.n_head, c.head_dim)  # [N, H, hd]
         k = k.view(n, c.n_head_kv, c.head_dim)  # [N, Hkv, hd]
         v = v.view(n, c.n_head_kv, c.head_dim)  # [N, Hkv, hd]
@@ -224,16 +227,23 @@ def feed_forward(config: ModelConfig) -> nn.Module:
     return MixtureOfExperts(config, activation=ACTIVATIONS[config.activation])
 
 
-def normed_projection(linear: nn.Module, norm: RMSNorm, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
-    """(h, linear(norm(h))) with h = x + residual (x for a stage's first block). On a GPU, for a decode step's row
-    of quantised matrices (PackedLinear.takes_norm), the add and the norm happen in the product's load of x: two
-    launches a layer fewer."""
+def projection_pieces(linear: nn.Module, x: Tensor) -> list[Tensor]:
+    """linear(x) as column pieces: a matrix of parts of several types (PackedLinear.pieces) gives one a part, so that
+    a caller splitting the columns copies none it need not (weights.linear.split_columns)."""
+    return linear.pieces(x) if isinstance(linear, PackedLinear) else [linear(x)]
+
+
+def normed_projection(
+    linear: nn.Module, norm: RMSNorm, x: Tensor, residual: Tensor | None
+) -> tuple[Tensor, list[Tensor]]:
+    """(h, linear(norm(h)) as column pieces) with h = x + residual (x for a stage's first block). On a GPU, for a
+    decode step's row of quantised matrices (PackedLinear.takes_norm), the add and the norm happen in the product's
+    load of x: two launches a layer fewer."""
     if isinstance(linear, PackedLinear) and linear.takes_norm(x):
-        out, h = linear.normed(x, residual, weight=norm.weight, eps=norm.eps)
-        return h, out
+        pieces, h = linear.normed(x, residual, weight=norm.weight, eps=norm.eps)
+        return h, pieces
     h = x if residual is None else x + residual
-    projected: Tensor = linear(norm(h))
-    return h, projected
+    return h, projection_pieces(linear, norm(h))
 
 
 class Block(nn.Module):
@@ -266,7 +276,7 @@ class Block(nn.Module):
             attended = self.attn_post_norm(attended)
         if isinstance(self.ffn, FeedForward):
             h, gate_up = normed_projection(self.ffn.w_gate_up, self.ffn_norm, attended, h)
-            fed = self.ffn.down(gate_up)
+            fed = self.ffn.down(joined(gate_up))
         else:
             h = h + attended
             fed = self.ffn(self.ffn_norm(h))

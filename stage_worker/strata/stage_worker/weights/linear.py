@@ -10,6 +10,7 @@ is a slice of the layer's output columns.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -98,9 +99,18 @@ class PackedLinear(nn.Module):
         self.out_features = sum(part.rows for part in parts)
 
     def forward(self, x: Tensor) -> Tensor:
-        outs = [part.matmul(x) for part in self.parts]  # type: ignore[operator]
-        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-        return y if self.bias is None else y + self.bias
+        return joined(self.pieces(x))
+
+    def pieces(self, x: Tensor) -> list[Tensor]:
+        """y by part, [..., part.rows] each (the bias added): a caller that splits y's columns anyway (q, k and v)
+        takes views of these (`split_columns`) where joining them first would copy every column once more."""
+        return self._biased([part.matmul(x) for part in self.parts])  # type: ignore[operator]
+
+    def _biased(self, outs: list[Tensor]) -> list[Tensor]:
+        if self.bias is None:
+            return outs
+        starts = [0, *itertools.accumulate(out.shape[-1] for out in outs)]
+        return [out + self.bias[start:end] for out, start, end in zip(outs, starts, starts[1:], strict=False)]
 
     def forms_gate(self, gate_up: Tensor) -> bool:
         """Whether `gated` can take a gated feed-forward's gate and up as they are: one quantised part that the
@@ -137,20 +147,46 @@ class PackedLinear(nn.Module):
             and all(isinstance(part, QuantizedRows) and part.ggml_type in NORMED_TYPES for part in self.parts)
         )
 
-    def normed(self, x: Tensor, residual: Tensor | None, *, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-        """(rms_norm(h) * weight @ W.T (+ b), h) with h = x (+ residual), where `takes_norm` says so. The first part
-        forms h; the others norm it again (each program of a kernel needs the whole row's squares)."""
+    def normed(self, x: Tensor, residual: Tensor | None, *, weight: Tensor, eps: float) -> tuple[list[Tensor], Tensor]:
+        """(rms_norm(h) * weight @ W.T (+ b) by part, as `pieces`, and h) with h = x (+ residual), where `takes_norm`
+        says so. The first part forms h; the others norm it again (each program of a kernel needs the whole row's
+        squares)."""
         first, *rest = self.parts
         if not isinstance(first, QuantizedRows):
             raise TypeError("a normed product needs quantised parts (PackedLinear.takes_norm)")
         out, h = first.matmul_normed(x, residual, weight, eps)
         outs = [out] + [part.matmul_normed(h, None, weight, eps)[0] for part in rest]  # type: ignore[operator]
-        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-        return (y if self.bias is None else y + self.bias), h
+        return self._biased(outs), h
 
     def dense(self, dtype: torch.dtype) -> Tensor:
         """W as plain values [out_features, in_features] (references, and HF built from a stage)."""
         return torch.cat([part.dense(dtype) for part in self.parts])  # type: ignore[operator]
+
+
+def joined(pieces: Sequence[Tensor]) -> Tensor:
+    """Column pieces as one tensor (the one piece itself, uncopied)."""
+    return pieces[0] if len(pieces) == 1 else torch.cat(list(pieces), dim=-1)
+
+
+def split_columns(pieces: Sequence[Tensor], sizes: Sequence[int]) -> list[Tensor]:
+    """The columns of `pieces` joined, cut into runs of `sizes`: a run inside one piece is a view of it, and only a
+    run across pieces is copied (joined). Where a Q4_K_M file stores attn_v as Q6_K beside a Q4_K attn_q and attn_k,
+    q and k are views of one piece and v is the other, where joining all three first cost copies a layer."""
+    widths = [piece.shape[-1] for piece in pieces]
+    if sum(widths) != sum(sizes) or min(sizes, default=0) <= 0:
+        raise ValueError(f"columns {widths} (together {sum(widths)}) cannot be cut into {list(sizes)}")
+    starts = [0, *itertools.accumulate(widths)]
+    runs, begin = [], 0
+    for size in sizes:
+        end = begin + size
+        slices = [
+            piece[..., max(begin, start) - start : min(end, stop) - start]
+            for piece, start, stop in zip(pieces, starts, starts[1:], strict=False)
+            if start < end and begin < stop
+        ]
+        runs.append(joined(slices))
+        begin = end
+    return runs
 
 
 class PackedEmbedding(nn.Module):

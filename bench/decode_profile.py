@@ -1,12 +1,13 @@
 """Where a decode step's time goes on one GPU: the kernels of one replayed step, by name, and what the host adds.
 
-    python bench/decode_profile.py [--model FILE] [--depth 300] [--steps 10] [--out DIR]
+    python bench/decode_profile.py [--model FILE] [--depth 300] [--steps 10] [--ops] [--out DIR]
 
 Loads `--model` (by default bench/gpu.py's Llama-3-8B-shape file, random Q8_0 weights, written where it runs) into
 the in-process engine (weights in their blocks, compiled blocks in CUDA graphs, q8_0 KV), decodes one stream after
 `--depth` positions, and reports: the engine's step time and a bare graph replay's (their difference is the host's
 part of a step), then the torch profiler's view of `--steps` steps: kernels a step, kernel time a step, the gaps
-between kernels, and the kernels grouped by name, most time first. The table of docs/benchmarks.md's "Where a
+between kernels, and the kernels grouped by name, most time first; with `--ops`, each kernel's op and the project's
+line behind it, from steps run compiled but outside graphs. The table of docs/benchmarks.md's "Where a
 single-stream step goes" came from here.
 """
 
@@ -25,6 +26,7 @@ import torch
 from strata.gguf.testmodels import LARGE_SHAPES
 from strata.gguf.testmodels.bulk import write_bulk_q8_model
 from strata.stage_worker.engine import Chunk, Engine
+from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -86,6 +88,52 @@ def kernel_table(engine: Engine, *, position: int, token: int, steps: int) -> di
     }
 
 
+def op_table(engine: Engine, *, position: int, token: int, steps: int) -> list[tuple[str, str, str, int, float]]:
+    """(kernel, the op that launched it, the project's innermost line under that op, launches a step, us a step),
+    most time first: `engine` runs its steps compiled but not from graphs (a graph's replay has no host ops to name),
+    profiled with Python stacks. What a replayed step's kernel table cannot say: which line of the model a torch
+    kernel or a generated one comes from."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        for _ in range(steps):
+            token = decode_once(engine, position=position, token=token)
+            position += 1
+        gpu.sync(engine.device)
+    rows: dict[tuple[str, str, str], list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CPU or not event.kernels:
+            continue
+        line = _project_line(event)
+        for kernel in event.kernels:
+            row = rows[(kernel.name, event.name, line)]
+            row[0] += 1
+            row[1] += kernel.duration
+    table = [(kernel, op, line, round(count / steps), us / steps) for (kernel, op, line), (count, us) in rows.items()]
+    return sorted(table, key=lambda row: -row[4])
+
+
+def _project_line(event: FunctionEvent) -> str:
+    """The innermost frame of the project's code above an op: from its stack where the profiler keeps one, else from
+    the Python function events it nests in (how torch 2.15 records with_stack)."""
+    frames = list(event.stack)
+    parent = event.cpu_parent
+    while parent is not None:
+        frames.append(parent.name)
+        parent = parent.cpu_parent
+    return next((frame for frame in frames if "strata/" in frame and ".py(" in frame), "")
+
+
+def render_ops(rows: list[tuple[str, str, str, int, float]]) -> str:
+    lines = [
+        "kernels by the op and the project's line that launched them (steps compiled, not replayed from graphs):",
+        "",
+        "| us a step | launches a step | kernel | op | line |",
+        "| ---: | ---: | --- | --- | --- |",
+    ]
+    for kernel, op, line, count, us in rows[:TOP]:
+        lines.append(f"| {us:.1f} | {count} | `{kernel[:60]}` | `{op[:50]}` | `{line[-90:]}` |")
+    return "\n".join(lines) + "\n"
+
+
 def render(r: dict[str, object], *, depth: int) -> str:
     table, machine = r["kernels"], r["machine"]
     assert isinstance(table, dict)
@@ -116,6 +164,10 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=300)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--ops", action="store_true", help="also name the op and the project's line behind each kernel (a second "
+        "engine, its steps compiled but not in graphs)"
+    )  # fmt: skip
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/decode_profile.py profiles a GPU's decode step")
@@ -148,6 +200,17 @@ def main() -> None:
     }
     table = render(results, depth=args.depth)
     print(table)
+    if args.ops:
+        del engine  # its pool and graphs: the second engine's steps run from the compiled blocks alone
+        eager = gpu.engine_for(model, device=device, dtype=torch.bfloat16, graphs=False, compiled=True)
+        token = gpu.engine_prefill(eager, slot=0, tokens=prompt)[0]
+        position = args.depth
+        for _ in range(4):
+            token = decode_once(eager, position=position, token=token)
+            position += 1
+        ops = render_ops(op_table(eager, position=position, token=token, steps=3))
+        print(ops)
+        table += "\n" + ops
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "decode_profile.md").write_text(table)

@@ -12,8 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+import triton
 from gguf import GGMLQuantizationType
 from strata.stage_worker.kernels import quant_dot8_triton
+from strata.stage_worker.kernels.quant_blocks_triton import LAYOUTS, split_output
 from strata.stage_worker.kernels.quant_matmul import DOT8_MIN_WEIGHTS, DOT8_TYPES, product_path
 from strata.stage_worker.weights.formats import dequantize, plane_names
 
@@ -33,26 +35,41 @@ class Case:
     blocks: str = "normal"  # the f16 fields, as test_quant_matmul's cases make them
     outlier: bool = False  # one block of x 100 times the others: its small values round to few levels
     splits: int | None = None
+    chunks: int | None = None  # chunks a program's step: few, so that K is steps enough to split
 
 
 CASES = [
     Case("Q8_0 one row", Q.Q8_0, 1, 37, 96),
     Case("Q8_0 three rows", Q.Q8_0, 3, 21, 1088),
-    Case("Q8_0 four rows, split along K", Q.Q8_0, 4, 19, 1088, splits=3),
+    Case("Q8_0 four rows, split along K", Q.Q8_0, 4, 19, 1088, splits=3, chunks=8),
     Case("Q8_0 four rows, extreme scales", Q.Q8_0, 4, 19, 96, "extreme"),
     Case("Q8_0 two rows, an outlier block of x", Q.Q8_0, 2, 19, 256, outlier=True),
     Case("Q4_K one row", Q.Q4_K, 1, 37, 768),
     Case("Q4_K four rows", Q.Q4_K, 4, 21, 1280),
-    Case("Q4_K three rows, split along K", Q.Q4_K, 3, 19, 1280, splits=2),
+    Case("Q4_K three rows, split along K", Q.Q4_K, 3, 19, 1280, splits=2, chunks=4),
+    Case("Q4_K one row, split along K (the down projection's launch)", Q.Q4_K, 1, 37, 1280, splits=4, chunks=2),
     Case("Q4_K four rows, negative minimums", Q.Q4_K, 4, 19, 768, "negative"),
     Case("Q4_K two rows, zero blocks", Q.Q4_K, 2, 19, 768, "zero"),
     Case("Q4_K four rows, extreme scales", Q.Q4_K, 4, 19, 768, "extreme"),
     Case("Q6_K one row", Q.Q6_K, 1, 37, 768),
     Case("Q6_K four rows", Q.Q6_K, 4, 21, 1280),
-    Case("Q6_K three rows, split along K", Q.Q6_K, 3, 19, 1280, splits=2),
+    Case("Q6_K three rows, split along K", Q.Q6_K, 3, 19, 1280, splits=2, chunks=4),
     Case("Q6_K four rows, extreme scales", Q.Q6_K, 4, 19, 768, "extreme"),
     Case("Q6_K two rows, zero blocks", Q.Q6_K, 2, 19, 768, "zero"),
 ]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.splits], ids=lambda c: c.name)
+def test_split_cases_split(case: Case) -> None:
+    """The cases that ask for splits get them: K is steps enough at their chunks, so the parts are summed in the
+    kernel (quant_blocks_triton.sum_splits)."""
+    block_n, chunks, _ = quant_dot8_triton.launch_shape(case.ggml_type, case.m, block_n=None, chunks=case.chunks,
+                                                        num_warps=None)  # fmt: skip
+    n_chunks = case.k // LAYOUTS[case.ggml_type].values_per_chunk
+    _, out = split_output(torch.zeros(case.m, case.k), n=case.n, n_chunks=n_chunks,
+                          chunks=min(chunks, triton.next_power_of_2(n_chunks)), programs=-(-case.n // block_n),
+                          splits=case.splits)  # fmt: skip
+    assert out.splits == case.splits
 
 
 def _inputs(case: Case) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -70,7 +87,7 @@ def _inputs(case: Case) -> tuple[torch.Tensor, list[torch.Tensor]]:
 def test_kernel_computes_its_function(case: Case, device: torch.device) -> None:
     x, planes = _inputs(case)
     on_device = [p.to(device) for p in planes]
-    ours = quant_dot8_triton.dot8(x.to(device), on_device, case.ggml_type, splits=case.splits).cpu()
+    ours = quant_dot8_triton.dot8(x.to(device), on_device, case.ggml_type, splits=case.splits, chunks=case.chunks).cpu()
     expected = quant_dot8_triton.reference(x.to(device), on_device, case.ggml_type)
     q, d, _ = quant_dot8_triton.quantise_rows(x.to(device))
     bound = quant_dot8_triton.dequantised_rows(q, d).cpu().abs() @ _weight(case, planes).abs().T

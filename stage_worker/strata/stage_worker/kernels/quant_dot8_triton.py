@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
-from strata.stage_worker.kernels.quant_blocks_triton import as_words, four_columns, per_chunk, split_k
+from strata.stage_worker.kernels.quant_blocks_triton import as_words, four_columns, per_chunk, split_output, sum_splits
 from strata.stage_worker.weights.formats import dequantize, plane_names
 from torch import Tensor
 
@@ -226,11 +226,12 @@ def _q6_k_chunk(ql_first, ql_second, x_at, chunk_of_word, lane_words, word_ok, x
 # The rows of x and the partial sums' stride (rows x N) change between steps that quant_matmul.rows_variant calls one
 # variant (3 and 4 rows): specialised on them, a step of 3 streams would compile while serving after a warm-up of 4.
 @triton.jit(do_not_specialize=["M", "sos"])
-def _gemv(xq_ptr, xd_ptr, xs_ptr, out_ptr, q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr,
-          M, N, n_chunks, chunks_per_split, sxq, sxd, sos, som, sq, sh, sd, ssc,
+def _gemv(xq_ptr, xd_ptr, xs_ptr, out_ptr, result_ptr, counts_ptr, q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr,
+          M, N, n_chunks, chunks_per_split, sxq, sxd, sos, som, sres, sq, sh, sd, ssc,
           FAMILY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
-          PTX: tl.constexpr):  # fmt: skip
-    """out[split, m, n] = the split's chunks of x_q[m] . W[n] (out [m, n] in x's dtype for one split); a chunk is 8
+          PTX: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+    """out[split, m, n] = the split's chunks of x_q[m] . W[n] (out [m, n] in x's dtype for one split), and with
+    SPLIT their sum into result [m, n] (`sum_splits`); a chunk is 8
     words of the main plane (qs, or Q6_K's ql). Q8_0 (FAMILY 0): d at d_ptr a block. Q4_K (1): d and dmin at d_ptr
     and d2_ptr a super-block, the sub-blocks' 6-bit scales and minimums at sc_ptr and mn_ptr as 16-bit words (a
     chunk's pair). Q6_K (2): qh words at h_ptr, d a super-block, the int8 scales at sc_ptr as 16-bit words (a block
@@ -274,8 +275,10 @@ def _gemv(xq_ptr, xd_ptr, xs_ptr, out_ptr, q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, 
                                chunks, chunk_ok, h_ptr + rows_in[:, None] * sh + 8 * (c0 // 2), d_ptr, sd, sc_ptr,
                                ssc, rows_in, BLOCK_M, BLOCK_N, CHUNKS, PTX)  # fmt: skip
     out = tl.sum(acc, axis=2)
-    tl.store(out_ptr + pid_k * sos + m[:, None] * som + rows[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=(m[:, None] < M) & (rows[None, :] < N))  # fmt: skip
+    ok = (m[:, None] < M) & (rows[None, :] < N)
+    tl.store(out_ptr + pid_k * sos + m[:, None] * som + rows[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
+    if SPLIT:
+        sum_splits(out_ptr, result_ptr, counts_ptr + pid_n, out, m, rows, ok, sos, som, sres, tl.num_programs(1))
 
 
 def launch_shape(
@@ -318,13 +321,13 @@ def dot8(
     n_chunks = words.shape[1] // 8
     programs = triton.cdiv(n, block_n)
     chunks = min(chunks, triton.next_power_of_2(n_chunks))
-    chunks_per_split, out = split_k(x, n=n, n_chunks=n_chunks, chunks=chunks, programs=programs, splits=splits)
-    splits = 1 if out.dim() == 2 else out.shape[0]
-    _gemv[(programs, splits)](
-        xq, xd, xs, out, words, high, d, d2, sc, mn, m, n, n_chunks, chunks_per_split,
-        xq.stride(0), xd.stride(0), out.stride(0) if splits > 1 else 0, out.stride(-2), words.stride(0),
-        high.stride(0), d.stride(0), sc.stride(0),
+    chunks_per_split, out = split_output(x, n=n, n_chunks=n_chunks, chunks=chunks, programs=programs, splits=splits)
+    parts = out.parts
+    _gemv[(programs, out.splits)](
+        xq, xd, xs, parts, out.result, out.counts, words, high, d, d2, sc, mn, m, n, n_chunks, chunks_per_split,
+        xq.stride(0), xd.stride(0), parts.stride(0) if out.splits > 1 else 0, parts.stride(-2), out.result.stride(0),
+        words.stride(0), high.stride(0), d.stride(0), sc.stride(0),
         FAMILY=family, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, CHUNKS=chunks, PTX=x.is_cuda,
-        num_warps=num_warps,
+        SPLIT=out.splits > 1, num_warps=num_warps,
     )  # fmt: skip
-    return out if splits == 1 else out.sum(dim=0).to(x.dtype)
+    return out.result

@@ -53,6 +53,7 @@ class Case:
     blocks: str  # the f16 fields: "normal", "extreme" (+-65504 beside tiny), "zero" (a third of blocks all zero
     # bytes), "negative" (every f16 field negative: negative minimums)
     op: bool = False  # through `kernel` whatever m: rows past FUSED_MAX_ROWS take the tensor-core kernel
+    splits: int | None = None  # the fused kernel split along K this many ways (SPLIT_CHUNKS chunks a step)
 
 
 def _k(ggml_type: GGMLQuantizationType, *, long: bool) -> int:
@@ -68,6 +69,7 @@ def _cases() -> list[Case]:
         short, long = _k(t, long=False), _k(t, long=True)
         cases += [Case(f"{t.name} M={m}", t, m, 37 if m < 16 else 19, short, "normal") for m in (1, 3, 16, 17, 40, 65)]
         cases += [Case(f"{t.name} M={m}, K={long}", t, m, 21, long, "normal") for m in (1, 3, 33)]
+        cases += [Case(f"{t.name} M={m}, K={long} split along K", t, m, 21, long, "normal", splits=2) for m in (1, 3)]
         cases += [Case(f"{t.name} M=6 through the op (tensor cores)", t, 6, 37, short, "normal", op=True)]
         cases += [Case(f"{t.name} M={m}, extreme scales", t, m, 19, short, "extreme") for m in (1, 16, 24)]
         cases += [Case(f"{t.name} M=3, zero blocks", t, 3, 19, short, "zero")]
@@ -77,6 +79,20 @@ def _cases() -> list[Case]:
 
 
 CASES = _cases()
+SPLIT_CHUNKS = 2  # few chunks a step, so that the long K is steps enough to split
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.splits], ids=lambda c: c.name)
+def test_split_cases_split(case: Case) -> None:
+    """The cases that ask for splits get them, so their parts are summed in the kernel (quant_blocks_triton.
+    sum_splits)."""
+    n_chunks = quant_blocks_triton.chunk_count(case.k, case.ggml_type)
+    block_n = quant_matmul_triton.default_config(case.ggml_type, case.m, n=case.n, k=case.k).block_n or 4
+    _, out = quant_blocks_triton.split_output(
+        torch.zeros(case.m, case.k), n=case.n, n_chunks=n_chunks, chunks=SPLIT_CHUNKS,
+        programs=-(-case.n // block_n), splits=case.splits,
+    )  # fmt: skip
+    assert out.splits == case.splits
 
 
 def dtypes() -> list[torch.dtype]:
@@ -125,7 +141,8 @@ def run_case(case: Case, *, device: torch.device, dtype: torch.dtype, seed: int 
     x = (torch.from_numpy(rng.standard_normal((case.m, case.k))).float() * scale).to(dtype)
     on_device = [p.to(device) for p in planes.values()]
     if case.m <= quant_matmul_triton.MAX_ROWS and not case.op:
-        ours = quant_matmul_triton.quant_matmul(x.to(device), on_device, case.ggml_type, columns=case.k)
+        config = None if case.splits is None else quant_matmul_triton.Config(chunks=SPLIT_CHUNKS, splits=case.splits)
+        ours = quant_matmul_triton.quant_matmul(x.to(device), on_device, case.ggml_type, columns=case.k, config=config)
     else:
         ours = kernel(x.to(device), on_device, case.ggml_type, columns=case.k)
     assert ours.shape == (case.m, case.n)

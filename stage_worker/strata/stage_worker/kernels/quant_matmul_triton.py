@@ -38,7 +38,8 @@ from strata.stage_worker.kernels.quant_blocks_triton import (
     normed_values,
     pair_columns,
     read_chunk,
-    split_k,
+    split_output,
+    sum_splits,
     unit_of,
     value_pair,
     x_values,
@@ -48,14 +49,15 @@ from torch import Tensor
 
 @triton.jit
 def _gemv(
-    x_ptr, out_ptr, q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr, r_ptr, g_ptr, hs_ptr,
+    x_ptr, out_ptr, result_ptr, counts_ptr, q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr, r_ptr, g_ptr, hs_ptr,
     M, N, n_chunks, chunks_per_split, columns, eps,
-    sxm, sos, som, sq, sh, sd, sd2, ssc, smn, srm, shm,
+    sxm, sos, som, sres, sq, sh, sd, sd2, ssc, smn, srm, shm,
     FAMILY: tl.constexpr, BITS: tl.constexpr, MINIMUMS: tl.constexpr, HALF_STRIDE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, EVEN_K: tl.constexpr, GATE: tl.constexpr,
-    NORM: tl.constexpr,
+    NORM: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """out[split, m, n] = sum over the split's chunks of x[m] . W[n], for the M (<= BLOCK_M) rows of x at once
+    """out[split, m, n] = sum over the split's chunks of x[m] . W[n], and with SPLIT their sum into result [m, n]
+    (`sum_splits`), for the M (<= BLOCK_M) rows of x at once
     (x formed on load from a gated feed-forward's gate and up where GATE says so: quant_blocks_triton's
     `gated_load`; or x's RMS norm times g, of x + r stored at hs where NORM says so, in one split:
     `normed_values`).
@@ -152,6 +154,8 @@ def _gemv(
         out = out * tl.rsqrt(tl.sum(squares, axis=1) / columns + eps)[:, None]
     mask = (m < M)[:, None] & (rows < N)[None, :]
     tl.store(out_ptr + pid_k * sos + m[:, None] * som + rows[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+    if SPLIT:
+        sum_splits(out_ptr, result_ptr, counts_ptr + pid_n, out, m, rows, mask, sos, som, sres, tl.num_programs(1))
 
 
 @triton.jit
@@ -292,21 +296,24 @@ def _launch(
     warps = config.num_warps or default.num_warps or 4
     chunks = min(config.chunks or default.chunks or 128, triton.next_power_of_2(n_chunks))
     programs = triton.cdiv(n, block_n)
-    chunks_per_split, out = split_k(x, n=n, n_chunks=n_chunks, chunks=chunks, programs=programs, splits=config.splits)
-    splits = 1 if out.dim() == 2 else out.shape[0]
+    chunks_per_split, out = split_output(
+        x, n=n, n_chunks=n_chunks, chunks=chunks, programs=programs, splits=config.splits
+    )  # fmt: skip
+    parts, splits = out.parts, out.splits
     slots, strides = kernel_planes(planes, ggml_type)
     r = x if residual is None else checked_rows(residual, columns=columns, most=MAX_ROWS, kernel="fused")
     _gemv[(programs, splits)](
-        x, out, *slots, r, x if norm is None else norm.weight, x if h is None else h,
+        x, parts, out.result, out.counts, *slots, r, x if norm is None else norm.weight, x if h is None else h,
         m_rows, n, n_chunks, chunks_per_split, columns, 0.0 if norm is None else norm.eps,
-        x.stride(0), out.stride(0) if splits > 1 else 0, out.stride(-2), *strides, r.stride(0),
+        x.stride(0), parts.stride(0) if splits > 1 else 0, parts.stride(-2), out.result.stride(0), *strides,
+        r.stride(0),
         x.stride(0) if h is None else h.stride(0),
         **layout_constexprs(ggml_type), BLOCK_M=triton.next_power_of_2(m_rows), BLOCK_N=block_n, CHUNKS=chunks,
         EVEN_K=n_chunks % chunks_per_split == 0 and chunks_per_split % chunks == 0, GATE=gate,
-        NORM=(NORM_NONE if norm is None else NORM_RMS if residual is None else NORM_ADD_RMS).value, num_warps=warps,
-        num_stages=1,
+        NORM=(NORM_NONE if norm is None else NORM_RMS if residual is None else NORM_ADD_RMS).value, SPLIT=splits > 1,
+        num_warps=warps, num_stages=1,
     )  # fmt: skip
-    return (out if splits == 1 else out.sum(dim=0).to(x.dtype)), h
+    return out.result, h
 
 
 def dequantize(

@@ -120,10 +120,11 @@ _BY_SPLITS = ["stride_on", "stride_oh", "stride_os", "stride_ln", "stride_lh"]
 
 
 # The sequences' columns are rows of one tensor in a prefill step (strata.stage_worker.model.step_layout): the second
-# starts 8 bytes a sequence in, 16-byte aligned for an even number of sequences only. Specialised on that alignment,
-# a step of two prompts compiled again where the warm-up's step of one had compiled its launch (tests/gpu,
-# test_after_warm_up_no_prefill_step_compiles_attention, on an H100 2026-12-07); each column is read one value a
-# program, so the alignment is worth nothing to the kernel.
+# starts 8 bytes a sequence in, 16-byte aligned for an even number of sequences only, while a decode step's columns
+# are tensors of their own. Specialised on that alignment, a prefill step compiles again where the warm-up compiled
+# its launch at the other alignment: worked out from the warm-up's shapes after tests/gpu's
+# test_after_warm_up_no_prefill_step_compiles_attention failed on an H100 (2026-12-07, its message cut off), not yet
+# rerun there. Each column is read one value a program, so the alignment is worth nothing to the kernel.
 _SEQUENCE_COLUMNS = ["slots_ptr", "q_starts_ptr", "q_lens_ptr", "kv_lens_ptr"]
 
 

@@ -438,6 +438,11 @@ class SplitOutput:
     def splits(self) -> int:
         return 1 if self.parts.dim() == 2 else self.parts.shape[0]
 
+    @property
+    def split_stride(self) -> int:
+        """The parts' stride from one split to the next (0 for one split: the kernels' `sos`)."""
+        return self.parts.stride(0) if self.splits > 1 else 0
+
 
 def split_output(
     x: Tensor, *, n: int, n_chunks: int, chunks: int, programs: int, splits: int | None

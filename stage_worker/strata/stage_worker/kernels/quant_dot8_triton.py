@@ -325,7 +325,7 @@ def dot8(
     parts = out.parts
     _gemv[(programs, out.splits)](
         xq, xd, xs, parts, out.result, out.counts, words, high, d, d2, sc, mn, m, n, n_chunks, chunks_per_split,
-        xq.stride(0), xd.stride(0), parts.stride(0) if out.splits > 1 else 0, parts.stride(-2), out.result.stride(0),
+        xq.stride(0), xd.stride(0), out.split_stride, parts.stride(-2), out.result.stride(0),
         words.stride(0), high.stride(0), d.stride(0), sc.stride(0),
         FAMILY=family, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, CHUNKS=chunks, PTX=x.is_cuda,
         SPLIT=out.splits > 1, num_warps=num_warps,

@@ -305,7 +305,7 @@ def _launch(
     _gemv[(programs, splits)](
         x, parts, out.result, out.counts, *slots, r, x if norm is None else norm.weight, x if h is None else h,
         m_rows, n, n_chunks, chunks_per_split, columns, 0.0 if norm is None else norm.eps,
-        x.stride(0), parts.stride(0) if splits > 1 else 0, parts.stride(-2), out.result.stride(0), *strides,
+        x.stride(0), out.split_stride, parts.stride(-2), out.result.stride(0), *strides,
         r.stride(0),
         x.stride(0) if h is None else h.stride(0),
         **layout_constexprs(ggml_type), BLOCK_M=triton.next_power_of_2(m_rows), BLOCK_N=block_n, CHUNKS=chunks,

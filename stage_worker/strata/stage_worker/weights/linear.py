@@ -109,8 +109,8 @@ class PackedLinear(nn.Module):
     def _biased(self, outs: list[Tensor]) -> list[Tensor]:
         if self.bias is None:
             return outs
-        starts = [0, *itertools.accumulate(out.shape[-1] for out in outs)]
-        return [out + self.bias[start:end] for out, start, end in zip(outs, starts, starts[1:], strict=False)]
+        bounds = itertools.pairwise([0, *itertools.accumulate(out.shape[-1] for out in outs)])
+        return [out + self.bias[start:end] for out, (start, end) in zip(outs, bounds, strict=True)]
 
     def forms_gate(self, gate_up: Tensor) -> bool:
         """Whether `gated` can take a gated feed-forward's gate and up as they are: one quantised part that the
@@ -175,13 +175,13 @@ def split_columns(pieces: Sequence[Tensor], sizes: Sequence[int]) -> list[Tensor
     widths = [piece.shape[-1] for piece in pieces]
     if sum(widths) != sum(sizes) or min(sizes, default=0) <= 0:
         raise ValueError(f"columns {widths} (together {sum(widths)}) cannot be cut into {list(sizes)}")
-    starts = [0, *itertools.accumulate(widths)]
+    bounds = list(itertools.pairwise([0, *itertools.accumulate(widths)]))
     runs, begin = [], 0
     for size in sizes:
         end = begin + size
         slices = [
             piece[..., max(begin, start) - start : min(end, stop) - start]
-            for piece, start, stop in zip(pieces, starts, starts[1:], strict=False)
+            for piece, (start, stop) in zip(pieces, bounds, strict=True)
             if start < end and begin < stop
         ]
         runs.append(joined(slices))

@@ -1,14 +1,17 @@
 """Where a decode step's time goes on one GPU: the kernels of one replayed step, by name, and what the host adds.
 
-    python bench/decode_profile.py [--model FILE] [--depth 300] [--steps 10] [--ops] [--out DIR]
+    python bench/decode_profile.py [--model FILE] [--depth 300] [--steps 10] [--prefill N] [--plain] [--ops]
+        [--out DIR]
 
 Loads `--model` (by default bench/gpu.py's Llama-3-8B-shape file, random Q8_0 weights, written where it runs) into
 the in-process engine (weights in their blocks, compiled blocks in CUDA graphs, q8_0 KV), decodes one stream after
 `--depth` positions, and reports: the engine's step time and a bare graph replay's (their difference is the host's
 part of a step), then the torch profiler's view of `--steps` steps: kernels a step, kernel time a step, the gaps
 between kernels, and the kernels grouped by name, most time first; with `--ops`, each kernel's op and the project's
-line behind it, from steps run compiled but outside graphs. The table of docs/benchmarks.md's "Where a
-single-stream step goes" came from here.
+line behind it, from steps run compiled but outside graphs; with `--prefill N`, the kernels of one N-token prefill
+(a first token's step); with `--plain`, the step of an engine whose kernels
+launch plainly rather than as dependents (strata.stage_worker.kernels.dependent_launch), timed in the same run. The
+table of docs/benchmarks.md's "Where a single-stream step goes" came from here.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import collections
 import itertools
+import os
 import statistics
 import sys
 import tempfile
@@ -26,6 +30,8 @@ import torch
 from strata.gguf.testmodels import LARGE_SHAPES
 from strata.gguf.testmodels.bulk import write_bulk_q8_model
 from strata.stage_worker.engine import Chunk, Engine
+from strata.stage_worker.kernels import dependent_launch
+from strata.stage_worker.model import StageModel
 from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import ProfilerActivity, profile
 
@@ -64,12 +70,43 @@ def host_share(engine: Engine, *, position: int, token: int, steps: int) -> tupl
     return statistics.median(times), (time.perf_counter() - begun) / steps, position, token
 
 
+def plain_step(model: StageModel, *, prompt: list[int], depth: int) -> float:
+    """The engine step (s, decoding ahead on, as `host_share` times it) of a fresh engine whose kernels launch
+    plainly: its graphs are captured with STRATA_DEPENDENT_LAUNCH=0, which the launches read as they are captured."""
+    os.environ[dependent_launch.ENVIRONMENT] = "0"
+    try:
+        engine = gpu.engine_for(model, device=torch.device("cuda:0"), dtype=torch.bfloat16, graphs=True)
+        token = gpu.engine_prefill(engine, slot=0, tokens=prompt)[0]
+        position = depth
+        for _ in range(8):
+            token = decode_once(engine, position=position, token=token)
+            position += 1
+        step, *_ = host_share(engine, position=position, token=token, steps=50)
+    finally:
+        del os.environ[dependent_launch.ENVIRONMENT]
+    return step
+
+
 def kernel_table(engine: Engine, *, position: int, token: int, steps: int) -> dict[str, object]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             token = decode_once(engine, position=position, token=token)
             position += 1
         gpu.sync(engine.device)
+    return by_kernel(prof, steps=steps)
+
+
+def prefill_table(engine: Engine, *, tokens: tuple[int, ...]) -> dict[str, object]:
+    """The kernel table of one prefill of `tokens` (a first token's step, as bench/residency.py times it), after one
+    unprofiled prefill of the same length (its compiles and captures)."""
+    gpu.engine_prefill(engine, slot=0, tokens=tokens)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        gpu.engine_prefill(engine, slot=0, tokens=tokens)
+        gpu.sync(engine.device)
+    return by_kernel(prof, steps=1)
+
+
+def by_kernel(prof: profile, *, steps: int) -> dict[str, object]:
     kernels = sorted(
         (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start
     )
@@ -165,6 +202,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
+        "--prefill", type=int, default=0, help="also the kernels of one prefill of this many tokens (0: none)"
+    )
+    parser.add_argument(
+        "--plain", action="store_true", help="also time the step of an engine whose kernels launch plainly, not as "
+        "dependents (strata.stage_worker.kernels.dependent_launch), side by side"
+    )  # fmt: skip
+    parser.add_argument(
         "--ops", action="store_true", help="also name the op and the project's line behind each kernel (a second "
         "engine, its steps compiled but not in graphs)"
     )  # fmt: skip
@@ -200,6 +244,33 @@ def main() -> None:
     }
     table = render(results, depth=args.depth)
     print(table)
+    if args.prefill:
+        started = time.perf_counter()
+        prefill = prefill_table(engine, tokens=gpu.prompt(args.prefill, vocab=model.config.vocab_size, seed=2))
+        lines = [
+            f"one prefill of {args.prefill} tokens (profiled; {time.perf_counter() - started:.1f} s with its warm-up): "
+            f"{prefill['kernels_per_step']:.0f} kernels, kernel time {prefill['kernel_ms_per_step']:.1f} ms, gaps "
+            f"{prefill['gap_ms_per_step']:.1f} ms",
+            "",
+            "| us | launches | kernel |",
+            "| ---: | ---: | --- |",
+        ]
+        by_name = prefill["by_name"]
+        assert isinstance(by_name, list)
+        lines += [f"| {us:.1f} | {count:.0f} | `{name[:100]}` |" for name, count, us in by_name[:TOP]]
+        results["prefill"] = prefill
+        print("\n".join(lines) + "\n")
+        table += "\n" + "\n".join(lines) + "\n"
+    if args.plain:
+        del engine  # its pool and graphs; the plain engine captures its own
+        plain = plain_step(model, prompt=prompt, depth=args.depth)
+        compared = (
+            f"kernels launched plainly (STRATA_DEPENDENT_LAUNCH=0): engine step {plain * 1e3:.3f} ms against "
+            f"{step * 1e3:.3f} ms as dependents ({plain / step:.3f}x), in this run\n"
+        )
+        results["plain_step_ms"] = plain * 1e3
+        print(compared)
+        table += "\n" + compared
     if args.ops:
         del engine  # its pool and graphs: the second engine's steps run from the compiled blocks alone
         eager = gpu.engine_for(model, device=device, dtype=torch.bfloat16, graphs=False, compiled=True)

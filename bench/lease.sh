@@ -19,8 +19,8 @@
 #              restored from the host against recomputed (issue 24's other figures, for the same lease as depth)
 #   profile    bench/decode_profile.py on the Q8_0 file and the Q4_K_M one (residency makes it): where a one-stream
 #              step goes, kernel by kernel, and what the host and the gaps between kernels add (BENCH_ARGS=--ops: also
-#              the op and the project's line behind each kernel)
-#   tests      tests/gpu and the kernels' tests compiled, under TESTS_S (default 540 s) together
+#              the op and the project's line behind each kernel; --plain: the step with plain launches beside it)
+#   tests      tests/gpu and the kernels' tests compiled, under TESTS_S (default 540 s) together (TESTS: other paths)
 #   needle     bench/needle.py on the real Gemma 3 270M on the GPU (issue 24's recall). The file is 253 MB: split it
 #              here (bench/gpu-pieces.sh split FILE .pieces), then one call a piece before this step, carrying
 #              .pieces/piece-NN and .pieces/sha256 alone: bash bench/gpu-pieces.sh keep .pieces /tmp/strata-lease/pieces
@@ -140,8 +140,10 @@ profile() {
 tests() {
   # tests/gpu with the shared conftest, whose packages the wheels hold (the kernels' tests take their device there);
   # the attention kernel's checks are bench/depth.py's (the attention step)
-  timeout "${TESTS_S:-540}" python3 -m pytest -p no:cacheprovider -q tests/gpu tests/stage_worker/test_quant_dot8.py \
-    tests/stage_worker/test_quant_matmul.py 2>&1 | tee "$OUT/tests.txt" | tail -15 \
+  # shellcheck disable=SC2086 # TESTS is a list of paths
+  timeout "${TESTS_S:-540}" python3 -m pytest -p no:cacheprovider -q \
+    ${TESTS:-tests/gpu tests/stage_worker/test_quant_dot8.py tests/stage_worker/test_quant_matmul.py} 2>&1 \
+    | tee "$OUT/tests.txt" | tail -15 \
     || echo "lease: the tests stopped (exit ${PIPESTATUS[0]}; 124: past ${TESTS_S:-540}s)"
 }
 

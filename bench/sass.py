@@ -79,7 +79,7 @@ def attention_decode(
     constexprs: dict[str, object] = {"K_Q8": q8, "V_Q8": q8, "PAGE": 64, "BLOCK_T": 4, "REP": 4, "BLOCK_D": 128}
     constexprs |= {"BLOCK_N": block_n, "MIN_SPLIT": block_n, "F32_DOT": False, "BLOCKED_SCALES": True}
     constexprs |= {"SOFTCAP": False, "DOT_F16": True, "INT8_SCORES": int8_scores}
-    constexprs |= {"CELLS_AHEAD": cells_ahead, "PACKED_INT8": packed_int8}
+    constexprs |= {"CELLS_AHEAD": cells_ahead, "PACKED_INT8": packed_int8, "PDL": True}  # a dependent launch
     return Case(
         name=f"attention decode, {cache} KV, {block_n} positions a tile, {warps} warp(s), {stages} stage(s)"
         + (", int8 scores" if int8_scores else "")

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from strata.stage_worker.kernels import dependent_launch
+from strata.stage_worker.kernels.dependent_launch import wait_for_inputs
 from torch import Tensor
 
 # Adding and subtracting 1.5 * 2^23 rounds an f32 of magnitude below 2^22 to the nearest integer, ties to even (the
@@ -131,9 +133,10 @@ def _rope_write(q_ptr, k_ptr, v_ptr, out_ptr, cos_ptr, sin_ptr, cells_ptr, kv_pt
                 stride_q, stride_k, stride_v, stride_out, stride_angle, stride_kv, stride_ks, stride_vv, stride_vs,
                 q_width, kv_width, head_dim, rope_dim,
                 Q_BLOCKS: tl.constexpr, KV_BLOCKS: tl.constexpr, NEOX: tl.constexpr, K_Q8: tl.constexpr,
-                V_Q8: tl.constexpr):  # fmt: skip
+                V_Q8: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Program (row, 0): k rotated into its cell; (row, 1): v into its cell; (row, 2): q rotated into out. (Each
     part in a function of its own: Triton wants a name bound in both arms of a branch to have one type.)"""
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     part = tl.program_id(1)
     if part == 2:
@@ -181,6 +184,6 @@ def rope_write(
         v_values.stride(0), v_sc.stride(0), q_width, kv_width, head_dim, rope_dim,
         Q_BLOCKS=triton.next_power_of_2(triton.cdiv(q_width, 32)),
         KV_BLOCKS=triton.next_power_of_2(triton.cdiv(kv_width, 32)),
-        NEOX=neox, K_Q8=k_scales is not None, V_Q8=v_scales is not None,
+        NEOX=neox, K_Q8=k_scales is not None, V_Q8=v_scales is not None, **dependent_launch.options(q.device),
     )  # fmt: skip
     return out

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from strata.stage_worker.kernels import dependent_launch
+from strata.stage_worker.kernels.dependent_launch import wait_for_inputs
 from torch import Tensor
 
 Q8_BLOCK = 32
@@ -143,7 +145,9 @@ def _attend_split(
     BLOCK_T: tl.constexpr, REP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     F32_DOT: tl.constexpr, BLOCKED_SCALES: tl.constexpr, SOFTCAP: tl.constexpr, MIN_SPLIT: tl.constexpr,
     DOT_F16: tl.constexpr, INT8_SCORES: tl.constexpr, CELLS_AHEAD: tl.constexpr, PACKED_INT8: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(PDL)  # q, the step's new cells and the sequences' lengths all come from kernels ahead
     seq_tile = tl.program_id(0)
     group = tl.program_id(1)
     split = tl.program_id(2)
@@ -263,9 +267,10 @@ def _merge_splits(
     o_part_ptr, lse_part_ptr, out_ptr,
     stride_on, stride_oh, stride_os, stride_ln, stride_lh, stride_outn, stride_outh,
     splits, head_dim,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (row, head, part): values [part * BLOCK_D, (part + 1) * BLOCK_D) of one row's head, from its splits."""
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -484,7 +489,7 @@ def paged_attention(
         SOFTCAP=softcap > 0, MIN_SPLIT=max(config.min_split, block_n),
         DOT_F16=dot_f16, INT8_SCORES=config.int8_scores and int8_scores_apply(keys, key_scales, head_dim, dot_f16),
         CELLS_AHEAD=config.cells_ahead, PACKED_INT8=launch.packed_int8 and dot_f16 and q.device.type == "cuda",
-        num_warps=launch.warps, num_stages=launch.stages,
+        num_warps=launch.warps, num_stages=launch.stages, **dependent_launch.options(q.device),
     )  # fmt: skip
     out = torch.empty_like(q)
     block_s = triton.next_power_of_2(splits)
@@ -494,6 +499,6 @@ def paged_attention(
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         out.stride(0), out.stride(1),
         splits, head_dim,
-        BLOCK_S=block_s, BLOCK_D=merge_d,
+        BLOCK_S=block_s, BLOCK_D=merge_d, **dependent_launch.options(q.device),
     )  # fmt: skip
     return out

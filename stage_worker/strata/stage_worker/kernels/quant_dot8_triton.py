@@ -29,7 +29,16 @@ import torch
 import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
-from strata.stage_worker.kernels.quant_blocks_triton import as_words, four_columns, per_chunk, split_output, sum_splits
+from strata.stage_worker.kernels import dependent_launch
+from strata.stage_worker.kernels.dependent_launch import wait_for_inputs
+from strata.stage_worker.kernels.quant_blocks_triton import (
+    as_words,
+    four_columns,
+    per_chunk,
+    prefetch_words,
+    split_output,
+    sum_splits,
+)
 from strata.stage_worker.weights.formats import dequantize, plane_names
 from torch import Tensor
 
@@ -101,7 +110,8 @@ def _halves(row_ptrs, offsets, mask, ROWS: tl.constexpr, CHUNKS: tl.constexpr):
 
 
 @triton.jit
-def _quantise(x_ptr, q_ptr, d_ptr, s_ptr, n_blocks, sxm, sqm, sdm, CHUNKS: tl.constexpr):
+def _quantise(x_ptr, q_ptr, d_ptr, s_ptr, n_blocks, sxm, sqm, sdm, CHUNKS: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     m = tl.program_id(0)
     blocks = tl.program_id(1) * CHUNKS + tl.arange(0, CHUNKS)
     ok = blocks < n_blocks
@@ -129,7 +139,8 @@ def quantise_rows(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     s = torch.empty_like(d)
     chunks = 32
     _quantise[(m, triton.cdiv(n_blocks, chunks))](
-        x, q, d, s, n_blocks, x.stride(0), q.stride(0), d.stride(0), CHUNKS=chunks
+        x, q, d, s, n_blocks, x.stride(0), q.stride(0), d.stride(0), CHUNKS=chunks,
+        **dependent_launch.options(x.device),
     )  # fmt: skip
     return q, d, s
 
@@ -229,7 +240,7 @@ def _q6_k_chunk(ql_first, ql_second, x_at, chunk_of_word, lane_words, word_ok, x
 def _gemv(xq_ptr, xd_ptr, xs_ptr, out_ptr, result_ptr, counts_ptr, q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr,
           M, N, n_chunks, chunks_per_split, sxq, sxd, sos, som, sres, sq, sh, sd, ssc,
           FAMILY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
-          PTX: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+          PTX: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """out[split, m, n] = the split's chunks of x_q[m] . W[n] (out [m, n] in x's dtype for one split), and with
     SPLIT their sum into result [m, n] (`sum_splits`); a chunk is 8
     words of the main plane (qs, or Q6_K's ql). Q8_0 (FAMILY 0): d at d_ptr a block. Q4_K (1): d and dmin at d_ptr
@@ -254,6 +265,8 @@ def _gemv(xq_ptr, xd_ptr, xs_ptr, out_ptr, result_ptr, counts_ptr, q_ptr, h_ptr,
     acc = tl.zeros((BLOCK_M, BLOCK_N, CHUNKS), dtype=tl.float32)
     first = pid_k * chunks_per_split
     last = tl.minimum(first + chunks_per_split, n_chunks)
+    prefetch_words(q_ptr, rows_in, sq, 8 * first, 8 * last, 8 * CHUNKS, PDL)
+    wait_for_inputs(PDL)
     for c0 in range(first, last, CHUNKS):
         word_ok = c0 + chunk_of_word < last
         chunks = c0 + offs_c
@@ -328,6 +341,6 @@ def dot8(
         xq.stride(0), xd.stride(0), out.split_stride, parts.stride(-2), out.result.stride(0),
         words.stride(0), high.stride(0), d.stride(0), sc.stride(0),
         FAMILY=family, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, CHUNKS=chunks, PTX=x.is_cuda,
-        SPLIT=out.splits > 1, num_warps=num_warps,
+        SPLIT=out.splits > 1, num_warps=num_warps, **dependent_launch.options(x.device),
     )  # fmt: skip
     return out.result

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
+from strata.stage_worker.kernels import dependent_launch
+from strata.stage_worker.kernels.dependent_launch import wait_for_inputs
 from strata.stage_worker.kernels.quant_blocks_triton import (
     checked_rows,
     chunk_base,
@@ -62,6 +64,7 @@ def _gemm(
     sxm, sos, som, sq, sh, sd, sd2, ssc, smn,
     FAMILY: tl.constexpr, BITS: tl.constexpr, MINIMUMS: tl.constexpr, HALF_STRIDE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, F32_DOT: tl.constexpr, GATE: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """out[split, m, n] = sum over the split's chunks of x[m] . W[n], a tile's products on the tensor cores (x
     formed on load from a gated feed-forward's gate and up where GATE says so: quant_blocks_triton's `gated_load`)."""
@@ -77,6 +80,7 @@ def _gemm(
     offs_w = tl.arange(0, 4 * CHUNKS)
     offs_j = tl.arange(0, CHUNKS * 16)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    wait_for_inputs(PDL)
     first = pid_k * chunks_per_split
     last = tl.minimum(first + chunks_per_split, n_chunks)
     # Each step's scales (and high bits) are read a step ahead (the last step's read is all masked): their loads are
@@ -150,6 +154,6 @@ def quant_gemm(
         x, out, *slots, m_rows, n, n_chunks, chunks_per_split, columns,
         x.stride(0), out.stride(0) if splits > 1 else 0, out.stride(-2), *strides,
         **layout_constexprs(ggml_type), BLOCK_M=max(16, triton.next_power_of_2(m_rows)), BLOCK_N=block_n, CHUNKS=chunks,
-        F32_DOT=x.dtype == torch.float32, GATE=gate, num_warps=num_warps,
+        F32_DOT=x.dtype == torch.float32, GATE=gate, num_warps=num_warps, **dependent_launch.options(x.device),
     )  # fmt: skip
     return out if splits == 1 else out.sum(dim=0).to(x.dtype)

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
+from strata.stage_worker.kernels import dependent_launch
+from strata.stage_worker.kernels.dependent_launch import wait_for_inputs
 from strata.stage_worker.kernels.quant_blocks_triton import (
     LAYOUTS,
     NORM_ADD_RMS,
@@ -37,6 +39,7 @@ from strata.stage_worker.kernels.quant_blocks_triton import (
     nibble_values,
     normed_values,
     pair_columns,
+    prefetch_words,
     read_chunk,
     split_output,
     sum_splits,
@@ -54,7 +57,7 @@ def _gemv(
     sxm, sos, som, sres, sq, sh, sd, sd2, ssc, smn, srm, shm,
     FAMILY: tl.constexpr, BITS: tl.constexpr, MINIMUMS: tl.constexpr, HALF_STRIDE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, EVEN_K: tl.constexpr, GATE: tl.constexpr,
-    NORM: tl.constexpr, SPLIT: tl.constexpr,
+    NORM: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out[split, m, n] = sum over the split's chunks of x[m] . W[n], and with SPLIT their sum into result [m, n]
     (`sum_splits`), for the M (<= BLOCK_M) rows of x at once
@@ -86,6 +89,8 @@ def _gemv(
         acc = tl.zeros((BLOCK_M, BLOCK_N, CHUNKS), dtype=tl.float32)
     first = pid_k * chunks_per_split
     last = tl.minimum(first + chunks_per_split, n_chunks)
+    prefetch_words(q_ptr, rows_in, sq, 4 * first, 4 * last, 4 * CHUNKS, PDL)
+    wait_for_inputs(PDL)
     for k0 in range(first, last, CHUNKS):
         kc = k0 + offs_c
         kmask = (kc < last) | EVEN_K
@@ -311,7 +316,7 @@ def _launch(
         **layout_constexprs(ggml_type), BLOCK_M=triton.next_power_of_2(m_rows), BLOCK_N=block_n, CHUNKS=chunks,
         EVEN_K=n_chunks % chunks_per_split == 0 and chunks_per_split % chunks == 0, GATE=gate,
         NORM=(NORM_NONE if norm is None else NORM_RMS if residual is None else NORM_ADD_RMS).value, SPLIT=splits > 1,
-        num_warps=warps, num_stages=1,
+        num_warps=warps, num_stages=1, **dependent_launch.options(x.device),
     )  # fmt: skip
     return out.result, h
 

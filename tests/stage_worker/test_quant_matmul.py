@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from strata.stage_worker.kernels import quant_blocks_triton, quant_matmul_triton
+from strata.stage_worker.kernels import quant_blocks_triton, quant_gemm_triton, quant_matmul_triton
 from strata.stage_worker.kernels.quant_matmul import (
     FUSED_MAX_ROWS,
     FUSED_TYPES,
@@ -53,7 +53,8 @@ class Case:
     blocks: str  # the f16 fields: "normal", "extreme" (+-65504 beside tiny), "zero" (a third of blocks all zero
     # bytes), "negative" (every f16 field negative: negative minimums)
     op: bool = False  # through `kernel` whatever m: rows past FUSED_MAX_ROWS take the tensor-core kernel
-    splits: int | None = None  # the fused kernel split along K this many ways (SPLIT_CHUNKS chunks a step)
+    splits: int | None = None  # the kernel (fused, or tensor-core past 16 rows) split along K this many ways
+    # (SPLIT_CHUNKS chunks a step)
 
 
 def _k(ggml_type: GGMLQuantizationType, *, long: bool) -> int:
@@ -70,6 +71,7 @@ def _cases() -> list[Case]:
         cases += [Case(f"{t.name} M={m}", t, m, 37 if m < 16 else 19, short, "normal") for m in (1, 3, 16, 17, 40, 65)]
         cases += [Case(f"{t.name} M={m}, K={long}", t, m, 21, long, "normal") for m in (1, 3, 33)]
         cases += [Case(f"{t.name} M={m}, K={long} split along K", t, m, 21, long, "normal", splits=2) for m in (1, 3)]
+        cases += [Case(f"{t.name} M=33, K={long} split along K (tensor cores)", t, 33, 21, long, "normal", splits=2)]
         cases += [Case(f"{t.name} M=6 through the op (tensor cores)", t, 6, 37, short, "normal", op=True)]
         cases += [Case(f"{t.name} M={m}, extreme scales", t, m, 19, short, "extreme") for m in (1, 16, 24)]
         cases += [Case(f"{t.name} M=3, zero blocks", t, 3, 19, short, "zero")]
@@ -87,7 +89,10 @@ def test_split_cases_split(case: Case) -> None:
     """The cases that ask for splits get them, so their parts are summed in the kernel (quant_blocks_triton.
     sum_splits)."""
     n_chunks = quant_blocks_triton.chunk_count(case.k, case.ggml_type)
-    block_n = quant_matmul_triton.default_config(case.ggml_type, case.m, n=case.n, k=case.k).block_n or 4
+    if case.m > quant_matmul_triton.MAX_ROWS:
+        block_n = quant_gemm_triton.default_tile(case.ggml_type, case.m, case.n)[0]
+    else:
+        block_n = quant_matmul_triton.default_config(case.ggml_type, case.m, n=case.n, k=case.k).block_n or 4
     _, out = quant_blocks_triton.split_output(
         torch.zeros(case.m, case.k), n=case.n, n_chunks=n_chunks, chunks=SPLIT_CHUNKS,
         programs=-(-case.n // block_n), splits=case.splits,
@@ -140,7 +145,11 @@ def run_case(case: Case, *, device: torch.device, dtype: torch.dtype, seed: int 
     scale = min(1.0, 100.0 / float(w.abs().sum(dim=1).max().clamp_min(1e-30)))
     x = (torch.from_numpy(rng.standard_normal((case.m, case.k))).float() * scale).to(dtype)
     on_device = [p.to(device) for p in planes.values()]
-    if case.m <= quant_matmul_triton.MAX_ROWS and not case.op:
+    if case.splits and case.m > quant_matmul_triton.MAX_ROWS:
+        ours = quant_gemm_triton.quant_gemm(
+            x.to(device), on_device, case.ggml_type, columns=case.k, chunks=SPLIT_CHUNKS, splits=case.splits
+        )
+    elif case.m <= quant_matmul_triton.MAX_ROWS and not case.op:
         config = None if case.splits is None else quant_matmul_triton.Config(chunks=SPLIT_CHUNKS, splits=case.splits)
         ours = quant_matmul_triton.quant_matmul(x.to(device), on_device, case.ggml_type, columns=case.k, config=config)
     else:

@@ -34,7 +34,8 @@ from strata.stage_worker.kernels.quant_blocks_triton import (
     kernel_planes,
     layout_constexprs,
     nibble_values,
-    split_k,
+    split_output,
+    sum_splits,
 )
 from strata.stage_worker.kernels.quant_matmul_triton import TALL_N
 from torch import Tensor
@@ -59,15 +60,16 @@ def default_tile(ggml_type: GGMLQuantizationType, rows: int, n: int) -> tuple[in
 
 @triton.jit
 def _gemm(
-    x_ptr, out_ptr, q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr,
+    x_ptr, out_ptr, result_ptr, counts_ptr, q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr,
     M, N, n_chunks, chunks_per_split, gate_offset,
-    sxm, sos, som, sq, sh, sd, sd2, ssc, smn,
+    sxm, sos, som, sres, sq, sh, sd, sd2, ssc, smn,
     FAMILY: tl.constexpr, BITS: tl.constexpr, MINIMUMS: tl.constexpr, HALF_STRIDE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, F32_DOT: tl.constexpr, GATE: tl.constexpr,
-    PDL: tl.constexpr,
+    SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out[split, m, n] = sum over the split's chunks of x[m] . W[n], a tile's products on the tensor cores (x
-    formed on load from a gated feed-forward's gate and up where GATE says so: quant_blocks_triton's `gated_load`)."""
+    formed on load from a gated feed-forward's gate and up where GATE says so: quant_blocks_triton's `gated_load`),
+    and with SPLIT their sum into result [m, n] (`sum_splits`)."""
     NIBBLES: tl.constexpr = 1 if HALF_STRIDE == 0 else 2
     HIGH: tl.constexpr = FAMILY == 3 or BITS == 5  # high-bit words of their own (Q5 types, Q6_K)
     pid_n = tl.program_id(0)
@@ -120,8 +122,11 @@ def _gemm(
             else:
                 acc += tl.dot(w, xt)
         high, a_lo, b_lo, a_hi, b_hi = next_high, next_a_lo, next_b_lo, next_a_hi, next_b_hi
-    mask = m_ok[None, :] & (rows < N)[:, None]
-    tl.store(out_ptr + pid_k * sos + m[None, :] * som + rows[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    part = tl.trans(acc)  # [BLOCK_M, BLOCK_N], as `sum_splits` takes a part
+    ok = m_ok[:, None] & (rows < N)[None, :]
+    tl.store(out_ptr + pid_k * sos + m[:, None] * som + rows[None, :], part.to(out_ptr.dtype.element_ty), mask=ok)
+    if SPLIT:
+        sum_splits(out_ptr, result_ptr, counts_ptr + pid_n, part, m, rows, ok, sos, som, sres, tl.num_programs(1))
 
 
 def quant_gemm(
@@ -133,11 +138,12 @@ def quant_gemm(
     block_n: int | None = None,
     chunks: int | None = None,
     num_warps: int | None = None,
+    splits: int | None = None,
     gate: int = 0,
 ) -> Tensor:
     """x [M, K] (M <= MAX_ROWS) @ W.T -> [M, N] in x's dtype, W given as its planes (formats.plane_names order);
-    the tile is `default_tile`'s where not given. With a `gate`, x is [M, 2K] as quant_matmul_triton.quant_matmul
-    takes it."""
+    the tile is `default_tile`'s where not given, the split along K `split_output`'s. With a `gate`, x is [M, 2K] as
+    quant_matmul_triton.quant_matmul takes it."""
     x = checked_rows(x, columns=columns * (2 if gate else 1), most=MAX_ROWS, kernel="tensor-core")
     m_rows, n = x.shape[0], planes[0].shape[0]
     if m_rows == 0:
@@ -147,13 +153,13 @@ def quant_gemm(
     n_chunks = chunk_count(columns, ggml_type)
     chunks = min(chunks, triton.next_power_of_2(n_chunks))
     programs = triton.cdiv(n, block_n)
-    chunks_per_split, out = split_k(x, n=n, n_chunks=n_chunks, chunks=chunks, programs=programs, splits=None)
-    splits = 1 if out.dim() == 2 else out.shape[0]
+    chunks_per_split, out = split_output(x, n=n, n_chunks=n_chunks, chunks=chunks, programs=programs, splits=splits)
     slots, strides = kernel_planes(planes, ggml_type)
-    _gemm[(programs, splits)](
-        x, out, *slots, m_rows, n, n_chunks, chunks_per_split, columns,
-        x.stride(0), out.stride(0) if splits > 1 else 0, out.stride(-2), *strides,
+    _gemm[(programs, out.splits)](
+        x, out.parts, out.result, out.counts, *slots, m_rows, n, n_chunks, chunks_per_split, columns,
+        x.stride(0), out.split_stride, out.parts.stride(-2), out.result.stride(0), *strides,
         **layout_constexprs(ggml_type), BLOCK_M=max(16, triton.next_power_of_2(m_rows)), BLOCK_N=block_n, CHUNKS=chunks,
-        F32_DOT=x.dtype == torch.float32, GATE=gate, num_warps=num_warps, **dependent_launch.options(x.device),
+        F32_DOT=x.dtype == torch.float32, GATE=gate, SPLIT=out.splits > 1, num_warps=num_warps,
+        **dependent_launch.options(x.device),
     )  # fmt: skip
-    return out if splits == 1 else out.sum(dim=0).to(x.dtype)
+    return out.result

@@ -2,9 +2,9 @@
 the one ahead has finished and must still read that one's result, not what the buffer held before.
 
 A CUDA graph of 48 normed products of one row, each reading the last one's output (the Q8_0 kernel of a decode
-step, which prefetches its weights before it waits), replayed with the input changed between replays: the results
-must equal, bit for bit, the same graph captured with plain launches. A kernel that read its input before the wait
-would see the previous replay's values somewhere in 48 links. The decode steps of test_decode_step_gpu.py run every
+step), replayed with the input changed between replays: the results must equal, bit for bit, the same graph
+captured with plain launches. A kernel that read its input before the wait would see the previous replay's values
+somewhere in 48 links. The decode steps of test_decode_step_gpu.py run every
 other kernel launched this way against their references.
 
 These need a CUDA device; CI has none, so they run on a GPU lease and are skipped elsewhere.

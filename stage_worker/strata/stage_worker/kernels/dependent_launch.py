@@ -1,20 +1,22 @@
-"""Programmatic dependent launch (Hopper and later): a decode step's kernels start before the kernel ahead of them
-has finished, and wait for its results only where they read them.
+"""Programmatic dependent launch (Hopper and later): a decode step's kernels may start before the kernel ahead of
+them has finished, and wait for its results before they read them.
 
-A one-stream decode step is some 280 kernels in a CUDA graph (Llama-3-8B, Q8_0): its matrix products read the
-weights at up to 2.9 TB/s in their middle, but each starts with its multiprocessors waiting on their first loads
-and ends on a tail of its last programs, and the next kernel's programs are launched only once the whole kernel is
-done. Launched with CUDA's programmatic stream serialisation, a kernel's programs may start as soon as every
-program of the kernel ahead has called `griddepcontrol.launch_dependents`; each then waits (`griddepcontrol.wait`)
-until that kernel has completed and its writes are visible. What a program does before the wait overlaps the kernel
-ahead: the products prefetch their first weights into L2 there, since no kernel of a step writes weights.
+A one-stream decode step is some 280 kernels in a CUDA graph (Llama-3-8B, Q8_0), each with a ramp and a tail, and
+the next kernel's programs are launched only once the whole kernel is done. Launched with CUDA's programmatic stream
+serialisation, a kernel's programs may start as soon as every program of the kernel ahead has called
+`griddepcontrol.launch_dependents`; each then waits (`griddepcontrol.wait`) until that kernel has completed and its
+writes are visible.
 
-The rule every kernel launched this way keeps (`wait_for_inputs`): nothing before the wait reads what another kernel
-writes, or writes anything (a buffer the kernel ahead still reads may be this one's output); every program waits,
-so the kernel cannot complete before the one ahead, and the next kernel's wait covers both. Kernels launched
-plainly (torch's, the compiled blocks') wait for everything ahead as always.
+Measured before (docs/benchmarks.md, "Launching the next kernel early", H100, 2026-12-07, a scratch chain of the
+step's matrix products alone): Q8_0 products 1.6% faster, Q4_K ones 5% slower, and prefetching weights into L2
+before the wait 11-13% slower on both, so nothing runs before the wait here. What that chain could not say is what
+the whole step gains, attention and the small kernels included: bench/decode_profile.py --plain times the step both
+ways in one run, and `STRATA_DEPENDENT_LAUNCH` (1 or 0) chooses.
 
-`STRATA_DEPENDENT_LAUNCH=0` launches them plainly, for a side-by-side measurement (bench/decode_profile.py).
+The rule every kernel launched this way keeps (`wait_for_inputs`, first thing): nothing before the wait reads what
+another kernel writes, or writes anything (a buffer the kernel ahead still reads may be this one's output); every
+program waits, so the kernel cannot complete before the one ahead, and the next kernel's wait covers both. Kernels
+launched plainly (torch's, the compiled blocks') wait for everything ahead as always.
 """
 
 from __future__ import annotations
@@ -54,13 +56,3 @@ def wait_for_inputs(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(pointers, PDL: tl.constexpr):
-    """Ask L2 for the lines at `pointers` (one address a 128-byte line is enough), without waiting for them: before
-    `wait_for_inputs`, for bytes no kernel of the step writes."""
-    if PDL:
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [pointers], dtype=tl.int32, is_pure=False, pack=1
-        )

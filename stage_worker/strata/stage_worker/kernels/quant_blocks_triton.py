@@ -29,7 +29,6 @@ import torch
 import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
-from strata.stage_worker.kernels.dependent_launch import prefetch_l2
 from strata.stage_worker.weights.formats import FORMATS, plane_names
 from torch import Tensor
 
@@ -407,16 +406,6 @@ def split_k(x: Tensor, *, n: int, n_chunks: int, chunks: int, programs: int, spl
     if splits == 1:
         return chunks_per_split, torch.empty((x.shape[0], n), device=x.device, dtype=x.dtype)
     return chunks_per_split, torch.empty((splits, x.shape[0], n), device=x.device, dtype=torch.float32)
-
-
-@triton.jit
-def prefetch_words(q_ptr, rows, sq, first, end, WORDS: tl.constexpr, PDL: tl.constexpr):
-    """Before a dependent launch's wait (strata.stage_worker.kernels.dependent_launch): ask L2 for words [first,
-    min(first + WORDS, end)) of each of `rows` of the main plane, a prefetch a 128-byte line, so that a program's
-    first loads overlap the kernel ahead. Weights are never written during a step."""
-    LINES: tl.constexpr = (WORDS + 31) // 32
-    words = tl.minimum(first + tl.arange(0, LINES) * 32, end - 1)
-    prefetch_l2(q_ptr + rows[:, None] * sq + words[None, :], PDL)
 
 
 @triton.jit

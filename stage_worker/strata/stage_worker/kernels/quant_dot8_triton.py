@@ -35,7 +35,6 @@ from strata.stage_worker.kernels.quant_blocks_triton import (
     as_words,
     four_columns,
     per_chunk,
-    prefetch_words,
     split_output,
     sum_splits,
 )
@@ -265,7 +264,6 @@ def _gemv(xq_ptr, xd_ptr, xs_ptr, out_ptr, result_ptr, counts_ptr, q_ptr, h_ptr,
     acc = tl.zeros((BLOCK_M, BLOCK_N, CHUNKS), dtype=tl.float32)
     first = pid_k * chunks_per_split
     last = tl.minimum(first + chunks_per_split, n_chunks)
-    prefetch_words(q_ptr, rows_in, sq, 8 * first, 8 * last, 8 * CHUNKS, PDL)
     wait_for_inputs(PDL)
     for c0 in range(first, last, CHUNKS):
         word_ok = c0 + chunk_of_word < last

@@ -39,7 +39,6 @@ from strata.stage_worker.kernels.quant_blocks_triton import (
     nibble_values,
     normed_values,
     pair_columns,
-    prefetch_words,
     read_chunk,
     split_output,
     sum_splits,
@@ -89,7 +88,6 @@ def _gemv(
         acc = tl.zeros((BLOCK_M, BLOCK_N, CHUNKS), dtype=tl.float32)
     first = pid_k * chunks_per_split
     last = tl.minimum(first + chunks_per_split, n_chunks)
-    prefetch_words(q_ptr, rows_in, sq, 4 * first, 4 * last, 4 * CHUNKS, PDL)
     wait_for_inputs(PDL)
     for k0 in range(first, last, CHUNKS):
         kc = k0 + offs_c

@@ -25,6 +25,7 @@
 #              here (bench/gpu-pieces.sh split FILE .pieces), then one call a piece before this step, carrying
 #              .pieces/piece-NN and .pieces/sha256 alone: bash bench/gpu-pieces.sh keep .pieces /tmp/strata-lease/pieces
 #   kernels    bench/quant_matmul.py --dot8 and --sweep (the launch shapes behind the residency table)
+#   normed     bench/quant_matmul.py --normed: the normed one-row Q8_0 products' launch shapes (a minute)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STATE=${STRATA_LEASE_STATE:-/tmp/strata-lease}
@@ -152,7 +153,11 @@ kernels() {
   python3 bench/quant_matmul.py --sweep --out "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" | tail -30
 }
 
-STEPS="setup attention residency depth paging profile tests needle kernels"
+normed() {
+  python3 bench/quant_matmul.py --normed --out "$OUT/normed.json" 2>&1 | tee "$OUT/normed.log" | tail -10
+}
+
+STEPS="setup attention residency depth paging profile tests needle kernels normed"
 [ $# -gt 0 ] || { sed -n '2,/^set -euo/p' "$0" | grep '^#' >&2; exit 2; }
 if [ "$1" = prepare ]; then
   prepare

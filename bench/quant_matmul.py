@@ -1,7 +1,8 @@
 """The quantised-matmul kernels on a GPU: time against cuBLAS bf16 on the same values, and check them against the f32
 reference. One run, one table.
 
-    python bench/quant_matmul.py [--types Q8_0,Q4_K,Q6_K] [--sweep | --crossover | --fusions | --dot8] [--out FILE.json]
+    python bench/quant_matmul.py [--types Q8_0,Q4_K,Q6_K] [--sweep | --crossover | --fusions | --dot8 | --normed]
+        [--out FILE.json]
 
 For each fused type, Llama-3-8B's matrices (N x K: 6144 x 4096 qkv, 4096 x 4096 o, 28672 x 4096 gate_up,
 4096 x 14336 down) and M = 1, 4, 16, 32 rows of bf16 x: `quant_linear` (the custom op the model calls: the fused
@@ -18,6 +19,9 @@ Fidelity: the worst error of any output, bf16 against the f32 reference, as a sh
 
 --dot8 times the dp4a candidate (quant_dot8_triton: x quantised to 8 bits, its own launch included) against the fused
 kernel at 1, 2 and 4 rows, with each one's worst error against the exact product.
+
+--normed times the launch shapes of the normed one-row Q8_0 products (qkv and gate/up with the residual add and
+RMS norm in their load of x), which --sweep does not.
 
 --sweep times the launch shapes of quant_matmul_triton.Config for the three types of Q8_0 and Q4_K_M files, and
 for a batch of streams the tensor-core kernel's tiles against dequantise-then-cuBLAS.
@@ -181,6 +185,7 @@ def main() -> None:
     parser.add_argument(
         "--dot8", action="store_true", help="only the dp4a candidate against the fused kernel, 1-4 rows"
     )
+    parser.add_argument("--normed", action="store_true", help="only the normed Q8_0 products' launch shapes, one row")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -196,6 +201,10 @@ def main() -> None:
     results: dict[str, object] = {"device": props.name, "read_gbps": bandwidth / 1e9}
     if args.crossover:
         results["crossover"] = crossover(device)
+        _save(args.out, results)
+        return
+    if args.normed:
+        results["normed"] = normed_shapes(device)
         _save(args.out, results)
         return
     if args.fusions:
@@ -374,6 +383,41 @@ def fusions(device: torch.device) -> list[dict[str, object]]:
 
 
 FUSION_EPS = 1e-5
+NORMED_SHAPES = [C(4, 256, 4), C(2, 256, 4), C(8, 256, 4), C(4, 256, 8), C(8, 256, 8), C(16, 256, 8), C(8, 128, 4),
+                 C(4, 128, 4), C(4, 256, 2)]  # fmt: skip
+
+
+def normed_shapes(device: torch.device) -> list[dict[str, object]]:
+    """One row, the normed products a Q8_0 step runs (qkv and gate/up, the residual added and normed in the load of
+    x, one split), at the launch shapes of NORMED_SHAPES (--sweep times the plain product alone); and the plain o
+    projection at --sweep's one-row shapes. us per call in CUDA graphs, weights from HBM."""
+    log("\n## Normed products (add + RMS norm in the load of x), one row, us per call (block_n/chunks/warps)")
+    rows = []
+    for ggml_type in (Q.Q8_0,):
+        for shape in ("qkv", "gate_up"):
+            n, k = SHAPES[shape]
+            residual = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+            weight = torch.randn(k, device=device, dtype=torch.bfloat16)
+            norm = quant_matmul_triton.Norm(weight=weight, eps=FUSION_EPS, residual=residual)
+            calls = [partial(_normed, norm, ggml_type, k, config=c) for c in NORMED_SHAPES]
+            _, times, size = timings(ggml_type, n, k, 1, device, calls)
+            cells = " ".join(
+                f"{c.block_n}/{c.chunks}/{c.num_warps}={t * 1e6:.1f}" for c, t in zip(NORMED_SHAPES, times, strict=True)
+            )
+            log(f"{ggml_type.name:5s} {shape:8s} normed: {cells}")
+            rows.append({"type": ggml_type.name, "matrix": shape, "us": [t * 1e6 for t in times],
+                         "configs": [[c.block_n, c.chunks, c.num_warps] for c in NORMED_SHAPES],
+                         "gbps": [size / t / 1e9 for t in times]})  # fmt: skip
+    n, k = SHAPES["o"]  # the other small product of a layer, plain, at the sweep's one-row shapes
+    _, times, size = timings(Q.Q8_0, n, k, 1, device, list(SWEEP[1]))
+    cells = " ".join(
+        f"{c.block_n}/{c.chunks}/{c.num_warps}{f'/s{c.splits}' if c.splits else ''}={t * 1e6:.1f}"
+        for c, t in zip(SWEEP[1], times, strict=True)
+    )
+    log(f"Q8_0  o        plain : {cells}")
+    rows.append({"type": "Q8_0", "matrix": "o", "us": [t * 1e6 for t in times], "gbps": [size / t / 1e9 for t in times],
+                 "configs": [[c.block_n, c.chunks, c.num_warps, c.splits] for c in SWEEP[1]]})  # fmt: skip
+    return rows
 
 
 def _add_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tensor:
@@ -397,8 +441,8 @@ def _activated(activate: Callable[[torch.Tensor], torch.Tensor], gate_up: torch.
 
 
 def _normed(norm: quant_matmul_triton.Norm, ggml_type: GGMLQuantizationType, k: int, x: torch.Tensor,
-            planes: list[torch.Tensor]) -> torch.Tensor:  # fmt: skip
-    return quant_matmul_triton.quant_matmul_normed(x, planes, ggml_type, columns=k, norm=norm)[0]
+            planes: list[torch.Tensor], config: quant_matmul_triton.Config | None = None) -> torch.Tensor:  # fmt: skip
+    return quant_matmul_triton.quant_matmul_normed(x, planes, ggml_type, columns=k, norm=norm, config=config)[0]
 
 
 def _normed_apart(add_norm: Callable[..., torch.Tensor], norm: quant_matmul_triton.Norm,

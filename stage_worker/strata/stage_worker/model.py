@@ -209,6 +209,19 @@ class FeedForward(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.down(self.w_gate_up(x))
 
+    def normed(self, x: Tensor, residual: Tensor | None, norm: RMSNorm) -> tuple[Tensor, Tensor]:
+        """(h, the feed-forward of norm(h)) with h = x + residual (x without one). On a GPU, for a decode step's row
+        of a gate/up matrix of one quantised part (PackedLinear.activates), the add, the norm and the activation all
+        happen in the gate/up product's launch."""
+        if isinstance(self.w_gate_up, PackedLinear) and self.w_gate_up.activates(x):
+            activated, h = self.w_gate_up.normed_activation(
+                x, residual, weight=norm.weight, eps=norm.eps, activate=self.gate
+            )  # fmt: skip
+            out: Tensor = self.w_down(activated)
+            return h, out
+        h, gate_up = normed_projection(self.w_gate_up, norm, x, residual)
+        return h, self.down(joined(gate_up))
+
     def down(self, gate_up: Tensor) -> Tensor:
         """From the gate/up projection of x on: `Block` may form that projection with the norm before it."""
         if isinstance(self.w_down, PackedLinear) and self.w_down.forms_gate(gate_up):
@@ -275,8 +288,7 @@ class Block(nn.Module):
         if self.attn_post_norm is not None:
             attended = self.attn_post_norm(attended)
         if isinstance(self.ffn, FeedForward):
-            h, gate_up = normed_projection(self.ffn.w_gate_up, self.ffn_norm, attended, h)
-            fed = self.ffn.down(joined(gate_up))
+            h, fed = self.ffn.normed(attended, h, self.ffn_norm)
         else:
             h = h + attended
             fed = self.ffn(self.ffn_norm(h))

@@ -97,12 +97,18 @@ def gated_load(pointers, mask, gate_offset, GATE: tl.constexpr):
         return tl.load(pointers, mask=mask, other=0.0)
     gate = tl.load(pointers, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(pointers + gate_offset, mask=mask, other=0.0).to(tl.float32)
+    return act_times_up(gate, up, GATE).to(pointers.dtype.element_ty)
+
+
+@triton.jit
+def act_times_up(gate, up, GATE: tl.constexpr):
+    """act(gate) * up in f32, for GATE_SILU or GATE_GELU_TANH."""
     if GATE == GATE_SILU:
         activated = gate / (1.0 + tl.exp(-gate))
     else:
         inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2 / pi) (g + 0.044715 g^3)
         activated = gate * (1.0 / (1.0 + tl.exp(-2.0 * inner)))  # 0.5 g (1 + tanh(inner))
-    return (activated * up).to(pointers.dtype.element_ty)
+    return activated * up
 
 
 @triton.jit

@@ -196,26 +196,32 @@ def normed_reference(x: Tensor, residual: Tensor | None, weight: Tensor, eps: fl
 
 @torch.library.custom_op("strata::quant_linear_normed", mutates_args=())
 def _quant_linear_normed_op(
-    x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, planes: list[Tensor], ggml_type: int, columns: int
-) -> tuple[Tensor, Tensor]:
+    x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, planes: list[Tensor], ggml_type: int, columns: int,
+    activate: int = 0,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     from strata.stage_worker.kernels import quant_matmul_triton
 
     t = GGMLQuantizationType(ggml_type)
     with _device(x):
         if x.shape[0] <= FUSED_MAX_ROWS and t in FUSED_TYPES:
             norm = quant_matmul_triton.Norm(weight=weight, eps=eps, residual=residual)
-            out, h = quant_matmul_triton.quant_matmul_normed(x, planes, t, columns=columns, norm=norm)
+            out, h = quant_matmul_triton.quant_matmul_normed(x, planes, t, columns=columns, norm=norm,
+                                                             activate=activate)  # fmt: skip
             return out, x.new_empty(0) if h is None else h
         h, normed = normed_reference(x, residual, weight, eps)
         out = _quant_linear_op(normed, planes, ggml_type, columns, int(Gate.NONE))
+        if activate:
+            out = activated(out, Gate(activate))
         return out, x.new_empty(0) if residual is None else h
 
 
 @_quant_linear_normed_op.register_fake
 def _(
-    x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, planes: list[Tensor], ggml_type: int, columns: int
-) -> tuple[Tensor, Tensor]:
-    return x.new_empty((x.shape[0], planes[0].shape[0])), x.new_empty(0) if residual is None else torch.empty_like(x)
+    x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, planes: list[Tensor], ggml_type: int, columns: int,
+    activate: int = 0,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    out = x.new_empty((x.shape[0], planes[0].shape[0] // (2 if activate else 1)))
+    return out, x.new_empty(0) if residual is None else torch.empty_like(x)
 
 
 def kernel_normed(
@@ -227,10 +233,13 @@ def kernel_normed(
     columns: int,
     weight: Tensor,
     eps: float,
+    activate: Gate = Gate.NONE,
 ) -> tuple[Tensor, Tensor]:
     """(rms_norm(h) * weight @ W.T, h) with h = x (+ residual), x [M, K], on the Triton path: for up to
-    FUSED_MAX_ROWS rows one launch, the norm (and the residual add) formed in the fused kernel's load of x."""
-    out, h = _quant_linear_normed_op(x, residual, weight, eps, list(planes), int(ggml_type), columns)
+    FUSED_MAX_ROWS rows one launch, the norm (and the residual add) formed in the fused kernel's load of x. With
+    `activate`, W is a gated feed-forward's gate rows over its up rows and the product act(gate) * up [M, N / 2],
+    formed in the same launch (`activated` of the product elsewhere)."""
+    out, h = _quant_linear_normed_op(x, residual, weight, eps, list(planes), int(ggml_type), columns, int(activate))
     return out, x if residual is None else h
 
 

@@ -26,11 +26,14 @@ from gguf import GGMLQuantizationType
 from strata.stage_worker.kernels import dependent_launch
 from strata.stage_worker.kernels.dependent_launch import wait_for_inputs
 from strata.stage_worker.kernels.quant_blocks_triton import (
+    GATE_NONE,
     LAYOUTS,
     NORM_ADD_RMS,
     NORM_NONE,
     NORM_RMS,
     Q,
+    SplitOutput,
+    act_times_up,
     checked_rows,
     chunk_count,
     four_columns,
@@ -52,11 +55,11 @@ from torch import Tensor
 @triton.jit
 def _gemv(
     x_ptr, out_ptr, result_ptr, counts_ptr, q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr, r_ptr, g_ptr, hs_ptr,
-    M, N, n_chunks, chunks_per_split, columns, eps,
+    M, N, n_chunks, chunks_per_split, columns, eps, half_n,
     sxm, sos, som, sres, sq, sh, sd, sd2, ssc, smn, srm, shm,
     FAMILY: tl.constexpr, BITS: tl.constexpr, MINIMUMS: tl.constexpr, HALF_STRIDE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, EVEN_K: tl.constexpr, GATE: tl.constexpr,
-    NORM: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
+    NORM: tl.constexpr, SPLIT: tl.constexpr, PAIRED: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out[split, m, n] = sum over the split's chunks of x[m] . W[n], and with SPLIT their sum into result [m, n]
     (`sum_splits`), for the M (<= BLOCK_M) rows of x at once
@@ -64,13 +67,21 @@ def _gemv(
     `gated_load`; or x's RMS norm times g, of x + r stored at hs where NORM says so, in one split:
     `normed_values`).
 
+    PAIRED (a GATE_ constant): W is a gated feed-forward's gate rows [0, half_n) over its up rows [half_n, N), each
+    program takes BLOCK_N / 2 gate rows and the matching up rows, and out [m, half_n] is act(gate) * up of its
+    outputs, each rounded to out's dtype first as a product's output is (one split).
+
     One row of x: the sums of (u 2^-24) x and of x per sub-block half, scaled once a chunk. More rows: each value
     a u + b is formed once (one FMA) and multiplied by every row's x."""
     NIBBLES: tl.constexpr = 1 if HALF_STRIDE == 0 else 2
     SPLIT_HALVES: tl.constexpr = FAMILY >= 2  # a K-quant's nibbles lie in different sub-blocks
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PAIRED == GATE_NONE:
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    else:  # gate row u at even positions, up row half_n + u beside it
+        pairs = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
+        rows = tl.where(pairs < half_n, pairs + (tl.arange(0, BLOCK_N) % 2) * half_n, N)
     rows_in = tl.minimum(rows, N - 1)  # rows past N read row N - 1 and are not stored: no masked weight loads
     m = tl.arange(0, BLOCK_M)
     row = tl.minimum(m, M - 1)[None, :, None]
@@ -155,10 +166,17 @@ def _gemv(
     out = tl.sum(acc, axis=1)[None, :] if BLOCK_M == 1 else tl.sum(acc, axis=2)
     if NORM != NORM_NONE:
         out = out * tl.rsqrt(tl.sum(squares, axis=1) / columns + eps)[:, None]
-    mask = (m < M)[:, None] & (rows < N)[None, :]
-    tl.store(out_ptr + pid_k * sos + m[:, None] * som + rows[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
-    if SPLIT:
-        sum_splits(out_ptr, result_ptr, counts_ptr + pid_n, out, m, rows, mask, sos, som, sres, tl.num_programs(1))
+    if PAIRED != GATE_NONE:
+        gate, up = tl.split(tl.reshape(out.to(out_ptr.dtype.element_ty).to(tl.float32), (BLOCK_M, BLOCK_N // 2, 2)))
+        units = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        activated = act_times_up(gate, up, PAIRED).to(out_ptr.dtype.element_ty)
+        ok = (m < M)[:, None] & (units < half_n)[None, :]
+        tl.store(out_ptr + m[:, None] * som + units[None, :], activated, mask=ok)
+    else:
+        mask = (m < M)[:, None] & (rows < N)[None, :]
+        tl.store(out_ptr + pid_k * sos + m[:, None] * som + rows[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+        if SPLIT:
+            sum_splits(out_ptr, result_ptr, counts_ptr + pid_n, out, m, rows, mask, sos, som, sres, tl.num_programs(1))
 
 
 @triton.jit
@@ -267,11 +285,14 @@ def quant_matmul_normed(
     columns: int,
     norm: Norm,
     config: Config | None = None,
+    activate: int = 0,
 ) -> tuple[Tensor, Tensor | None]:
     """(rms_norm(h) * norm.weight @ W.T, h) with h = x + norm.residual (None without a residual: h is x), x [M, K]
-    (M <= 16), in one split along K (a program needs all of a row's squares)."""
+    (M <= 16), in one split along K (a program needs all of a row's squares). With `activate` (GATE_SILU or
+    GATE_GELU_TANH), W is a gated feed-forward's gate rows over its up rows, and the product is act(gate) * up
+    [M, N / 2], formed as the programs store it: no launch of its own."""
     return _launch(x, planes, ggml_type, columns=columns, config=replace(config or Config(), splits=1), gate=0,
-                   norm=norm)  # fmt: skip
+                   norm=norm, activate=activate)  # fmt: skip
 
 
 def _launch(
@@ -283,6 +304,7 @@ def _launch(
     config: Config | None,
     gate: int,
     norm: Norm | None,
+    activate: int = 0,
 ) -> tuple[Tensor, Tensor | None]:
     x = checked_rows(x, columns=columns * (2 if gate else 1), most=MAX_ROWS, kernel="fused")
     m_rows, n = x.shape[0], planes[0].shape[0]
@@ -298,23 +320,32 @@ def _launch(
     block_n = config.block_n or default.block_n or 4
     warps = config.num_warps or default.num_warps or 4
     chunks = min(config.chunks or default.chunks or 128, triton.next_power_of_2(n_chunks))
-    programs = triton.cdiv(n, block_n)
-    chunks_per_split, out = split_output(
-        x, n=n, n_chunks=n_chunks, chunks=chunks, programs=programs, splits=config.splits
-    )  # fmt: skip
+    if activate:
+        if n % 2 or block_n % 2 or (config.splits or 1) != 1:
+            raise ValueError(f"gate over up takes an even number of rows ({n}), a program of pairs ({block_n} rows) "
+                             f"and one split ({config.splits})")  # fmt: skip
+        programs = triton.cdiv(n // 2, block_n // 2)
+        chunks_per_split = triton.cdiv(n_chunks, chunks) * chunks
+        activated = x.new_empty((m_rows, n // 2))
+        out = SplitOutput(parts=activated, result=activated, counts=activated)
+    else:
+        programs = triton.cdiv(n, block_n)
+        chunks_per_split, out = split_output(
+            x, n=n, n_chunks=n_chunks, chunks=chunks, programs=programs, splits=config.splits
+        )  # fmt: skip
     parts, splits = out.parts, out.splits
     slots, strides = kernel_planes(planes, ggml_type)
     r = x if residual is None else checked_rows(residual, columns=columns, most=MAX_ROWS, kernel="fused")
     _gemv[(programs, splits)](
         x, parts, out.result, out.counts, *slots, r, x if norm is None else norm.weight, x if h is None else h,
-        m_rows, n, n_chunks, chunks_per_split, columns, 0.0 if norm is None else norm.eps,
+        m_rows, n, n_chunks, chunks_per_split, columns, 0.0 if norm is None else norm.eps, n // 2,
         x.stride(0), out.split_stride, parts.stride(-2), out.result.stride(0), *strides,
         r.stride(0),
         x.stride(0) if h is None else h.stride(0),
         **layout_constexprs(ggml_type), BLOCK_M=triton.next_power_of_2(m_rows), BLOCK_N=block_n, CHUNKS=chunks,
         EVEN_K=n_chunks % chunks_per_split == 0 and chunks_per_split % chunks == 0, GATE=gate,
         NORM=(NORM_NONE if norm is None else NORM_RMS if residual is None else NORM_ADD_RMS).value, SPLIT=splits > 1,
-        num_warps=warps, num_stages=1, **dependent_launch.options(x.device),
+        PAIRED=activate, num_warps=warps, num_stages=1, **dependent_launch.options(x.device),
     )  # fmt: skip
     return out.result, h
 

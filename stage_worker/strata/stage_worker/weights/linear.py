@@ -53,10 +53,13 @@ class QuantizedRows(nn.Module):
         kernel's load of x (CUDA only: see PackedLinear.forms_gate)."""
         return kernel(gate_up, self.planes(), self.ggml_type, columns=self.columns, gate=gate)
 
-    def matmul_normed(self, x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    def matmul_normed(
+        self, x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, activate: Gate = Gate.NONE
+    ) -> tuple[Tensor, Tensor]:
         """(rms_norm(h) * weight @ W.T, h) with h = x (+ residual), the norm formed in the kernel's load of x (CUDA
-        only: see PackedLinear.takes_norm)."""
-        return kernel_normed(x, residual, self.planes(), self.ggml_type, columns=self.columns, weight=weight, eps=eps)
+        only: see PackedLinear.takes_norm); with `activate`, act(gate) * up of the product's gate and up halves."""
+        return kernel_normed(x, residual, self.planes(), self.ggml_type, columns=self.columns, weight=weight, eps=eps,
+                             activate=activate)  # fmt: skip
 
     def dense(self, dtype: torch.dtype) -> Tensor:
         """[rows, columns] values in `dtype` (for prefill-sized work and references)."""
@@ -146,6 +149,22 @@ class PackedLinear(nn.Module):
             and x.shape[0] == 1
             and all(isinstance(part, QuantizedRows) and part.ggml_type in NORMED_TYPES for part in self.parts)
         )
+
+    def activates(self, x: Tensor) -> bool:
+        """Whether `normed_activation` can take this matrix as a gated feed-forward's gate rows over its up rows:
+        where `takes_norm` says so, one part, no bias."""
+        return self.takes_norm(x) and len(self.parts) == 1 and self.bias is None and self.out_features % 2 == 0
+
+    def normed_activation(
+        self, x: Tensor, residual: Tensor | None, *, weight: Tensor, eps: float, activate: Gate
+    ) -> tuple[Tensor, Tensor]:
+        """(act(gate) * up of rms_norm(h) * weight @ W.T, h): `normed` with the activation formed as the product
+        stores its outputs, where `activates` says so. One launch for the norm, gate/up and activation of a decode
+        step's feed-forward, where the activation was a compiled kernel of its own a layer."""
+        part = self.parts[0]
+        if not isinstance(part, QuantizedRows) or len(self.parts) > 1 or self.bias is not None:
+            raise TypeError("an activated product needs a matrix of one quantised part (PackedLinear.activates)")
+        return part.matmul_normed(x, residual, weight, eps, activate)
 
     def normed(self, x: Tensor, residual: Tensor | None, *, weight: Tensor, eps: float) -> tuple[list[Tensor], Tensor]:
         """(rms_norm(h) * weight @ W.T (+ b) by part, as `pieces`, and h) with h = x (+ residual), where `takes_norm`

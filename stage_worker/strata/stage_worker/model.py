@@ -211,16 +211,20 @@ class FeedForward(nn.Module):
 
     def normed(self, x: Tensor, residual: Tensor | None, norm: RMSNorm) -> tuple[Tensor, Tensor]:
         """(h, the feed-forward of norm(h)) with h = x + residual (x without one). On a GPU, for a decode step's row
-        of a gate/up matrix of one quantised part (PackedLinear.activates), the add, the norm and the activation all
-        happen in the gate/up product's launch."""
-        if isinstance(self.w_gate_up, PackedLinear) and self.w_gate_up.activates(x):
-            activated, h = self.w_gate_up.normed_activation(
-                x, residual, weight=norm.weight, eps=norm.eps, activate=self.gate
-            )  # fmt: skip
-            out: Tensor = self.w_down(activated)
-            return h, out
-        h, gate_up = normed_projection(self.w_gate_up, norm, x, residual)
-        return h, self.down(joined(gate_up))
+        of a gate/up matrix of one quantised part (PackedLinear.activates), the activation happens as the gate/up
+        product stores, and where the matrix takes the norm too (PackedLinear.takes_norm), the add and the norm in
+        its load: one launch for all four."""
+        w = self.w_gate_up
+        if not (isinstance(w, PackedLinear) and w.activates(x)):
+            h, gate_up = normed_projection(w, norm, x, residual)
+            return h, self.down(joined(gate_up))
+        if w.takes_norm(x):
+            activated, h = w.normed_activation(x, residual, weight=norm.weight, eps=norm.eps, activate=self.gate)
+        else:
+            h = x if residual is None else x + residual
+            activated = w.activation(norm(h), self.gate)
+        out: Tensor = self.w_down(activated)
+        return h, out
 
     def down(self, gate_up: Tensor) -> Tensor:
         """From the gate/up projection of x on: `Block` may form that projection with the norm before it."""

@@ -101,6 +101,32 @@ def gated_load(pointers, mask, gate_offset, GATE: tl.constexpr):
 
 
 @triton.jit
+def program_rows(pid_n, half_n, N, BLOCK_N: tl.constexpr, PAIRED: tl.constexpr):
+    """A program's BLOCK_N weight rows. PAIRED (a GATE_ constant): the matrix is a gated feed-forward's gate rows
+    [0, half_n) over its up rows [half_n, N), and the program takes gate row u at even positions and up row
+    half_n + u beside it, BLOCK_N / 2 of each (past the end: N, which the caller clamps for loads and never stores)."""
+    if PAIRED == GATE_NONE:
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    else:
+        pairs = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
+        rows = tl.where(pairs < half_n, pairs + (tl.arange(0, BLOCK_N) % 2) * half_n, N)
+    return rows
+
+
+@triton.jit
+def store_activated(out_ptr, out, m, M, pid_n, half_n, som, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    GATE: tl.constexpr):  # fmt: skip
+    """`program_rows`' paired outputs out [BLOCK_M, BLOCK_N] f32 as act(gate) * up into out [M, half_n]: each of
+    gate and up rounded to out's dtype first, as a product's output is, then `act_times_up` in f32, rounded once."""
+    rounded = out.to(out_ptr.dtype.element_ty).to(tl.float32)
+    gate, up = tl.split(tl.reshape(rounded, (BLOCK_M, BLOCK_N // 2, 2)))
+    units = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    ok = (m < M)[:, None] & (units < half_n)[None, :]
+    tl.store(out_ptr + m[:, None] * som + units[None, :], act_times_up(gate, up, GATE).to(out_ptr.dtype.element_ty),
+             mask=ok)  # fmt: skip
+
+
+@triton.jit
 def act_times_up(gate, up, GATE: tl.constexpr):
     """act(gate) * up in f32, for GATE_SILU or GATE_GELU_TANH."""
     if GATE == GATE_SILU:

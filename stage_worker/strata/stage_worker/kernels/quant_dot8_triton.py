@@ -32,10 +32,14 @@ from gguf import GGMLQuantizationType
 from strata.stage_worker.kernels import dependent_launch
 from strata.stage_worker.kernels.dependent_launch import wait_for_inputs
 from strata.stage_worker.kernels.quant_blocks_triton import (
+    GATE_NONE,
+    SplitOutput,
     as_words,
     four_columns,
     per_chunk,
+    program_rows,
     split_output,
+    store_activated,
     sum_splits,
 )
 from strata.stage_worker.weights.formats import dequantize, plane_names
@@ -237,19 +241,20 @@ def _q6_k_chunk(ql_first, ql_second, x_at, chunk_of_word, lane_words, word_ok, x
 # variant (3 and 4 rows): specialised on them, a step of 3 streams would compile while serving after a warm-up of 4.
 @triton.jit(do_not_specialize=["M", "sos"])
 def _gemv(xq_ptr, xd_ptr, xs_ptr, out_ptr, result_ptr, counts_ptr, q_ptr, h_ptr, d_ptr, d2_ptr, sc_ptr, mn_ptr,
-          M, N, n_chunks, chunks_per_split, sxq, sxd, sos, som, sres, sq, sh, sd, ssc,
+          M, N, n_chunks, chunks_per_split, half_n, sxq, sxd, sos, som, sres, sq, sh, sd, ssc,
           FAMILY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
-          PTX: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+          PTX: tl.constexpr, SPLIT: tl.constexpr, PAIRED: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """out[split, m, n] = the split's chunks of x_q[m] . W[n] (out [m, n] in x's dtype for one split), and with
     SPLIT their sum into result [m, n] (`sum_splits`); a chunk is 8
     words of the main plane (qs, or Q6_K's ql). Q8_0 (FAMILY 0): d at d_ptr a block. Q4_K (1): d and dmin at d_ptr
     and d2_ptr a super-block, the sub-blocks' 6-bit scales and minimums at sc_ptr and mn_ptr as 16-bit words (a
     chunk's pair). Q6_K (2): qh words at h_ptr, d a super-block, the int8 scales at sc_ptr as 16-bit words (a block
-    of x's pair)."""
+    of x's pair). PAIRED: gate rows over up rows, and out [m, half_n] act(gate) * up, as quant_matmul_triton's
+    kernel forms it (one split)."""
     X_BLOCKS: tl.constexpr = 1 if FAMILY == 0 else 2  # blocks of x a chunk
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = program_rows(pid_n, half_n, N, BLOCK_N, PAIRED)
     rows_in = tl.minimum(rows, N - 1)  # rows past N read row N - 1 and are not stored
     m = tl.arange(0, BLOCK_M)
     m_in = tl.minimum(m, M - 1)
@@ -286,10 +291,13 @@ def _gemv(xq_ptr, xd_ptr, xs_ptr, out_ptr, result_ptr, counts_ptr, q_ptr, h_ptr,
                                chunks, chunk_ok, h_ptr + rows_in[:, None] * sh + 8 * (c0 // 2), d_ptr, sd, sc_ptr,
                                ssc, rows_in, BLOCK_M, BLOCK_N, CHUNKS, PTX)  # fmt: skip
     out = tl.sum(acc, axis=2)
-    ok = (m[:, None] < M) & (rows[None, :] < N)
-    tl.store(out_ptr + pid_k * sos + m[:, None] * som + rows[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
-    if SPLIT:
-        sum_splits(out_ptr, result_ptr, counts_ptr + pid_n, out, m, rows, ok, sos, som, sres, tl.num_programs(1))
+    if PAIRED != GATE_NONE:
+        store_activated(out_ptr, out, m, M, pid_n, half_n, som, BLOCK_M, BLOCK_N, PAIRED)
+    else:
+        ok = (m[:, None] < M) & (rows[None, :] < N)
+        tl.store(out_ptr + pid_k * sos + m[:, None] * som + rows[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
+        if SPLIT:
+            sum_splits(out_ptr, result_ptr, counts_ptr + pid_n, out, m, rows, ok, sos, som, sres, tl.num_programs(1))
 
 
 def launch_shape(
@@ -309,10 +317,11 @@ def launch_shape(
 
 def dot8(
     x: Tensor, planes: Sequence[Tensor], ggml_type: GGMLQuantizationType, *, block_n: int | None = None,
-    chunks: int | None = None, num_warps: int | None = None, splits: int | None = None,
+    chunks: int | None = None, num_warps: int | None = None, splits: int | None = None, activate: int = 0,
 ) -> Tensor:  # fmt: skip
     """x [M, K] (M <= 4) @ W.T through x quantised to 8 bits, W given as its planes (formats.plane_names order);
-    [M, N] in x's dtype."""
+    [M, N] in x's dtype. With `activate` (a GATE_ constant), W is a gated feed-forward's gate rows over its up rows
+    and the product act(gate) * up [M, N / 2], formed as the programs store (one split)."""
     if ggml_type not in FAMILIES:
         raise ValueError(f"dot8 takes {', '.join(t.name for t in FAMILIES)}, not {ggml_type.name}")
     m = x.shape[0]
@@ -330,15 +339,25 @@ def dot8(
     mn = as_words(named["m"], torch.int16) if "m" in named else words
     xq, xd, xs = quantise_rows(x)
     n_chunks = words.shape[1] // 8
-    programs = triton.cdiv(n, block_n)
     chunks = min(chunks, triton.next_power_of_2(n_chunks))
-    chunks_per_split, out = split_output(x, n=n, n_chunks=n_chunks, chunks=chunks, programs=programs, splits=splits)
+    if activate:
+        if n % 2 or block_n % 2 or (splits or 1) != 1:
+            raise ValueError(f"gate over up takes an even number of rows ({n}), a program of pairs ({block_n} rows) "
+                             f"and one split ({splits})")  # fmt: skip
+        programs = triton.cdiv(n // 2, block_n // 2)
+        chunks_per_split = triton.cdiv(n_chunks, chunks) * chunks
+        activated = x.new_empty((m, n // 2))
+        out = SplitOutput(parts=activated, result=activated, counts=activated)
+    else:
+        programs = triton.cdiv(n, block_n)
+        chunks_per_split, out = split_output(x, n=n, n_chunks=n_chunks, chunks=chunks, programs=programs,
+                                             splits=splits)  # fmt: skip
     parts = out.parts
     _gemv[(programs, out.splits)](
-        xq, xd, xs, parts, out.result, out.counts, words, high, d, d2, sc, mn, m, n, n_chunks, chunks_per_split,
+        xq, xd, xs, parts, out.result, out.counts, words, high, d, d2, sc, mn, m, n, n_chunks, chunks_per_split, n // 2,
         xq.stride(0), xd.stride(0), out.split_stride, parts.stride(-2), out.result.stride(0),
         words.stride(0), high.stride(0), d.stride(0), sc.stride(0),
         FAMILY=family, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, CHUNKS=chunks, PTX=x.is_cuda,
-        SPLIT=out.splits > 1, num_warps=num_warps, **dependent_launch.options(x.device),
+        SPLIT=out.splits > 1, PAIRED=activate, num_warps=num_warps, **dependent_launch.options(x.device),
     )  # fmt: skip
     return out.result

@@ -154,7 +154,9 @@ def _(planes: list[Tensor], ggml_type: int, columns: int, dtype: torch.dtype) ->
 
 
 @torch.library.custom_op("strata::quant_linear", mutates_args=())
-def _quant_linear_op(x: Tensor, planes: list[Tensor], ggml_type: int, columns: int, gate: int) -> Tensor:
+def _quant_linear_op(
+    x: Tensor, planes: list[Tensor], ggml_type: int, columns: int, gate: int, activate: int = 0
+) -> Tensor:
     from strata.stage_worker.kernels import quant_matmul_triton
 
     t = GGMLQuantizationType(ggml_type)
@@ -164,22 +166,23 @@ def _quant_linear_op(x: Tensor, planes: list[Tensor], ggml_type: int, columns: i
         if path == "dot8":
             from strata.stage_worker.kernels import quant_dot8_triton
 
-            return quant_dot8_triton.dot8(x, planes, t)
+            return quant_dot8_triton.dot8(x, planes, t, activate=activate)
         if path == "fused":
-            return quant_matmul_triton.quant_matmul(x, planes, t, columns=columns, gate=gate)
+            return quant_matmul_triton.quant_matmul(x, planes, t, columns=columns, gate=gate, activate=activate)
         if path == "gemm":
             from strata.stage_worker.kernels import quant_gemm_triton
 
-            return quant_gemm_triton.quant_gemm(x, planes, t, columns=columns, gate=gate)
-        if gate:
-            x = activated(x, Gate(gate))
-        w = quant_matmul_triton.dequantize(planes, t, columns=columns, dtype=x.dtype)
-        return x @ w.T
+            out = quant_gemm_triton.quant_gemm(x, planes, t, columns=columns, gate=gate)
+        else:
+            if gate:
+                x = activated(x, Gate(gate))
+            out = x @ quant_matmul_triton.dequantize(planes, t, columns=columns, dtype=x.dtype).T
+        return activated(out, Gate(activate)) if activate else out
 
 
 @_quant_linear_op.register_fake
-def _(x: Tensor, planes: list[Tensor], ggml_type: int, columns: int, gate: int) -> Tensor:
-    return x.new_empty((x.shape[0], planes[0].shape[0]))
+def _(x: Tensor, planes: list[Tensor], ggml_type: int, columns: int, gate: int, activate: int = 0) -> Tensor:
+    return x.new_empty((x.shape[0], planes[0].shape[0] // (2 if activate else 1)))
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -244,11 +247,13 @@ def kernel_normed(
 
 
 def kernel(
-    x: Tensor, planes: Sequence[Tensor], ggml_type: GGMLQuantizationType, *, columns: int, gate: Gate = Gate.NONE
-) -> Tensor:
+    x: Tensor, planes: Sequence[Tensor], ggml_type: GGMLQuantizationType, *, columns: int, gate: Gate = Gate.NONE,
+    activate: Gate = Gate.NONE,
+) -> Tensor:  # fmt: skip
     """The Triton path on x [M, K] (with a gate, [M, 2K] gate and up), on any device (on the CPU under Triton's
-    interpreter: the tests' way in)."""
-    out: Tensor = _quant_linear_op(x, list(planes), int(ggml_type), columns, int(gate))
+    interpreter: the tests' way in). With `activate`, W is a gated feed-forward's gate rows over its up rows, and the
+    product act(gate) * up [M, N / 2]: formed as the fused and dp4a kernels store, `activated` after the others."""
+    out: Tensor = _quant_linear_op(x, list(planes), int(ggml_type), columns, int(gate), int(activate))
     return out
 
 

@@ -33,7 +33,6 @@ from strata.stage_worker.kernels.quant_blocks_triton import (
     NORM_RMS,
     Q,
     SplitOutput,
-    act_times_up,
     checked_rows,
     chunk_count,
     four_columns,
@@ -42,8 +41,10 @@ from strata.stage_worker.kernels.quant_blocks_triton import (
     nibble_values,
     normed_values,
     pair_columns,
+    program_rows,
     read_chunk,
     split_output,
+    store_activated,
     sum_splits,
     unit_of,
     value_pair,
@@ -77,11 +78,7 @@ def _gemv(
     SPLIT_HALVES: tl.constexpr = FAMILY >= 2  # a K-quant's nibbles lie in different sub-blocks
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    if PAIRED == GATE_NONE:
-        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    else:  # gate row u at even positions, up row half_n + u beside it
-        pairs = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
-        rows = tl.where(pairs < half_n, pairs + (tl.arange(0, BLOCK_N) % 2) * half_n, N)
+    rows = program_rows(pid_n, half_n, N, BLOCK_N, PAIRED)
     rows_in = tl.minimum(rows, N - 1)  # rows past N read row N - 1 and are not stored: no masked weight loads
     m = tl.arange(0, BLOCK_M)
     row = tl.minimum(m, M - 1)[None, :, None]
@@ -167,11 +164,7 @@ def _gemv(
     if NORM != NORM_NONE:
         out = out * tl.rsqrt(tl.sum(squares, axis=1) / columns + eps)[:, None]
     if PAIRED != GATE_NONE:
-        gate, up = tl.split(tl.reshape(out.to(out_ptr.dtype.element_ty).to(tl.float32), (BLOCK_M, BLOCK_N // 2, 2)))
-        units = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        activated = act_times_up(gate, up, PAIRED).to(out_ptr.dtype.element_ty)
-        ok = (m < M)[:, None] & (units < half_n)[None, :]
-        tl.store(out_ptr + m[:, None] * som + units[None, :], activated, mask=ok)
+        store_activated(out_ptr, out, m, M, pid_n, half_n, som, BLOCK_M, BLOCK_N, PAIRED)
     else:
         mask = (m < M)[:, None] & (rows < N)[None, :]
         tl.store(out_ptr + pid_k * sos + m[:, None] * som + rows[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -269,11 +262,15 @@ def quant_matmul(
     columns: int,
     config: Config | None = None,
     gate: int = 0,
+    activate: int = 0,
 ) -> Tensor:
     """x [M, K] (M <= 16) @ W.T -> [M, N] in x's dtype, W given as its planes (formats.plane_names order). With a
     `gate` (quant_blocks_triton's GATE_SILU or GATE_GELU_TANH), x is a gated feed-forward's [M, 2K] gate and up, and
-    the product is act(gate) * up @ W.T."""
-    out, _ = _launch(x, planes, ggml_type, columns=columns, config=config, gate=gate, norm=None)
+    the product is act(gate) * up @ W.T. With `activate`, W is that feed-forward's gate rows over its up rows, and
+    the product act(gate) * up of x @ W.T [M, N / 2] (one split)."""
+    if activate:
+        config = replace(config or Config(), splits=1)
+    out, _ = _launch(x, planes, ggml_type, columns=columns, config=config, gate=gate, norm=None, activate=activate)
     return out
 
 

@@ -53,6 +53,11 @@ class QuantizedRows(nn.Module):
         kernel's load of x (CUDA only: see PackedLinear.forms_gate)."""
         return kernel(gate_up, self.planes(), self.ggml_type, columns=self.columns, gate=gate)
 
+    def matmul_activated(self, x: Tensor, activate: Gate) -> Tensor:
+        """act(gate) * up of x @ W.T, W a gated feed-forward's gate rows over its up rows, the activation formed as
+        the kernel stores (CUDA only: see PackedLinear.activates)."""
+        return kernel(x, self.planes(), self.ggml_type, columns=self.columns, activate=activate)
+
     def matmul_normed(
         self, x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, activate: Gate = Gate.NONE
     ) -> tuple[Tensor, Tensor]:
@@ -151,20 +156,38 @@ class PackedLinear(nn.Module):
         )
 
     def activates(self, x: Tensor) -> bool:
-        """Whether `normed_activation` can take this matrix as a gated feed-forward's gate rows over its up rows:
-        where `takes_norm` says so, one part, no bias."""
-        return self.takes_norm(x) and len(self.parts) == 1 and self.bias is None and self.out_features % 2 == 0
+        """Whether `activation` (and `normed_activation`, where `takes_norm` says so too) can take this matrix as a
+        gated feed-forward's gate rows over its up rows: one stream's decode step [1, K] on a GPU (as `takes_norm`,
+        one row for now), one quantised part of a type the kernels read, no bias."""
+        part = self.parts[0]
+        return (
+            x.device.type == "cuda"
+            and x.dim() == 2
+            and x.shape[0] == 1
+            and len(self.parts) == 1
+            and self.bias is None
+            and isinstance(part, QuantizedRows)
+            and part.ggml_type in FUSED_TYPES
+            and self.out_features % 2 == 0
+        )
+
+    def activation(self, x: Tensor, activate: Gate) -> Tensor:
+        """act(gate) * up of x @ W.T [M, N / 2], formed as the product stores its outputs, where `activates` says
+        so: the activation was a compiled kernel of its own a layer."""
+        return self._activated_part().matmul_activated(x, activate)
 
     def normed_activation(
         self, x: Tensor, residual: Tensor | None, *, weight: Tensor, eps: float, activate: Gate
     ) -> tuple[Tensor, Tensor]:
-        """(act(gate) * up of rms_norm(h) * weight @ W.T, h): `normed` with the activation formed as the product
-        stores its outputs, where `activates` says so. One launch for the norm, gate/up and activation of a decode
-        step's feed-forward, where the activation was a compiled kernel of its own a layer."""
+        """(act(gate) * up of rms_norm(h) * weight @ W.T, h), where `activates` and `takes_norm` say so: the add,
+        the norm, gate/up and the activation of a decode step's feed-forward in one launch."""
+        return self._activated_part().matmul_normed(x, residual, weight, eps, activate)
+
+    def _activated_part(self) -> QuantizedRows:
         part = self.parts[0]
         if not isinstance(part, QuantizedRows) or len(self.parts) > 1 or self.bias is not None:
             raise TypeError("an activated product needs a matrix of one quantised part (PackedLinear.activates)")
-        return part.matmul_normed(x, residual, weight, eps, activate)
+        return part
 
     def normed(self, x: Tensor, residual: Tensor | None, *, weight: Tensor, eps: float) -> tuple[list[Tensor], Tensor]:
         """(rms_norm(h) * weight @ W.T (+ b) by part, as `pieces`, and h) with h = x (+ residual), where `takes_norm`

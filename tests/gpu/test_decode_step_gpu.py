@@ -10,6 +10,7 @@ itself is checked against the reference on the CPU too (tests/stage_worker/test_
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -94,6 +95,37 @@ def test_norms_in_the_products_decode_as_the_separate_norms(
     separate, separate_logprobs = _decode(_engine(path, torch.float32), streams)
     assert fused == separate
     assert torch.allclose(fused_logprobs, separate_logprobs, atol=1e-4), (fused_logprobs, separate_logprobs)
+
+
+@pytest.mark.parametrize("weight_type", [Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_the_activation_in_the_products_decodes_as_apart(
+    weight_type: GGMLQuantizationType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """act(gate) * up formed as the gate/up product stores (PackedLinear.activates: one row) decodes the tokens and
+    log-probabilities of the activation computed apart."""
+    shape = K_QUANT_SHAPE if weight_type in (Q.Q4_K, Q.Q6_K) else None
+    path = write_test_model(
+        tmp_path / "model.gguf", architecture="llama", block_count=LAYERS, shape=shape, weight_type=weight_type
+    ).path
+    calls = []
+    activation, normed_activation = PackedLinear.activation, PackedLinear.normed_activation
+
+    def counted(original: Callable[..., object]) -> Callable[..., object]:
+        def call(self: PackedLinear, *args: object, **kwargs: object) -> object:
+            calls.append(1)
+            return original(self, *args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(PackedLinear, "activation", counted(activation))
+    monkeypatch.setattr(PackedLinear, "normed_activation", counted(normed_activation))
+    together, together_logprobs = _decode(_engine(path, torch.float32), 1)
+    assert calls, "the GPU decode step never formed the activation in a product"
+    monkeypatch.setattr(PackedLinear, "activates", lambda self, x: False)
+    torch._dynamo.reset()
+    apart, apart_logprobs = _decode(_engine(path, torch.float32), 1)
+    assert together == apart
+    assert torch.allclose(together_logprobs, apart_logprobs, atol=1e-4), (together_logprobs, apart_logprobs)
 
 
 @pytest.mark.parametrize("streams", [1, 3])

@@ -1,6 +1,6 @@
 """Where a decode step's time goes on one GPU: the kernels of one replayed step, by name, and what the host adds.
 
-    python bench/decode_profile.py [--model FILE] [--depth 300] [--steps 10] [--prefill N] [--plain] [--ops]
+    python bench/decode_profile.py [--model FILE] [--depth 300] [--steps 10] [--prefill N] [--launches] [--ops]
         [--out DIR]
 
 Loads `--model` (by default bench/gpu.py's Llama-3-8B-shape file, random Q8_0 weights, written where it runs) into
@@ -9,8 +9,8 @@ the in-process engine (weights in their blocks, compiled blocks in CUDA graphs, 
 part of a step), then the torch profiler's view of `--steps` steps: kernels a step, kernel time a step, the gaps
 between kernels, and the kernels grouped by name, most time first; with `--ops`, each kernel's op and the project's
 line behind it, from steps run compiled but outside graphs; with `--prefill N`, the kernels of one N-token prefill
-(a first token's step); with `--plain`, the step of an engine whose kernels
-launch plainly rather than as dependents (strata.stage_worker.kernels.dependent_launch), timed in the same run. The
+(a first token's step); with `--launches`, the step of an engine whose kernels launch the other way (as
+dependents or plainly: strata.stage_worker.kernels.dependent_launch), timed in the same run. The
 table of docs/benchmarks.md's "Where a single-stream step goes" came from here.
 """
 
@@ -70,10 +70,12 @@ def host_share(engine: Engine, *, position: int, token: int, steps: int) -> tupl
     return statistics.median(times), (time.perf_counter() - begun) / steps, position, token
 
 
-def plain_step(model: StageModel, *, prompt: list[int], depth: int) -> float:
-    """The engine step (s, decoding ahead on, as `host_share` times it) of a fresh engine whose kernels launch
-    plainly: its graphs are captured with STRATA_DEPENDENT_LAUNCH=0, which the launches read as they are captured."""
-    os.environ[dependent_launch.ENVIRONMENT] = "0"
+def other_launches_step(model: StageModel, *, prompt: list[int], depth: int, dependent: bool) -> float:
+    """The engine step (s, decoding ahead on, as `host_share` times it) of a fresh engine whose kernels launch as
+    dependents or plainly (`dependent`): its graphs are captured under that STRATA_DEPENDENT_LAUNCH, which the
+    launches read as they are captured."""
+    before = os.environ.get(dependent_launch.ENVIRONMENT)
+    os.environ[dependent_launch.ENVIRONMENT] = "1" if dependent else "0"
     try:
         engine = gpu.engine_for(model, device=torch.device("cuda:0"), dtype=torch.bfloat16, graphs=True)
         token = gpu.engine_prefill(engine, slot=0, tokens=prompt)[0]
@@ -83,7 +85,10 @@ def plain_step(model: StageModel, *, prompt: list[int], depth: int) -> float:
             position += 1
         step, *_ = host_share(engine, position=position, token=token, steps=50)
     finally:
-        del os.environ[dependent_launch.ENVIRONMENT]
+        if before is None:
+            del os.environ[dependent_launch.ENVIRONMENT]
+        else:
+            os.environ[dependent_launch.ENVIRONMENT] = before
     return step
 
 
@@ -205,8 +210,8 @@ def main() -> None:
         "--prefill", type=int, default=0, help="also the kernels of one prefill of this many tokens (0: none)"
     )
     parser.add_argument(
-        "--plain", action="store_true", help="also time the step of an engine whose kernels launch plainly, not as "
-        "dependents (strata.stage_worker.kernels.dependent_launch), side by side"
+        "--launches", action="store_true", help="also time the step of an engine whose kernels launch the other way "
+        "(as dependents, or plainly: strata.stage_worker.kernels.dependent_launch), side by side"
     )  # fmt: skip
     parser.add_argument(
         "--ops", action="store_true", help="also name the op and the project's line behind each kernel (a second "
@@ -261,14 +266,15 @@ def main() -> None:
         results["prefill"] = prefill
         print("\n".join(lines) + "\n")
         table += "\n" + "\n".join(lines) + "\n"
-    if args.plain:
-        del engine  # its pool and graphs; the plain engine captures its own
-        plain = plain_step(model, prompt=prompt, depth=args.depth)
+    if args.launches:
+        dependent = dependent_launch.enabled(device)
+        other = other_launches_step(model, prompt=prompt, depth=args.depth, dependent=not dependent)
+        steps = {dependent: step, not dependent: other}
         compared = (
-            f"kernels launched plainly (STRATA_DEPENDENT_LAUNCH=0): engine step {plain * 1e3:.3f} ms against "
-            f"{step * 1e3:.3f} ms as dependents ({plain / step:.3f}x), in this run\n"
+            f"kernels launched as dependents: engine step {steps[True] * 1e3:.3f} ms; plainly: "
+            f"{steps[False] * 1e3:.3f} ms (plain / dependent {steps[False] / steps[True]:.3f}x), in this run\n"
         )
-        results["plain_step_ms"] = plain * 1e3
+        results["dependent_step_ms"], results["plain_step_ms"] = steps[True] * 1e3, steps[False] * 1e3
         print(compared)
         table += "\n" + compared
     if args.ops:

@@ -19,7 +19,8 @@
 #              restored from the host against recomputed (issue 24's other figures, for the same lease as depth)
 #   profile    bench/decode_profile.py on the Q8_0 file and the Q4_K_M one (residency makes it): where a one-stream
 #              step goes, kernel by kernel, and what the host and the gaps between kernels add (BENCH_ARGS=--ops: also
-#              the op and the project's line behind each kernel; --plain: the step with plain launches beside it)
+#              the op and the project's line behind each kernel; --launches: the step with the kernels launched the
+#              other way beside it, dependent or plain)
 #   tests      tests/gpu and the kernels' tests compiled, under TESTS_S (default 540 s) together (TESTS: other paths)
 #   needle     bench/needle.py on the real Gemma 3 270M on the GPU (issue 24's recall). The file is 253 MB: split it
 #              here (bench/gpu-pieces.sh split FILE .pieces), then one call a piece before this step, carrying

@@ -55,6 +55,7 @@ def replays(setting: str, monkeypatch: pytest.MonkeyPatch, inputs: list[Tensor],
 
 
 def test_a_chain_of_dependent_products_reads_each_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(dependent_launch.ENVIRONMENT, "1")
     assert dependent_launch.enabled(GPU) == (torch.cuda.get_device_capability(GPU)[0] >= 9)
     rng = np.random.default_rng(7)
     weights = []

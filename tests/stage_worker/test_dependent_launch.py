@@ -21,7 +21,7 @@ class Case:
 
 
 CASES = [
-    Case("the CPU launches plainly", None, "cpu", {"PDL": False}),
+    Case("plain unless switched on", None, "cpu", {"PDL": False}),
     Case("switched off", "0", "cpu", {"PDL": False}),
     Case("switched on, still plain on the CPU", "1", "cpu", {"PDL": False}),
     Case("a word it does not know", "yes", "cpu", None, "STRATA_DEPENDENT_LAUNCH must be 0 or 1, not 'yes'"),

@@ -10,8 +10,9 @@ writes are visible.
 Measured before (docs/benchmarks.md, "Launching the next kernel early", H100, 2026-12-07, a scratch chain of the
 step's matrix products alone): Q8_0 products 1.6% faster, Q4_K ones 5% slower, and prefetching weights into L2
 before the wait 11-13% slower on both, so nothing runs before the wait here. What that chain could not say is what
-the whole step gains, attention and the small kernels included: bench/decode_profile.py --plain times the step both
-ways in one run, and `STRATA_DEPENDENT_LAUNCH` (1 or 0) chooses.
+the whole step gains, attention and the small kernels included, and no lease has timed that yet: kernels launch
+plainly unless `STRATA_DEPENDENT_LAUNCH=1`, and bench/decode_profile.py --launches times the step both ways in one
+run.
 
 The rule every kernel launched this way keeps (`wait_for_inputs`, first thing): nothing before the wait reads what
 another kernel writes, or writes anything (a buffer the kernel ahead still reads may be this one's output); every
@@ -31,9 +32,9 @@ ENVIRONMENT = "STRATA_DEPENDENT_LAUNCH"
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch as dependents: a CUDA device of compute capability 9.0 or later, unless
-    STRATA_DEPENDENT_LAUNCH is 0."""
-    setting = os.environ.get(ENVIRONMENT, "1")
+    """Whether kernels on `device` launch as dependents: where STRATA_DEPENDENT_LAUNCH is 1, on a CUDA device of
+    compute capability 9.0 or later."""
+    setting = os.environ.get(ENVIRONMENT, "0")
     if setting not in ("0", "1"):
         raise ValueError(f"{ENVIRONMENT} must be 0 or 1, not {setting!r}")
     if setting == "0" or device.type != "cuda":

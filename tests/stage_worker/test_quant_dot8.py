@@ -15,7 +15,8 @@ import torch
 import triton
 from gguf import GGMLQuantizationType
 from strata.stage_worker.kernels import quant_dot8_triton
-from strata.stage_worker.kernels.quant_blocks_triton import LAYOUTS, split_output
+from strata.stage_worker.kernels.product_outputs_triton import split_output
+from strata.stage_worker.kernels.quant_blocks_triton import LAYOUTS
 from strata.stage_worker.kernels.quant_matmul import DOT8_MIN_WEIGHTS, DOT8_TYPES, product_path
 from strata.stage_worker.weights.formats import dequantize, plane_names
 
@@ -62,7 +63,7 @@ CASES = [
 @pytest.mark.parametrize("case", [c for c in CASES if c.splits], ids=lambda c: c.name)
 def test_split_cases_split(case: Case) -> None:
     """The cases that ask for splits get them: K is steps enough at their chunks, so the parts are summed in the
-    kernel (quant_blocks_triton.sum_splits)."""
+    kernel (product_outputs_triton.sum_splits)."""
     block_n, chunks, _ = quant_dot8_triton.launch_shape(case.ggml_type, case.m, block_n=None, chunks=case.chunks,
                                                         num_warps=None)  # fmt: skip
     n_chunks = case.k // LAYOUTS[case.ggml_type].values_per_chunk

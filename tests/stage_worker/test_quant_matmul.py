@@ -23,7 +23,12 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from strata.stage_worker.kernels import quant_blocks_triton, quant_gemm_triton, quant_matmul_triton
+from strata.stage_worker.kernels import (
+    product_outputs_triton,
+    quant_blocks_triton,
+    quant_gemm_triton,
+    quant_matmul_triton,
+)
 from strata.stage_worker.kernels.quant_matmul import (
     FUSED_MAX_ROWS,
     FUSED_TYPES,
@@ -86,14 +91,14 @@ SPLIT_CHUNKS = 2  # few chunks a step, so that the long K is steps enough to spl
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.splits], ids=lambda c: c.name)
 def test_split_cases_split(case: Case) -> None:
-    """The cases that ask for splits get them, so their parts are summed in the kernel (quant_blocks_triton.
+    """The cases that ask for splits get them, so their parts are summed in the kernel (product_outputs_triton.
     sum_splits)."""
     n_chunks = quant_blocks_triton.chunk_count(case.k, case.ggml_type)
     if case.m > quant_matmul_triton.MAX_ROWS:
         block_n = quant_gemm_triton.default_tile(case.ggml_type, case.m, case.n)[0]
     else:
         block_n = quant_matmul_triton.default_config(case.ggml_type, case.m, n=case.n, k=case.k).block_n or 4
-    _, out = quant_blocks_triton.split_output(
+    _, out = product_outputs_triton.split_output(
         torch.zeros(case.m, case.k), n=case.n, n_chunks=n_chunks, chunks=SPLIT_CHUNKS,
         programs=-(-case.n // block_n), splits=case.splits,
     )  # fmt: skip

@@ -31,16 +31,18 @@ import triton.language as tl
 from gguf import GGMLQuantizationType
 from strata.stage_worker.kernels import dependent_launch
 from strata.stage_worker.kernels.dependent_launch import wait_for_inputs
-from strata.stage_worker.kernels.quant_blocks_triton import (
-    GATE_NONE,
-    SplitOutput,
-    as_words,
-    four_columns,
-    per_chunk,
+from strata.stage_worker.kernels.product_outputs_triton import (
+    paired_output,
     program_rows,
     split_output,
     store_activated,
     sum_splits,
+)
+from strata.stage_worker.kernels.quant_blocks_triton import (
+    GATE_NONE,
+    as_words,
+    four_columns,
+    per_chunk,
 )
 from strata.stage_worker.weights.formats import dequantize, plane_names
 from torch import Tensor
@@ -341,13 +343,9 @@ def dot8(
     n_chunks = words.shape[1] // 8
     chunks = min(chunks, triton.next_power_of_2(n_chunks))
     if activate:
-        if n % 2 or block_n % 2 or (splits or 1) != 1:
-            raise ValueError(f"gate over up takes an even number of rows ({n}), a program of pairs ({block_n} rows) "
-                             f"and one split ({splits})")  # fmt: skip
-        programs = triton.cdiv(n // 2, block_n // 2)
-        chunks_per_split = triton.cdiv(n_chunks, chunks) * chunks
-        activated = x.new_empty((m, n // 2))
-        out = SplitOutput(parts=activated, result=activated, counts=activated)
+        programs, chunks_per_split, out = paired_output(
+            x, n=n, n_chunks=n_chunks, chunks=chunks, block_n=block_n, splits=splits
+        )  # fmt: skip
     else:
         programs = triton.cdiv(n, block_n)
         chunks_per_split, out = split_output(x, n=n, n_chunks=n_chunks, chunks=chunks, programs=programs,

@@ -23,6 +23,7 @@ import triton.language as tl
 from gguf import GGMLQuantizationType
 from strata.stage_worker.kernels import dependent_launch
 from strata.stage_worker.kernels.dependent_launch import wait_for_inputs
+from strata.stage_worker.kernels.product_outputs_triton import split_output, sum_splits
 from strata.stage_worker.kernels.quant_blocks_triton import (
     checked_rows,
     chunk_base,
@@ -34,8 +35,6 @@ from strata.stage_worker.kernels.quant_blocks_triton import (
     kernel_planes,
     layout_constexprs,
     nibble_values,
-    split_output,
-    sum_splits,
 )
 from strata.stage_worker.kernels.quant_matmul_triton import TALL_N
 from torch import Tensor

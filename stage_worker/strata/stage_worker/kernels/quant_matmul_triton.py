@@ -25,6 +25,13 @@ import triton.language as tl
 from gguf import GGMLQuantizationType
 from strata.stage_worker.kernels import dependent_launch
 from strata.stage_worker.kernels.dependent_launch import wait_for_inputs
+from strata.stage_worker.kernels.product_outputs_triton import (
+    paired_output,
+    program_rows,
+    split_output,
+    store_activated,
+    sum_splits,
+)
 from strata.stage_worker.kernels.quant_blocks_triton import (
     GATE_NONE,
     LAYOUTS,
@@ -32,7 +39,6 @@ from strata.stage_worker.kernels.quant_blocks_triton import (
     NORM_NONE,
     NORM_RMS,
     Q,
-    SplitOutput,
     checked_rows,
     chunk_count,
     four_columns,
@@ -41,11 +47,7 @@ from strata.stage_worker.kernels.quant_blocks_triton import (
     nibble_values,
     normed_values,
     pair_columns,
-    program_rows,
     read_chunk,
-    split_output,
-    store_activated,
-    sum_splits,
     unit_of,
     value_pair,
     x_values,
@@ -318,13 +320,9 @@ def _launch(
     warps = config.num_warps or default.num_warps or 4
     chunks = min(config.chunks or default.chunks or 128, triton.next_power_of_2(n_chunks))
     if activate:
-        if n % 2 or block_n % 2 or (config.splits or 1) != 1:
-            raise ValueError(f"gate over up takes an even number of rows ({n}), a program of pairs ({block_n} rows) "
-                             f"and one split ({config.splits})")  # fmt: skip
-        programs = triton.cdiv(n // 2, block_n // 2)
-        chunks_per_split = triton.cdiv(n_chunks, chunks) * chunks
-        activated = x.new_empty((m_rows, n // 2))
-        out = SplitOutput(parts=activated, result=activated, counts=activated)
+        programs, chunks_per_split, out = paired_output(
+            x, n=n, n_chunks=n_chunks, chunks=chunks, block_n=block_n, splits=config.splits
+        )  # fmt: skip
     else:
         programs = triton.cdiv(n, block_n)
         chunks_per_split, out = split_output(

@@ -1,8 +1,8 @@
 """Where a quantised product's outputs go, for the kernels of strata.stage_worker.kernels.quant_matmul_triton,
 quant_dot8_triton and quant_gemm_triton: a product split along K (programs enough to fill the GPU) stores f32 parts
 that its last program adds (`split_output`, `sum_splits`); a gated feed-forward's gate/up product stores
-act(gate) * up, each program taking gate rows and the matching up rows (`paired_output`, `program_rows`,
-`store_activated`).
+act(gate) * up, each program taking gate rows and the matching up rows (`product_output`, `program_rows`,
+`store_activated`); `store_product` stores either.
 """
 
 from __future__ import annotations
@@ -83,6 +83,21 @@ def sum_splits(part_ptr, out_ptr, count_ptr, part, m, rows, ok, sps, spm, som, s
         tl.store(out_ptr + m[:, None] * som + rows[None, :], total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def store_product(out_ptr, result_ptr, counts_ptr, out, m, M, rows, N, pid_n, pid_k, half_n, sos, som, sres,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIRED: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+    """A program's outputs out [BLOCK_M, BLOCK_N] f32 of `rows` (`program_rows`) where `product_output` put them:
+    act(gate) * up where PAIRED says so (`store_activated`); else its split's part, and with SPLIT the splits' sum
+    into result (`sum_splits`)."""
+    if PAIRED != GATE_NONE:
+        store_activated(out_ptr, out, m, M, pid_n, half_n, som, BLOCK_M, BLOCK_N, PAIRED)
+    else:
+        ok = (m < M)[:, None] & (rows < N)[None, :]
+        tl.store(out_ptr + pid_k * sos + m[:, None] * som + rows[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
+        if SPLIT:
+            sum_splits(out_ptr, result_ptr, counts_ptr + pid_n, out, m, rows, ok, sos, som, sres, tl.num_programs(1))
+
+
 @dataclass(frozen=True)
 class SplitOutput:
     """Where a product split along K puts its parts and its result (`split_output`)."""
@@ -101,11 +116,17 @@ class SplitOutput:
         return self.parts.stride(0) if self.splits > 1 else 0
 
 
-def paired_output(
-    x: Tensor, *, n: int, n_chunks: int, chunks: int, block_n: int, splits: int | None
+def product_output(
+    x: Tensor, *, n: int, n_chunks: int, chunks: int, block_n: int, splits: int | None, activate: int
 ) -> tuple[int, int, SplitOutput]:
-    """(programs, chunks per split, outputs) of a product whose programs store act(gate) * up (`program_rows`,
+    """(programs, chunks per split, outputs) of a product of n weight rows, `block_n` a program: `split_output`'s
+    split; or with `activate` (a GATE_ constant), programs that store act(gate) * up (`program_rows`,
     `store_activated`): half of n's rows a program's pairs, one split, the result [M, n / 2] in x's dtype."""
+    if not activate:
+        programs = triton.cdiv(n, block_n)
+        chunks_per_split, out = split_output(x, n=n, n_chunks=n_chunks, chunks=chunks, programs=programs,
+                                             splits=splits)  # fmt: skip
+        return programs, chunks_per_split, out
     if n % 2 or block_n % 2 or (splits or 1) != 1:
         raise ValueError(f"gate over up takes an even number of rows ({n}), a program of pairs ({block_n} rows) and "
                          f"one split ({splits})")  # fmt: skip

@@ -31,15 +31,8 @@ import triton.language as tl
 from gguf import GGMLQuantizationType
 from strata.stage_worker.kernels import dependent_launch
 from strata.stage_worker.kernels.dependent_launch import wait_for_inputs
-from strata.stage_worker.kernels.product_outputs_triton import (
-    paired_output,
-    program_rows,
-    split_output,
-    store_activated,
-    sum_splits,
-)
+from strata.stage_worker.kernels.product_outputs_triton import product_output, program_rows, store_product
 from strata.stage_worker.kernels.quant_blocks_triton import (
-    GATE_NONE,
     as_words,
     four_columns,
     per_chunk,
@@ -293,13 +286,8 @@ def _gemv(xq_ptr, xd_ptr, xs_ptr, out_ptr, result_ptr, counts_ptr, q_ptr, h_ptr,
                                chunks, chunk_ok, h_ptr + rows_in[:, None] * sh + 8 * (c0 // 2), d_ptr, sd, sc_ptr,
                                ssc, rows_in, BLOCK_M, BLOCK_N, CHUNKS, PTX)  # fmt: skip
     out = tl.sum(acc, axis=2)
-    if PAIRED != GATE_NONE:
-        store_activated(out_ptr, out, m, M, pid_n, half_n, som, BLOCK_M, BLOCK_N, PAIRED)
-    else:
-        ok = (m[:, None] < M) & (rows[None, :] < N)
-        tl.store(out_ptr + pid_k * sos + m[:, None] * som + rows[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
-        if SPLIT:
-            sum_splits(out_ptr, result_ptr, counts_ptr + pid_n, out, m, rows, ok, sos, som, sres, tl.num_programs(1))
+    store_product(out_ptr, result_ptr, counts_ptr, out, m, M, rows, N, pid_n, pid_k, half_n, sos, som, sres,
+                  BLOCK_M, BLOCK_N, PAIRED, SPLIT)  # fmt: skip
 
 
 def launch_shape(
@@ -342,14 +330,9 @@ def dot8(
     xq, xd, xs = quantise_rows(x)
     n_chunks = words.shape[1] // 8
     chunks = min(chunks, triton.next_power_of_2(n_chunks))
-    if activate:
-        programs, chunks_per_split, out = paired_output(
-            x, n=n, n_chunks=n_chunks, chunks=chunks, block_n=block_n, splits=splits
-        )  # fmt: skip
-    else:
-        programs = triton.cdiv(n, block_n)
-        chunks_per_split, out = split_output(x, n=n, n_chunks=n_chunks, chunks=chunks, programs=programs,
-                                             splits=splits)  # fmt: skip
+    programs, chunks_per_split, out = product_output(
+        x, n=n, n_chunks=n_chunks, chunks=chunks, block_n=block_n, splits=splits, activate=activate
+    )  # fmt: skip
     parts = out.parts
     _gemv[(programs, out.splits)](
         xq, xd, xs, parts, out.result, out.counts, words, high, d, d2, sc, mn, m, n, n_chunks, chunks_per_split, n // 2,

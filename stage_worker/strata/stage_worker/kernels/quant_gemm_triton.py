@@ -23,8 +23,9 @@ import triton.language as tl
 from gguf import GGMLQuantizationType
 from strata.stage_worker.kernels import dependent_launch
 from strata.stage_worker.kernels.dependent_launch import wait_for_inputs
-from strata.stage_worker.kernels.product_outputs_triton import split_output, sum_splits
+from strata.stage_worker.kernels.product_outputs_triton import product_output, store_product
 from strata.stage_worker.kernels.quant_blocks_triton import (
+    GATE_NONE,
     checked_rows,
     chunk_base,
     chunk_count,
@@ -121,11 +122,9 @@ def _gemm(
             else:
                 acc += tl.dot(w, xt)
         high, a_lo, b_lo, a_hi, b_hi = next_high, next_a_lo, next_b_lo, next_a_hi, next_b_hi
-    part = tl.trans(acc)  # [BLOCK_M, BLOCK_N], as `sum_splits` takes a part
-    ok = m_ok[:, None] & (rows < N)[None, :]
-    tl.store(out_ptr + pid_k * sos + m[:, None] * som + rows[None, :], part.to(out_ptr.dtype.element_ty), mask=ok)
-    if SPLIT:
-        sum_splits(out_ptr, result_ptr, counts_ptr + pid_n, part, m, rows, ok, sos, som, sres, tl.num_programs(1))
+    # [BLOCK_M, BLOCK_N], as `store_product` takes a program's outputs
+    store_product(out_ptr, result_ptr, counts_ptr, tl.trans(acc), m, M, rows, N, pid_n, pid_k, 0, sos, som, sres,
+                  BLOCK_M, BLOCK_N, GATE_NONE, SPLIT)  # fmt: skip
 
 
 def quant_gemm(
@@ -141,7 +140,7 @@ def quant_gemm(
     gate: int = 0,
 ) -> Tensor:
     """x [M, K] (M <= MAX_ROWS) @ W.T -> [M, N] in x's dtype, W given as its planes (formats.plane_names order);
-    the tile is `default_tile`'s where not given, the split along K `split_output`'s. With a `gate`, x is [M, 2K] as
+    the tile is `default_tile`'s where not given, the split along K `product_output`'s. With a `gate`, x is [M, 2K] as
     quant_matmul_triton.quant_matmul takes it."""
     x = checked_rows(x, columns=columns * (2 if gate else 1), most=MAX_ROWS, kernel="tensor-core")
     m_rows, n = x.shape[0], planes[0].shape[0]
@@ -151,8 +150,9 @@ def quant_gemm(
     block_n, chunks, num_warps = block_n or tile[0], chunks or tile[1], num_warps or tile[2]
     n_chunks = chunk_count(columns, ggml_type)
     chunks = min(chunks, triton.next_power_of_2(n_chunks))
-    programs = triton.cdiv(n, block_n)
-    chunks_per_split, out = split_output(x, n=n, n_chunks=n_chunks, chunks=chunks, programs=programs, splits=splits)
+    programs, chunks_per_split, out = product_output(
+        x, n=n, n_chunks=n_chunks, chunks=chunks, block_n=block_n, splits=splits, activate=GATE_NONE
+    )  # fmt: skip
     slots, strides = kernel_planes(planes, ggml_type)
     _gemm[(programs, out.splits)](
         x, out.parts, out.result, out.counts, *slots, m_rows, n, n_chunks, chunks_per_split, columns,

@@ -25,15 +25,8 @@ import triton.language as tl
 from gguf import GGMLQuantizationType
 from strata.stage_worker.kernels import dependent_launch
 from strata.stage_worker.kernels.dependent_launch import wait_for_inputs
-from strata.stage_worker.kernels.product_outputs_triton import (
-    paired_output,
-    program_rows,
-    split_output,
-    store_activated,
-    sum_splits,
-)
+from strata.stage_worker.kernels.product_outputs_triton import product_output, program_rows, store_product
 from strata.stage_worker.kernels.quant_blocks_triton import (
-    GATE_NONE,
     LAYOUTS,
     NORM_ADD_RMS,
     NORM_NONE,
@@ -165,13 +158,8 @@ def _gemv(
     out = tl.sum(acc, axis=1)[None, :] if BLOCK_M == 1 else tl.sum(acc, axis=2)
     if NORM != NORM_NONE:
         out = out * tl.rsqrt(tl.sum(squares, axis=1) / columns + eps)[:, None]
-    if PAIRED != GATE_NONE:
-        store_activated(out_ptr, out, m, M, pid_n, half_n, som, BLOCK_M, BLOCK_N, PAIRED)
-    else:
-        mask = (m < M)[:, None] & (rows < N)[None, :]
-        tl.store(out_ptr + pid_k * sos + m[:, None] * som + rows[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
-        if SPLIT:
-            sum_splits(out_ptr, result_ptr, counts_ptr + pid_n, out, m, rows, mask, sos, som, sres, tl.num_programs(1))
+    store_product(out_ptr, result_ptr, counts_ptr, out, m, M, rows, N, pid_n, pid_k, half_n, sos, som, sres,
+                  BLOCK_M, BLOCK_N, PAIRED, SPLIT)  # fmt: skip
 
 
 @triton.jit
@@ -319,15 +307,9 @@ def _launch(
     block_n = config.block_n or default.block_n or 4
     warps = config.num_warps or default.num_warps or 4
     chunks = min(config.chunks or default.chunks or 128, triton.next_power_of_2(n_chunks))
-    if activate:
-        programs, chunks_per_split, out = paired_output(
-            x, n=n, n_chunks=n_chunks, chunks=chunks, block_n=block_n, splits=config.splits
-        )  # fmt: skip
-    else:
-        programs = triton.cdiv(n, block_n)
-        chunks_per_split, out = split_output(
-            x, n=n, n_chunks=n_chunks, chunks=chunks, programs=programs, splits=config.splits
-        )  # fmt: skip
+    programs, chunks_per_split, out = product_output(
+        x, n=n, n_chunks=n_chunks, chunks=chunks, block_n=block_n, splits=config.splits, activate=activate
+    )  # fmt: skip
     parts, splits = out.parts, out.splits
     slots, strides = kernel_planes(planes, ggml_type)
     r = x if residual is None else checked_rows(residual, columns=columns, most=MAX_ROWS, kernel="fused")

@@ -48,6 +48,17 @@ def decode_once(engine: Engine, *, position: int, token: int) -> int:
     return engine.step([chunk], None).tokens[0].token_id
 
 
+def warmed(engine: Engine, *, prompt: tuple[int, ...], steps: int) -> tuple[int, int]:
+    """(next position, last token) after prefilling `prompt` into slot 0 and decoding `steps` steps after it (a
+    graphed engine captures its graphs in them)."""
+    token = gpu.engine_prefill(engine, slot=0, tokens=prompt)[0]
+    position = len(prompt)
+    for _ in range(steps):
+        token = decode_once(engine, position=position, token=token)
+        position += 1
+    return position, token
+
+
 def host_share(engine: Engine, *, position: int, token: int, steps: int) -> tuple[float, float, int, int]:
     """(engine step s, mean bare replay s, next position, last token): one stream, graphs already captured. The
     engine's steps are timed back to back, as a stream decodes: a step launched ahead (strata.stage_worker.
@@ -70,7 +81,7 @@ def host_share(engine: Engine, *, position: int, token: int, steps: int) -> tupl
     return statistics.median(times), (time.perf_counter() - begun) / steps, position, token
 
 
-def other_launches_step(model: StageModel, *, prompt: list[int], depth: int, dependent: bool) -> float:
+def other_launches_step(model: StageModel, *, prompt: tuple[int, ...], dependent: bool) -> float:
     """The engine step (s, decoding ahead on, as `host_share` times it) of a fresh engine whose kernels launch as
     dependents or plainly (`dependent`): its graphs are captured under that STRATA_DEPENDENT_LAUNCH, which the
     launches read as they are captured."""
@@ -78,11 +89,7 @@ def other_launches_step(model: StageModel, *, prompt: list[int], depth: int, dep
     os.environ[dependent_launch.ENVIRONMENT] = "1" if dependent else "0"
     try:
         engine = gpu.engine_for(model, device=torch.device("cuda:0"), dtype=torch.bfloat16, graphs=True)
-        token = gpu.engine_prefill(engine, slot=0, tokens=prompt)[0]
-        position = depth
-        for _ in range(8):
-            token = decode_once(engine, position=position, token=token)
-            position += 1
+        position, token = warmed(engine, prompt=prompt, steps=8)
         step, *_ = host_share(engine, position=position, token=token, steps=50)
     finally:
         if before is None:
@@ -226,11 +233,7 @@ def main() -> None:
     model = gpu.load(args.model, span=(0, SHAPE.block_count), device=device, dtype=torch.bfloat16)
     engine = gpu.engine_for(model, device=device, dtype=torch.bfloat16, graphs=True)
     prompt = gpu.prompt(args.depth, vocab=model.config.vocab_size, seed=1)
-    token = gpu.engine_prefill(engine, slot=0, tokens=prompt)[0]
-    position = args.depth
-    for _ in range(8):  # capture and warm up
-        token = decode_once(engine, position=position, token=token)
-        position += 1
+    position, token = warmed(engine, prompt=prompt, steps=8)  # captures and warms up
     step, replay, position, token = host_share(engine, position=position, token=token, steps=50)
     ahead, engine.decodes_ahead = engine.decodes_ahead, False
     step_behind, _, position, token = host_share(engine, position=position, token=token, steps=50)
@@ -268,7 +271,7 @@ def main() -> None:
         table += "\n" + "\n".join(lines) + "\n"
     if args.launches:
         dependent = dependent_launch.enabled(device)
-        other = other_launches_step(model, prompt=prompt, depth=args.depth, dependent=not dependent)
+        other = other_launches_step(model, prompt=prompt, dependent=not dependent)
         steps = {dependent: step, not dependent: other}
         compared = (
             f"kernels launched as dependents: engine step {steps[True] * 1e3:.3f} ms; plainly: "
@@ -280,11 +283,7 @@ def main() -> None:
     if args.ops:
         del engine  # its pool and graphs: the second engine's steps run from the compiled blocks alone
         eager = gpu.engine_for(model, device=device, dtype=torch.bfloat16, graphs=False, compiled=True)
-        token = gpu.engine_prefill(eager, slot=0, tokens=prompt)[0]
-        position = args.depth
-        for _ in range(4):
-            token = decode_once(eager, position=position, token=token)
-            position += 1
+        position, token = warmed(eager, prompt=prompt, steps=4)
         ops = render_ops(op_table(eager, position=position, token=token, steps=3))
         print(ops)
         table += "\n" + ops

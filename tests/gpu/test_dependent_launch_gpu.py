@@ -40,10 +40,11 @@ def replays(setting: str, monkeypatch: pytest.MonkeyPatch, inputs: list[Tensor],
             norm: Tensor) -> list[Tensor]:  # fmt: skip
     monkeypatch.setenv(dependent_launch.ENVIRONMENT, setting)
     static = inputs[0].clone()
-    chain(static, weights, norm)  # compiles outside the capture
+    with dependent_launch.captured_step():
+        chain(static, weights, norm)  # compiles outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph), dependent_launch.captured_step():
         out = chain(static, weights, norm)
     results = []
     for x in inputs:
@@ -56,7 +57,8 @@ def replays(setting: str, monkeypatch: pytest.MonkeyPatch, inputs: list[Tensor],
 
 def test_a_chain_of_dependent_products_reads_each_result(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(dependent_launch.ENVIRONMENT, "1")
-    assert dependent_launch.enabled(GPU) == (torch.cuda.get_device_capability(GPU)[0] >= 9)
+    with dependent_launch.captured_step():
+        assert dependent_launch.enabled(GPU) == (torch.cuda.get_device_capability(GPU)[0] >= 9)
     rng = np.random.default_rng(7)
     weights = []
     for _ in range(LINKS):

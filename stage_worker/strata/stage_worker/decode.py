@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from strata.stage_worker.kernels import dependent_launch
 from strata.stage_worker.kernels.greedy_pick import greedy_pick
 from strata.stage_worker.kv_pool import KVPool, Taken
 from strata.stage_worker.model import RunBlock, StageModel, decode_layout, run_block, run_wide_block
@@ -170,11 +171,13 @@ class Decoder:
         with torch.cuda.device(self.device):
             current = torch.cuda.current_stream(self.device)
             stream.wait_stream(current)
-            with torch.cuda.stream(stream):
+            # Both runs launch the kernels a captured step does (dependent_launch: as dependents on Hopper), so the
+            # warm-up compiles the variants the capture records.
+            with torch.cuda.stream(stream), dependent_launch.captured_step():
                 self._body(b, width)
             current.wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._memory, stream=stream):
+            with torch.cuda.graph(graph, pool=self._memory, stream=stream), dependent_launch.captured_step():
                 output = self._body(b, width)
         captured = _Captured(graph=graph, output=output)
         self._captured[(b, width)] = captured

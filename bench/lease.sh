@@ -144,7 +144,8 @@ tests() {
   # the attention kernel's checks are bench/depth.py's (the attention step)
   # shellcheck disable=SC2086 # TESTS is a list of paths
   timeout "${TESTS_S:-540}" python3 -m pytest -p no:cacheprovider -q \
-    ${TESTS:-tests/gpu tests/stage_worker/test_quant_dot8.py tests/stage_worker/test_quant_matmul.py} 2>&1 \
+    ${TESTS:-tests/gpu tests/stage_worker/test_quant_dot8.py tests/stage_worker/test_quant_matmul.py \
+      tests/stage_worker/test_norms_and_gates.py tests/stage_worker/test_kv_read.py} 2>&1 \
     | tee "$OUT/tests.txt" | tail -15 \
     || echo "lease: the tests stopped (exit ${PIPESTATUS[0]}; 124: past ${TESTS_S:-540}s)"
 }

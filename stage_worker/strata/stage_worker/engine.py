@@ -27,7 +27,7 @@ from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.model import StageModel, step_layout
 from strata.stage_worker.picks import pick
 from strata.stage_worker.sampling import Sampled, Sampling
-from strata.stage_worker.warm_steps import warm_prefill, warm_steps
+from strata.stage_worker.warm_steps import warm_prefill, warm_reads, warm_steps
 from strata.stage_worker.wide_step import WideStep, widen
 from torch import Tensor
 
@@ -111,13 +111,14 @@ class Engine:
         before the stage says it is ready, so no request waits for a compiler and no broken path serves. Under
         inference mode, as `step` runs: compiled code is kept by the grad mode it was made in, so a warm-up with
         grad enabled left every step shape first met while serving to compile its blocks again. Then a prefill step
-        of each attention variant the decode steps did not meet."""
+        of each attention variant the decode steps did not meet, and the long prompts' K/V read-back."""
         with on_device(self.device):
             met = warm_steps(decoder=self.decoder, pool=self.pool, model=self.model, dtype=self.dtype)
             warm_prefill(
                 forward=self._forward_in_parts, pool=self.pool, model=self.model, device=self.device, dtype=self.dtype,
                 met=met,
             )  # fmt: skip
+            warm_reads(self.pool, self.dtype)
 
     def validate(self, chunks: list[Chunk], hidden: Tensor | None) -> None:
         if not chunks:

@@ -28,20 +28,23 @@ import torch
 import torch.nn.functional as F
 from strata.gguf.architectures import Activation
 from strata.stage_worker.experts import MixtureOfExperts
+from strata.stage_worker.kernels import norms_and_gates
 from strata.stage_worker.kernels.kv_write import rotate_and_write
 from strata.stage_worker.kernels.paged_attention import AttentionRule, Sequences, attend_fresh, attend_pool
-from strata.stage_worker.kernels.quant_matmul import Gate, rms_norm
+from strata.stage_worker.kernels.quant_matmul import Gate
 from strata.stage_worker.kv_stores import LayerCache
 from strata.stage_worker.model_config import ModelConfig
 from strata.stage_worker.rope import Rope
 from strata.stage_worker.weights.linear import PackedLinear, joined, split_columns
 from torch import Tensor, nn
 
+# A mixture's experts' activations (strata.stage_worker.experts).
 ACTIVATIONS: dict[Activation, Callable[[Tensor], Tensor]] = {
     Activation.SILU: F.silu,
     Activation.GELU_TANH: partial(F.gelu, approximate="tanh"),
 }
-# The same activations where the down projection's kernel forms act(gate) * up as it loads x.
+# The dense feed-forward's: act(gate) * up in f32, rounded once, wherever it is formed (the products' loads or stores,
+# norms_and_gates.activate).
 GATES: dict[Activation, Gate] = {Activation.SILU: Gate.SILU, Activation.GELU_TANH: Gate.GELU_TANH}
 
 
@@ -157,7 +160,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return norms_and_gates.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -199,8 +202,6 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.ffn_dim = config.ffn_dim
-        self.activation = ACTIVATIONS[config.activation]
         self.gate = GATES[config.activation]
         # ffn_gate stacked over ffn_up, for the same reason as Attention.wqkv.
         self.w_gate_up: nn.Module = nn.Linear(config.dim, 2 * config.ffn_dim, bias=False)
@@ -221,8 +222,8 @@ class FeedForward(nn.Module):
         if w.takes_norm(x):
             activated, h = w.normed_activation(x, residual, weight=norm.weight, eps=norm.eps, activate=self.gate)
         else:
-            h = x if residual is None else x + residual
-            activated = w.activation(norm(h), self.gate)
+            h, normed = norms_and_gates.add_rms_norm(x, residual, norm.weight, norm.eps)
+            activated = w.activation(normed, self.gate)
         out: Tensor = self.w_down(activated)
         return h, out
 
@@ -232,8 +233,7 @@ class FeedForward(nn.Module):
             # On a GPU, in a step of rows enough for the tensor-core kernel, the activation is formed in the down
             # projection's load of x: one launch a layer fewer.
             return self.w_down.gated(gate_up, self.gate)
-        gate, up = torch.split(gate_up, self.ffn_dim, dim=-1)
-        out: Tensor = self.w_down(self.activation(gate) * up)
+        out: Tensor = self.w_down(norms_and_gates.activate(gate_up, self.gate))
         return out
 
 
@@ -259,8 +259,8 @@ def normed_projection(
     if isinstance(linear, PackedLinear) and linear.takes_norm(x):
         pieces, h = linear.normed(x, residual, weight=norm.weight, eps=norm.eps)
         return h, pieces
-    h = x if residual is None else x + residual
-    return h, projection_pieces(linear, norm(h))
+    h, normed = norms_and_gates.add_rms_norm(x, residual, norm.weight, norm.eps)
+    return h, projection_pieces(linear, normed)
 
 
 class Block(nn.Module):

@@ -157,7 +157,7 @@ def _(planes: list[Tensor], ggml_type: int, columns: int, dtype: torch.dtype) ->
 def _quant_linear_op(
     x: Tensor, planes: list[Tensor], ggml_type: int, columns: int, gate: int, activate: int = 0
 ) -> Tensor:
-    from strata.stage_worker.kernels import quant_matmul_triton
+    from strata.stage_worker.kernels import norms_and_gates, quant_matmul_triton
 
     t = GGMLQuantizationType(ggml_type)
     with _device(x):
@@ -175,7 +175,8 @@ def _quant_linear_op(
             out = quant_gemm_triton.quant_gemm(x, planes, t, columns=columns, gate=gate)
         else:
             if gate:
-                x = activated(x, Gate(gate))
+                # one launch on a GPU: in torch, f32 copies of a prefill's whole gate/up output and back
+                x = norms_and_gates.activate(x, Gate(gate))
             out = x @ quant_matmul_triton.dequantize(planes, t, columns=columns, dtype=x.dtype).T
         return activated(out, Gate(activate)) if activate else out
 

@@ -19,8 +19,9 @@ from gguf import GGMLQuantizationType
 from strata.gguf.model import CacheType
 from strata.gguf.testmodels import write_test_model
 from strata.gguf.testmodels.shapes import K_QUANT_SHAPE
+from strata.stage_worker import kv_stores
 from strata.stage_worker.engine import Chunk, Engine
-from strata.stage_worker.kernels import kv_read_triton, norms_and_gates, norms_and_gates_triton, paged_attention
+from strata.stage_worker.kernels import kv_read_triton, norms_and_gates, norms_and_gates_triton
 from strata.stage_worker.kv_pool import KVPool
 from strata.stage_worker.model import FLASH_MIN_ROWS
 from strata_testbed.stages import load_spans
@@ -93,7 +94,7 @@ def test_the_eager_kernels_give_the_references_first_token(
     assert set(case.kernels) <= set(calls), f"the step ran {sorted(set(calls))}, not every one of {case.kernels}"
 
     monkeypatch.setattr(norms_and_gates, "_eager_on_gpu", lambda x: False)
-    monkeypatch.setattr(paged_attention, "fresh_rows", lambda store, cells, dtype: store.read(cells, dtype=dtype))
+    monkeypatch.setattr(kv_stores, "read_rows", lambda store, cells, dtype: store.read(cells, dtype=dtype))
     calls.clear()
     expected_token, expected_logprob = first_token(path, case)
     assert not calls, f"the reference step still ran {sorted(set(calls))}"

@@ -73,4 +73,4 @@ def test_warm_reads_compile_nothing_off_a_gpu() -> None:
         n_layers=1, context=64, parallel=1, key_width=64, value_width=64, type_k=CacheType.Q8_0,
         type_v=CacheType.Q8_0, dtype=torch.float32, device=torch.device("cpu"),
     )  # fmt: skip
-    assert warm_reads(pool, torch.float32) is False
+    assert warm_reads(pool) is False

@@ -118,7 +118,7 @@ class Engine:
                 forward=self._forward_in_parts, pool=self.pool, model=self.model, device=self.device, dtype=self.dtype,
                 met=met,
             )  # fmt: skip
-            warm_reads(self.pool, self.dtype)
+            warm_reads(self.pool)
 
     def validate(self, chunks: list[Chunk], hidden: Tensor | None) -> None:
         if not chunks:

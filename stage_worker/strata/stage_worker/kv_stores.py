@@ -139,4 +139,17 @@ class LayerCache:
         values.write(cells, v)
 
     def read(self, cells: Tensor) -> tuple[Tensor, Tensor]:
-        return self.keys.read(cells, dtype=self.dtype), self.values.read(cells, dtype=self.dtype)
+        # cells: [S] -> K and V [S, width] each, in the layer's dtype
+        return read_rows(self.keys, cells, self.dtype), read_rows(self.values, cells, self.dtype)
+
+
+def read_rows(store: Store, cells: Tensor, dtype: torch.dtype) -> Tensor:
+    """`Store.read`, and for a q8_0 store on a GPU the same rows bit for bit in one launch
+    (strata.stage_worker.kernels.kv_read_triton), where torch's gather, dequantise and rounding take eight. Store.read
+    stays the plain reference the kernel's tests compare with, as Store.write does for LayerCache.write's kernel."""
+    if store.scales is None or not cells.is_cuda:
+        return store.read(cells, dtype=dtype)
+    from strata.stage_worker.kernels.kv_read_triton import read_q8
+
+    with torch.cuda.device(cells.device):
+        return read_q8(store.values, store.scales, cells, dtype)

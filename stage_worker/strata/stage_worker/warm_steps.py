@@ -184,15 +184,13 @@ def warm_prefill(
     return ran
 
 
-def warm_reads(pool: KVPool, dtype: torch.dtype) -> bool:
+def warm_reads(pool: KVPool) -> bool:
     """Compile the kernel through which a lone prompt of FLASH_MIN_ROWS or more reads its q8_0 K and V back
-    (paged_attention.fresh_rows), reading one cell: no warm prefill step need be that long. True where it ran (a q8_0
+    (kv_stores.LayerCache.read), reading one cell: no warm prefill step need be that long. True where it ran (a q8_0
     store on a GPU)."""
-    from strata.stage_worker.kernels.paged_attention import fresh_rows
-
-    stores = (store for layer in pool.layers for store in (layer.keys, layer.values))
-    q8 = next((store for store in stores if store.scales is not None), None)
-    if pool.device.type != "cuda" or q8 is None:
+    q8 = (layer for layer in pool.layers if layer.keys.scales is not None or layer.values.scales is not None)
+    layer = next(q8, None)
+    if pool.device.type != "cuda" or layer is None:
         return False
-    fresh_rows(q8, torch.zeros(1, dtype=torch.long, device=pool.device), dtype)
+    layer.read(torch.zeros(1, dtype=torch.long, device=pool.device))
     return True

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from strata.stage_worker.kv_stores import LayerCache, Store
+from strata.stage_worker.kv_stores import LayerCache
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
@@ -174,23 +174,12 @@ def attend_fresh(q: Tensor, cache: LayerCache, *, cells: Tensor, n_head_kv: int,
     if rule.window or rule.softcap:
         raise ValueError("attend_fresh takes plain causal attention: a windowed or soft-capped layer reads the pool")
     t, _, head_dim = q.shape
-    keys, values = (fresh_rows(store, cells, q.dtype) for store in (cache.keys, cache.values))  # [T, Hkv * hd] each
-    k = keys.view(1, t, n_head_kv, head_dim).transpose(1, 2)
-    v = values.view(1, t, n_head_kv, head_dim).transpose(1, 2)
+    keys, values = cache.read(cells)  # [T, Hkv * hd] each
+    k = keys.to(q.dtype).view(1, t, n_head_kv, head_dim).transpose(1, 2)
+    v = values.to(q.dtype).view(1, t, n_head_kv, head_dim).transpose(1, 2)
     with sdpa_kernel(FRESH_ATTENTION):
         out = attend_dense(q.transpose(0, 1)[None], k, v, rule=rule)
     return out[0].transpose(0, 1)
-
-
-def fresh_rows(store: Store, cells: Tensor, dtype: torch.dtype) -> Tensor:
-    """A store's rows at `cells` in dtype, as Store.read gives them: for a q8_0 store on a GPU in one launch
-    (kv_read_triton), where torch's read was eight."""
-    if store.scales is None or not cells.is_cuda:
-        return store.read(cells, dtype=dtype)
-    from strata.stage_worker.kernels.kv_read_triton import read_q8
-
-    with torch.cuda.device(cells.device):
-        return read_q8(store.values, store.scales, cells, dtype)
 
 
 def attend_pool(
